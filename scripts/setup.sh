@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up gputrain in ./.venv, idempotently. Safe to run again; fast when nothing changed.
+#
+# torch: reuse any torch the base Python already has (the venv sees system site-packages, so a
+# machine that ships its own CUDA build keeps it and needs no network); otherwise install exactly
+# torch==2.13.0. Never an unpinned torch: pip would resolve it to the newest CUDA build (GBs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${GPUTRAIN_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv --system-site-packages "$VENV"
+fi
+VPY="$VENV/bin/python"
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: no importable torch, installing torch==2.13.0"
+    "$VPY" -m pip install -q "torch==2.13.0"
+fi
+
+# Install the package (editable) and the test runner. A stamp skips pip when pyproject is unchanged.
+stamp="$VENV/.gputrain-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
+    "$VPY" -m pip install -q -e ".[test]"
+    touch "$stamp"
+fi
+"$VPY" -c "import torch, gputrain; print(f'setup: gputrain ready (torch {torch.__version__}) in $VENV')"

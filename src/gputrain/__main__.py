@@ -1,0 +1,3 @@
+from gputrain.cli import main
+
+raise SystemExit(main())

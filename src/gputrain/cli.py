@@ -1,0 +1,73 @@
+"""The `gputrain` command line: parses arguments and hands each subcommand to its module.
+
+Each subcommand lives in gputrain/commands/<name>.py with `add_arguments(parser)` and
+`run(args) -> int`. Modules load only when their command runs, so `gputrain info` stays fast.
+Library code returns data; the command modules render it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gputrain.errors import GputrainError
+
+COMMANDS = {
+    "info": "show PyTorch's build, every device and live GPU telemetry",
+    "doctor": "check this machine's GPU setup and measure it",
+    "fit": "train a built-in or user workload",
+    "bench": "benchmarks: matmul, transfer, crossover, precision, memory",
+    "memory": "estimate and measure a workload's memory; find the largest batch",
+    "profile": "profile a few training steps and say what bounds them",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
+    from gputrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"gputrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=f"gputrain.commands.{name}")
+        importlib.import_module(f"gputrain.commands.{name}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Build only the chosen subcommand's parser when we can: importing every command module costs
+    # time (bench and profile pull in matplotlib).
+    parser = _parser_for(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except GputrainError as exc:
+        print(f"gputrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gputrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first not in COMMANDS:
+        return build_parser()
+    from gputrain import __version__
+
+    parser = argparse.ArgumentParser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
+    parser.add_argument("--version", action="version", version=f"gputrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=f"gputrain.commands.{name}")
+        if name == first:
+            importlib.import_module(f"gputrain.commands.{name}").add_arguments(p)
+    return parser

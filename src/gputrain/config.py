@@ -1,0 +1,96 @@
+"""TrainConfig: every setting of a training run, typed and validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gputrain.errors import ConfigError
+from gputrain.precision import CHOICES as PRECISIONS
+
+
+@dataclass
+class TrainConfig:
+    # where and how precisely
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
+    precision: str = "auto"  # "auto" | "fp32" | "tf32" | "bf16" | "fp16"
+    # how much
+    batch_size: int = 64  # micro-batch per optimizer micro-step (per process under DDP)
+    epochs: int | None = None  # one of epochs / steps; steps wins when both are given
+    steps: int | None = None  # optimizer steps in the whole run
+    accumulate: int = 1  # micro-batches per optimizer step (effective batch = batch_size * accumulate)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None  # clip when set
+    schedule: str = "constant"  # "constant" | "cosine" | "onecycle"
+    warmup_steps: int = 0
+    # reporting
+    log_every: int = 50  # optimizer steps between reads of the loss (the only host syncs)
+    eval_every: int | None = None  # optimizer steps between evaluations; None: at each epoch end
+    progress: bool = False  # rich progress bar (the CLI turns it on for terminals)
+    seed: int = 0
+    # files
+    run_dir: str | None = None  # metrics, plots, checkpoints; None: nothing written
+    checkpoint_every: int | None = None  # optimizer steps; the last step is always saved when run_dir is set
+    resume: bool | str = False  # True: run_dir/checkpoint.pt; a str: that file
+    stop_at_step: int | None = None  # stop early (checkpointing first), as an interrupted run would
+    # speed switches ("auto" decides from the device and the model)
+    data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
+    device_memory_fraction: float = 0.5  # the share of free device memory device-resident data may take
+    channels_last: str | bool = "auto"
+    cudnn_benchmark: str | bool = "auto"
+    fused_optimizer: str | bool = "auto"
+    compile: bool = False
+    compile_mode: str | None = None  # torch.compile mode, e.g. "max-autotune-no-cudagraphs"
+    cuda_graphs: str | bool = "auto"  # capture the whole step; falls back to eager with a logged reason
+    num_workers: int | None = None  # DataLoader workers when data stays on the host; None: from CPU count
+    # memory
+    checkpointing: bool | list[str] = False  # activation checkpointing: True = repeated blocks, or module names
+    oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
+    # distributed
+    shard: bool = False  # FSDP2 (fully_shard) instead of DDP when world size > 1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("batch_size")
+        positive("accumulate")
+        positive("log_every")
+        positive("epochs", allow_none=True)
+        positive("steps", allow_none=True)
+        positive("eval_every", allow_none=True)
+        positive("checkpoint_every", allow_none=True)
+        positive("stop_at_step", allow_none=True)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if not (self.lr > 0):
+            raise ConfigError(f"lr must be > 0, got {self.lr!r}")
+        if self.schedule not in ("constant", "cosine", "onecycle"):
+            raise ConfigError(f"unknown schedule {self.schedule!r}: choose constant, cosine or onecycle")
+        if not (0 < self.device_memory_fraction <= 1):
+            raise ConfigError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction!r}")
+        if self.resume and not self.run_dir and not isinstance(self.resume, str):
+            raise ConfigError("resume=True needs run_dir (where the checkpoint is); or pass a checkpoint path")
+        for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
+            value = getattr(self, name)
+            if value not in ("auto", True, False):
+                raise ConfigError(f"{name} must be 'auto', True or False, got {value!r}")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]

@@ -1,0 +1,43 @@
+"""Shared test setup: the `gpu` marker skips without CUDA; no test leaks a process group or env var."""
+
+import os
+
+import pytest
+import torch
+
+# Keep the 2-core CI machine responsive and runs repeatable.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: none visible to this PyTorch "
+                                   f"({torch.__version__}); run `make test-gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(monkeypatch):
+    before = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    leaked_pg = dist.is_available() and dist.is_initialized()
+    if leaked_pg:
+        dist.destroy_process_group()
+    added = {k for k in os.environ if k not in before}
+    for k in added:
+        os.environ.pop(k, None)
+    assert not leaked_pg, "test left a torch.distributed process group initialized"
+    assert not added, f"test leaked environment variables: {sorted(added)}"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private gputrain cache dir (mnist1d etc.) so tests never touch the user's."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("GPUTRAIN_CACHE", str(d))
+    return d
