@@ -23,12 +23,19 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("gputrain fit: error: ...") and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
+    parser = _Parser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
     from gputrain import __version__
 
     parser.add_argument("--version", action="version", version=f"gputrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=f"gputrain.commands.{name}")
@@ -62,9 +69,9 @@ def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
         return build_parser()
     from gputrain import __version__
 
-    parser = argparse.ArgumentParser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
+    parser = _Parser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
     parser.add_argument("--version", action="version", version=f"gputrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=f"gputrain.commands.{name}")

@@ -1,0 +1,296 @@
+"""`gputrain fit [WORKLOAD]`: train a built-in or user workload and report what happened."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from gputrain.errors import ConfigError
+
+DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
+
+
+def _tri(value: str):
+    v = value.strip().lower()
+    if v in ("auto",):
+        return "auto"
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _batch_size(value: str):
+    return "auto" if value.strip().lower() == "auto" else _positive_int(value)
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return x
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", nargs="?", default=None,
+                   help=f"a built-in workload (see --list; default {DEFAULT_WORKLOAD}) or module:function returning a gputrain.Workload")
+    p.add_argument("--list", action="store_true", help="list the built-in workloads and exit")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
+    p.add_argument("--batch-size", type=_batch_size, default=None,
+                   help="samples per micro-batch (per process); 'auto' = the largest that fits on the GPU")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=_positive_int, default=None)
+    g.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps for the whole run")
+    p.add_argument("--accumulate", type=_positive_int, default=None, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=_positive_float, default=None)
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--schedule", choices=["constant", "cosine", "onecycle"], default=None)
+    p.add_argument("--log-every", type=_positive_int, default=None, help="optimizer steps between loss reads")
+    p.add_argument("--eval-every", type=_positive_int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default runs/WORKLOAD/TIME)")
+    p.add_argument("--no-save", action="store_true", help="write nothing to disk")
+    p.add_argument("--resume", nargs="?", const=True, default=False,
+                   help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="optimizer steps between checkpoints")
+    p.add_argument("--stop-at-step", type=_positive_int, default=None, help="stop after this step (checkpointed)")
+    p.add_argument("--data-on-device", type=_tri, default=None, metavar="{auto,on,off}")
+    p.add_argument("--channels-last", type=_tri, default=None, metavar="{auto,on,off}")
+    p.add_argument("--cuda-graphs", type=_tri, default=None, metavar="{auto,on,off}")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--checkpointing", nargs="?", const=True, default=None,
+                   help="activation checkpointing: alone = the model's repeated blocks; or comma-separated module names")
+    p.add_argument("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP with several processes")
+    p.add_argument("--nproc", type=_positive_int, default=None, help="start N processes on this machine with torchrun")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts after a failure")
+    p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    p.add_argument("--progress", type=_tri, default="auto", metavar="{auto,on,off}",
+                   help="progress bar (auto: only on a terminal)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no run log")
+
+
+def _setup_logging(quiet: bool, is_main: bool) -> None:
+    logger = logging.getLogger("gputrain")
+    if logger.handlers:
+        return
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False, markup=False)
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if (quiet or not is_main) else logging.INFO)
+    logger.propagate = False
+
+
+def _list(as_json: bool) -> int:
+    from gputrain.workloads import list_workloads
+
+    rows = list_workloads()
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="gputrain workloads")
+    for col in ("name", "description", "data", "parameters", "defaults"):
+        table.add_column(col)
+    for r in rows:
+        defaults = ", ".join(f"{k}={v}" for k, v in (r.get("defaults") or {}).items())
+        params = r.get("parameters")
+        table.add_row(str(r.get("name")), str(r.get("description", "")), str(r.get("data", "")),
+                      f"{params:,}" if isinstance(params, int) else str(params or ""), defaults)
+    Console().print(table)
+    return 0
+
+
+def _latest_run(workload_name: str) -> Path | None:
+    base = Path("runs") / _safe(workload_name)
+    if not base.is_dir():
+        return None
+    runs = sorted(d for d in base.iterdir() if (d / "checkpoint.pt").exists())
+    return runs[-1] if runs else None
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def build_config(args, workload):
+    """TrainConfig from the workload's defaults overridden by the flags the user gave."""
+    from gputrain.config import TrainConfig
+
+    values = dict(workload.defaults)
+    flag_map = {
+        "device": args.device, "precision": args.precision, "epochs": args.epochs, "steps": args.steps,
+        "accumulate": args.accumulate, "lr": args.lr, "weight_decay": args.weight_decay, "schedule": args.schedule,
+        "log_every": args.log_every, "eval_every": args.eval_every, "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every, "stop_at_step": args.stop_at_step,
+        "data_on_device": args.data_on_device, "channels_last": args.channels_last, "cuda_graphs": args.cuda_graphs,
+        "compile_mode": args.compile_mode,
+    }
+    for key, value in flag_map.items():
+        if value is not None:
+            values[key] = value
+    if args.steps is not None:
+        values.pop("epochs", None)
+    if args.epochs is not None:
+        values.pop("steps", None)
+    if isinstance(args.batch_size, int):
+        values["batch_size"] = args.batch_size
+    if args.compile:
+        values["compile"] = True
+    if args.shard:
+        values["shard"] = True
+    if args.checkpointing is not None:
+        values["checkpointing"] = True if args.checkpointing is True else [s for s in args.checkpointing.split(",") if s]
+    # Run directory and resume.
+    if args.no_save:
+        if args.resume:
+            raise ConfigError("--resume needs a run directory: drop --no-save")
+        values["run_dir"] = None
+    else:
+        run_dir = args.run_dir
+        resume = args.resume
+        if resume is True and run_dir is None:
+            latest = _latest_run(workload.name)
+            if latest is None:
+                raise ConfigError(f"--resume: no earlier run of {workload.name} with a checkpoint under runs/; "
+                                  "give the run directory or checkpoint file")
+            run_dir = str(latest)
+        elif isinstance(resume, str):
+            path = Path(resume)
+            if path.is_dir():
+                run_dir, resume = str(path), True
+            elif path.is_file():
+                run_dir = run_dir or str(path.parent)
+            else:
+                raise ConfigError(f"--resume {resume}: no such run directory or checkpoint file")
+        if run_dir is None:
+            run_dir = str(Path("runs") / _safe(workload.name) / time.strftime("%Y%m%d-%H%M%S"))
+        values["run_dir"] = run_dir
+        values["resume"] = resume
+    progress = args.progress
+    values["progress"] = sys.stderr.isatty() if progress == "auto" else bool(progress)
+    known = set(TrainConfig.field_names())
+    return TrainConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def run(args) -> int:
+    if args.list:
+        return _list(args.json)
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from gputrain.distributed import launch_torchrun
+
+        argv = _argv_without(sys.argv[1:], ("--nproc", "--max-restarts"))
+        return launch_torchrun(args.nproc, argv, max_restarts=args.max_restarts)
+
+    from gputrain.distributed import is_main_process
+
+    is_main = is_main_process()
+    _setup_logging(args.quiet or args.json, is_main)
+    from gputrain.workloads import resolve_workload
+
+    name = args.workload or DEFAULT_WORKLOAD
+    options = {"data_dir": args.data_dir} if args.data_dir else {}
+    workload = resolve_workload(name, **options)
+    config = build_config(args, workload)
+    full_batch = workload.full_batch and args.batch_size is None
+    if args.batch_size == "auto":
+        config = _auto_batch_size(workload, config)
+        full_batch = False
+
+    from gputrain.train import fit_workload
+
+    history, _model = fit_workload(workload, config, full_batch=full_batch)
+    if not is_main:
+        return 0
+    summary = dict(history.summary)
+    summary["workload"] = workload.name
+    if config.run_dir:
+        summary["run_dir"] = config.run_dir
+    if args.json:
+        print(json.dumps({"summary": summary, "final": history.records[-1] if history.records else None},
+                         indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        from gputrain.reporting import render_summary
+
+        render_summary(summary, Console())
+    return 0
+
+
+def _auto_batch_size(workload, config):
+    """The largest micro-batch that fits on the GPU (a search that survives OOM)."""
+    log = logging.getLogger("gputrain")
+    from gputrain.devices import pick_device
+
+    device = pick_device(config.device)
+    if device.type != "cuda":
+        log.warning("--batch-size auto needs a CUDA device (memory on %s is not bounded the same way): "
+                    "using the workload's default %d", device.type, config.batch_size)
+        return config
+    import torch
+
+    from gputrain.memory import find_max_batch
+    from gputrain.precision import autocast, resolve_precision
+
+    data = workload.make_data()
+    model = workload.make_model().to(device)
+    precision = resolve_precision(config.precision, device)
+    x_all, y_all = data.train
+    n = x_all.shape[0]
+
+    def try_batch(b: int) -> None:
+        idx = torch.arange(b) % n
+        x = x_all[idx].to(device).float()
+        y = y_all[idx].to(device)
+        with autocast(precision, device):
+            loss = workload.loss_fn(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+
+    best = find_max_batch(try_batch, start=config.batch_size, limit=n, device=device)
+    del model
+    torch.cuda.empty_cache()
+    log.info("--batch-size auto: %d is the largest micro-batch that fits (searched up to %d)", best, n)
+    return config.replace(batch_size=best)
+
+
+def _argv_without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        out.append(a)
+    return out

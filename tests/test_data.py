@@ -1,0 +1,127 @@
+"""The loaders: every sample once per epoch, seeded shuffles, shards, augmentation, placement rule."""
+
+import pytest
+import torch
+
+from gputrain.data import (BatchStream, BatchTransform, LoaderBatches, TensorBatches, _TensorsByIndex,
+                           choose_device_resident, make_loader, random_crop_flip)
+
+CPU = torch.device("cpu")
+
+
+def _ids(loader, epoch, start=0):
+    return torch.cat([y for _, y in loader.iter_epoch(epoch, start)]).tolist()
+
+
+def test_every_sample_once_per_epoch_and_partial_last_batch():
+    x = torch.arange(103).float()[:, None]
+    y = torch.arange(103)
+    loader = TensorBatches(x, y, 10, device=CPU, shuffle=True, seed=1)
+    assert len(loader) == 11 and loader.batch_sizes()[-1] == 3
+    for epoch in range(3):
+        seen = _ids(loader, epoch)
+        assert sorted(seen) == list(range(103))
+    # inputs travel with their targets
+    for xb, yb in loader.iter_epoch(0):
+        assert torch.equal(xb[:, 0].long(), yb)
+
+
+def test_shuffles_differ_across_epochs_and_repeat_for_a_seed():
+    x, y = torch.randn(64, 3), torch.arange(64)
+    a = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=7)
+    b = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=7)
+    c = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=8)
+    assert _ids(a, 0) == _ids(b, 0)
+    assert _ids(a, 0) != _ids(a, 1)
+    assert _ids(a, 0) != _ids(c, 0)
+
+
+def test_resume_mid_epoch_yields_the_rest_of_the_same_epoch():
+    x, y = torch.randn(50, 2), torch.arange(50)
+    loader = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=3)
+    full = _ids(loader, 2)
+    assert _ids(loader, 2, start=3) == full[24:]
+
+
+def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
+    x, y = torch.randn(41, 2), torch.arange(41)
+    shards = [TensorBatches(x, y, 5, device=CPU, shuffle=True, seed=0, rank=r, world_size=2) for r in range(2)]
+    ids = [_ids(s, 0) for s in shards]
+    assert len(ids[0]) == len(ids[1]) == 20
+    assert not set(ids[0]) & set(ids[1])
+    assert len(shards[0]) == len(shards[1])
+
+
+def test_dataloader_path_matches_the_same_permutation_and_resumes():
+    x, y = torch.randn(37, 2), torch.arange(37)
+    slices = TensorBatches(x, y, 6, device=CPU, shuffle=True, seed=5)
+    loader = LoaderBatches(_TensorsByIndex(x, y), 6, device=CPU, shuffle=True, seed=5, num_workers=0,
+                           batched_dataset=True)
+    assert _ids(loader, 1) == _ids(slices, 1)
+    assert _ids(loader, 1, start=2) == _ids(slices, 1)[12:]
+
+
+def test_batch_stream_crosses_epochs_and_restarts_at_a_position():
+    x, y = torch.randn(10, 2), torch.arange(10)
+    loader = TensorBatches(x, y, 4, device=CPU, shuffle=True, seed=0)
+    s = BatchStream(loader)
+    positions = [s.next()[:2] for _ in range(7)]
+    assert positions == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+    again = BatchStream(loader, epoch=1, batch_in_epoch=2)
+    e, b, (_, yb) = again.next()
+    assert (e, b) == (1, 2) and yb.tolist() == _ids(loader, 1)[8:]
+
+
+def test_augmentation_keeps_shapes_labels_and_content():
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    y = torch.arange(16)
+    t = BatchTransform(mean=(125.0, 123.0, 114.0), std=(63.0, 62.0, 66.0), augment="crop-flip")
+    loader = TensorBatches(x, y, 16, device=CPU, shuffle=False, transform=t)
+    loader.shuffle = True  # augment (train) but check order via labels
+    xb, yb = next(loader.iter_epoch(0))
+    assert xb.shape == (16, 3, 32, 32) and xb.dtype == torch.float32
+    assert sorted(yb.tolist()) == list(range(16))
+    # A crop with zero offset and no flip is the identity: check the op on a known case.
+    img = torch.arange(2 * 1 * 4 * 4, dtype=torch.float32).view(2, 1, 4, 4)
+    g = torch.Generator().manual_seed(0)
+    out = random_crop_flip(img, pad=1, generator=g)
+    assert out.shape == img.shape
+    for i in range(2):  # every output row is a (possibly flipped, shifted) window of the padded input
+        padded = torch.nn.functional.pad(img[i:i + 1], (1, 1, 1, 1), mode="reflect")[0, 0]
+        windows = [padded[dy:dy + 4, dx:dx + 4] for dy in range(3) for dx in range(3)]
+        windows += [w.flip(1) for w in windows]
+        assert any(torch.equal(out[i, 0], w) for w in windows)
+
+
+def test_normalization_on_device_matches_reference():
+    x = torch.randint(0, 256, (4, 3, 5, 5), dtype=torch.uint8)
+    t = BatchTransform(mean=(10.0, 20.0, 30.0), std=(2.0, 4.0, 5.0))
+    out = t(x, train=False)
+    ref = (x.float() - torch.tensor([10.0, 20.0, 30.0]).view(1, 3, 1, 1)) / torch.tensor([2.0, 4.0, 5.0]).view(1, 3, 1, 1)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_placement_follows_the_memory_rule(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 4000))
+    ok, why = choose_device_resident(400, cuda, "auto", 0.5)
+    assert ok and "fits" in why
+    ok, why = choose_device_resident(600, cuda, "auto", 0.5)
+    assert not ok and "exceeds" in why
+    assert choose_device_resident(600, cuda, True, 0.5)[0] is True
+    assert choose_device_resident(1, cuda, False, 0.5)[0] is False
+
+
+def test_cpu_tensors_become_slices_not_a_dataloader():
+    loader, placement = make_loader((torch.randn(20, 3), torch.arange(20)), 4, device=CPU, train=True)
+    assert isinstance(loader, TensorBatches) and placement.kind == "host-slices"
+
+
+def test_bad_data_gets_a_clear_error():
+    from gputrain.errors import DataError
+
+    with pytest.raises(DataError, match="inputs have 5 samples but targets have 4"):
+        TensorBatches(torch.randn(5, 2), torch.arange(4), 2, device=CPU)
+    with pytest.raises(DataError, match="cannot train on str"):
+        make_loader("not data", 4, device=CPU, train=True)

@@ -1,0 +1,94 @@
+"""`gputrain fit` on the command line: runs, writes its run directory, and fails in one line."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gputrain.cli import main
+
+
+def _run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["fit", "no-such-workload"], "unknown workload"),
+    (["fit", "iris-mlp", "--batch-size", "0"], "expected a positive integer, got '0'"),
+    (["fit", "iris-mlp", "--epochs", "2", "--steps", "3"], "not allowed with argument"),
+    (["fit", "iris-mlp", "--precision", "fp16", "--device", "cpu", "--no-save"], "fp16 is not supported on the CPU"),
+    (["fit", "iris-mlp", "--device", "cuda:3", "--no-save"], "cuda:3 requested"),
+    (["fit", "iris-mlp", "--lr", "-1"], "expected a positive number"),
+    (["fit", "nomodule_xyz:make"], "nomodule_xyz"),
+])
+def test_fit_errors_are_one_line_with_exit_code_2(args, needle, capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        code = main(args)
+        raise SystemExit(code)
+    err = capsys.readouterr().err.strip()
+    assert exc_info.value.code == 2
+    assert needle in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_fit_list(capsys):
+    code, out, _ = _run(["fit", "--list", "--json"], capsys)
+    rows = json.loads(out)
+    names = {r["name"] for r in rows}
+    assert code == 0
+    assert {"iris-mlp", "digits-cnn", "mnist1d-cnn", "mnist1d-mlp", "mnist1d-gru", "linear-regression",
+            "mlp-binary", "cifar10-cnn", "mnist-cnn", "synthetic-cifar"} <= names
+
+
+def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
+    run_dir = tmp_path / "iris"
+    code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                         "--run-dir", str(run_dir), "--json", "--stop-at-step", "200"], capsys)
+    assert code == 0
+    summary = json.loads(out)["summary"]
+    assert summary["steps"] == 200 and summary["stopped_early"]
+    for name in ("checkpoint.pt", "metrics.jsonl", "metrics.csv", "history.json", "curves.png"):
+        assert (run_dir / name).stat().st_size > 0, name
+    code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                         "--resume", str(run_dir), "--json"], capsys)
+    summary = json.loads(out)["summary"]
+    assert code == 0 and summary["steps"] == 300 and not summary["stopped_early"]
+    assert summary["final_eval_accuracy"] > 0.8
+
+
+def test_user_workload_module_function(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_wl.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import gputrain
+        from gputrain.workloads import DataSplits
+
+        def make():
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(200, 5, generator=g)
+            y = (x[:, 0] > 0).long()
+            return gputrain.Workload(
+                name="mine", description="user workload",
+                make_data=lambda: DataSplits(train=(x[:150], y[:150]), test=(x[150:], y[150:])),
+                make_model=lambda: nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 2)),
+                loss_fn=nn.CrossEntropyLoss(), task="classification",
+                defaults={"batch_size": 25, "epochs": 30, "lr": 0.01})
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = _run(["fit", "my_wl:make", "--device", "cpu", "--no-save", "--json"], capsys)
+    summary = json.loads(out)["summary"]
+    assert code == 0 and summary["workload"] == "mine"
+    assert summary["final_eval_accuracy"] > 0.9
+
+
+def test_console_script_runs_fit_quickly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gputrain", "fit", "linear-regression", "--device", "cpu",
+                           "--epochs", "2", "--no-save", "--json"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)["summary"]
+    assert summary["task"] == "regression" and summary["final_loss"] > 0

@@ -1,0 +1,242 @@
+"""The trainer: precision rules, accumulation, no host syncs, determinism, exact resume, OOM recovery."""
+
+import pytest
+import torch
+from torch import nn
+
+from gputrain import TrainConfig, fit
+from gputrain.errors import CheckpointError, ConfigError, GputrainError
+from gputrain.precision import resolve_precision
+
+CPU = torch.device("cpu")
+
+
+def _data(n=96, d=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, classes, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def _model(d=6, classes=3, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, classes))
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ---------------------------------------------------------------- precision
+
+def test_precision_on_cpu():
+    assert resolve_precision("auto", CPU).name == "fp32"
+    assert "CPU" in resolve_precision("auto", CPU).reason
+    assert resolve_precision("bf16", CPU).autocast_dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="fp16 is not supported on the CPU"):
+        resolve_precision("fp16", CPU)
+    with pytest.raises(ConfigError, match="tf32 needs an NVIDIA GPU"):
+        resolve_precision("tf32", CPU)
+    with pytest.raises(ConfigError, match="unknown precision 'fp8'"):
+        resolve_precision("fp8", CPU)
+
+
+@pytest.mark.parametrize("cap,name,auto,scaler", [((9, 0), "NVIDIA H100 80GB HBM3", "bf16", False),
+                                                  ((7, 5), "Tesla T4", "fp16", True)])
+def test_precision_auto_on_faked_gpus(monkeypatch, cap, name, auto, scaler):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    p = resolve_precision("auto", torch.device("cuda", 0))
+    assert p.name == auto and p.use_scaler is scaler and name in p.reason
+    if cap < (8, 0):
+        with pytest.raises(ConfigError, match="bf16 needs compute capability 8.0"):
+            resolve_precision("bf16", torch.device("cuda", 0))
+        with pytest.raises(ConfigError, match="tf32 needs compute capability 8.0"):
+            resolve_precision("tf32", torch.device("cuda", 0))
+
+
+def test_fit_rejects_fp16_on_cpu():
+    with pytest.raises(ConfigError, match="fp16"):
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", precision="fp16", steps=1))
+
+
+def test_config_validation_messages():
+    with pytest.raises(ConfigError, match="batch_size must be a positive integer, got 0"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="resume=True needs run_dir"):
+        TrainConfig(resume=True)
+
+
+# ---------------------------------------------------------------- the update
+
+def test_accumulation_equals_one_big_batch():
+    x, y = _data(64)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    a, b = _model(), _model()
+    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+        config=TrainConfig(device="cpu", batch_size=8, accumulate=4, steps=4, seed=3))
+    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+        config=TrainConfig(device="cpu", batch_size=32, accumulate=1, steps=4, seed=3))
+    assert torch.allclose(_params(a), _params(b), atol=1e-6)
+    assert not torch.equal(_params(a), _params(_model()))  # it did train
+
+
+def test_training_learns_and_reports_accuracy():
+    x, y = _data(400)
+    model = _model()
+    h = fit(model, (x[:300], y[:300]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[300:], y[300:]),
+            config=TrainConfig(device="cpu", batch_size=32, epochs=15, lr=1e-2, log_every=20))
+    assert h.records[-1]["loss"] < h.records[0]["loss"]
+    assert h.summary["final_eval_accuracy"] > 0.85
+    assert h.summary["precision"] == "fp32" and h.summary["data"] == "host-slices"
+    assert all(r["samples_per_s"] > 0 for r in h.records)
+
+
+def test_no_host_sync_in_the_hot_loop(monkeypatch):
+    """Only log points read device values: count every .item/.cpu/.tolist/.numpy during a run."""
+    calls = []
+    for name in ("item", "cpu", "tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=original, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    x, y = _data(64)
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        config=TrainConfig(device="cpu", batch_size=4, steps=40, log_every=10))
+    assert len(calls) == 4, calls  # 40 steps, a log point every 10: one read each, none per step
+    calls.clear()
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+        config=TrainConfig(device="cpu", batch_size=4, steps=40, log_every=20))
+    assert len(calls) == 2 * 2, calls  # per log point: the loss read and one read of eval totals
+
+
+def test_reruns_with_a_seed_are_identical():
+    x, y = _data(80)
+    runs = []
+    for _ in range(2):
+        model = _model(dropout=0.2)
+        h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(),
+                config=TrainConfig(device="cpu", batch_size=8, epochs=3, log_every=5, seed=11))
+        runs.append(([r["loss"] for r in h.records], _params(model)))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+def test_resume_is_exact(tmp_path):
+    x, y = _data(90)
+    cfg = dict(device="cpu", batch_size=8, steps=30, log_every=5, seed=2, schedule="cosine", warmup_steps=3)
+    full = _model(dropout=0.3)
+    h_full = fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
+
+    part = _model(dropout=0.3)
+    run_dir = tmp_path / "run"
+    h1 = fit(part, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=str(run_dir), stop_at_step=13))
+    assert h1.summary["stopped_early"] and h1.summary["steps"] == 13
+    resumed = _model(dropout=0.3, seed=99)  # different initial weights: the checkpoint must replace them
+    h2 = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=str(run_dir), resume=True))
+    assert h2.summary["steps"] == 30
+    assert torch.equal(_params(resumed), _params(full))
+    assert [r["loss"] for r in h2.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
+    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "history.json").exists()
+
+
+def test_resume_rejects_a_corrupt_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="checkpoint.pt"):
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=2, run_dir=str(run_dir), resume=True))
+
+
+def test_resume_rejects_another_models_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=2, run_dir=str(run_dir)))
+    other = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    with pytest.raises(CheckpointError):
+        fit(other, _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=4, run_dir=str(run_dir), resume=True))
+
+
+# ---------------------------------------------------------------- out of memory
+
+class _OOMAbove(nn.Module):
+    """Raises the allocator's OOM error for batches larger than `limit` (a fake memory limit)."""
+
+    def __init__(self, inner, limit):
+        super().__init__()
+        self.inner, self.limit, self.ooms = inner, limit, 0
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
+        return self.inner(x)
+
+
+def test_oom_halves_the_micro_batch_and_keeps_the_result():
+    x, y = _data(64)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    ref = _model()
+    fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd, config=TrainConfig(device="cpu", batch_size=32, steps=4))
+    small = _OOMAbove(_model(), limit=10)
+    h = fit(small, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+            config=TrainConfig(device="cpu", batch_size=32, steps=4))
+    assert small.ooms >= 2  # 32 -> 16 -> 8
+    assert h.summary["oom_splits"] == 4 and h.summary["effective_batch"] == 32
+    assert torch.allclose(_params(small.inner), _params(ref), atol=1e-6)
+
+
+def test_oom_at_micro_batch_one_gives_up_clearly():
+    x, y = _data(8)
+    with pytest.raises(GputrainError, match="out of memory on cpu even with micro-batches of 1"):
+        fit(_OOMAbove(_model(), limit=0), (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=4, steps=1))
+
+
+def test_cuda_graphs_fall_back_on_cpu_with_a_reason():
+    h = fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=2, cuda_graphs=True))
+    assert h.summary["cuda_graphs"].startswith("off: CUDA graphs need a CUDA device")
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_graphed_step_matches_eager_on_gpu():
+    x, y = _data(256)
+    runs = {}
+    for graphs in (False, True):
+        model = _model()
+        h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=None,
+                config=TrainConfig(device="cuda", precision="fp32", batch_size=50, epochs=4, cuda_graphs=graphs, seed=1))
+        runs[graphs] = (_params(model).cpu(), h)
+    assert runs[True][1].summary["cuda_graphs"] == "on"
+    assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_no_sync_in_hot_loop_on_gpu():
+    """Syncs must not grow with the number of steps: count them with CUDA's sync debug mode."""
+    import warnings
+
+    x, y = _data(4096)
+
+    def syncs(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+                    config=TrainConfig(device="cuda", batch_size=64, steps=steps, log_every=10_000,
+                                       cuda_graphs=False, data_on_device=True))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(60) == syncs(20)
