@@ -1,0 +1,219 @@
+"""`gputrain memory WORKLOAD`: where a training step's memory goes, what fits, and what would save memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+SAMPLE = 16  # samples in the measured batch (the estimate fits a line through it and its half)
+DEFAULT_MAX_BATCH = 2**20  # the search stops here unless --max-batch says otherwise
+
+
+def _bytes_arg(value: str) -> int:
+    """1000000, 512MiB, 8GiB, 2GB, 1.5G ..."""
+    text = value.strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+    num = text.rstrip("kmgtib")
+    unit = text[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        n = -1
+    if unit not in units or n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 4000000, 512MiB or 8GiB, got {value!r}")
+    return int(n * units[unit])
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="a built-in workload (gputrain fit --list) or module:function")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the workload's")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "rmsprop", "adagrad", "none"],
+                   help="whose state to count (sgd: with momentum)")
+    p.add_argument("--find-max", action="store_true", help="search for the largest batch that fits")
+    p.add_argument("--limit", type=_bytes_arg, default=None, metavar="BYTES",
+                   help="pretend the device has BYTES of memory (e.g. 512MiB): a dry run of --find-max on any device")
+    p.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH,
+                   help=f"--find-max searches up to this batch (default {DEFAULT_MAX_BATCH:,})")
+    p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def memory_report(args) -> dict[str, Any]:
+    """Everything `gputrain memory` shows, as data."""
+    import torch
+
+    from gputrain.data import BatchTransform
+    from gputrain.devices import pick_device
+    from gputrain.memory import (batch_trial, estimate_memory, find_max_batch, free_after_oom, is_oom,
+                                 max_batch_from_estimate, measure_step_memory, memory_stats, recommendations)
+    from gputrain.precision import resolve_precision
+    from gputrain.workloads import resolve_workload
+
+    workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
+    device = pick_device(args.device)
+    precision = resolve_precision(args.precision, device)
+    data = workload.make_data()
+    x_all, y_all = data.train
+    n = int(x_all.shape[0])
+    if args.batch_size is not None:
+        batch_size = args.batch_size
+    elif workload.full_batch:
+        batch_size = n
+    else:
+        batch_size = int(workload.defaults.get("batch_size", 64))
+    transform = BatchTransform(data.mean, data.std, None)
+
+    def make_batch(b: int):
+        idx = torch.arange(b) % n  # batches larger than the data set repeat it
+        return transform(x_all[idx].to(device), train=True), y_all[idx].to(device)
+
+    torch.manual_seed(0)
+    model = workload.make_model().to(device)
+    sample = make_batch(min(SAMPLE, batch_size, n) if min(SAMPLE, batch_size, n) >= 2 else min(2, batch_size))
+    estimate = estimate_memory(model, sample, args.optimizer, precision, batch_size=batch_size,
+                               loss_fn=workload.loss_fn)
+    stats = memory_stats(device)
+    if device.type == "cuda":
+        capacity, capacity_label = stats["total_bytes"], "device memory"
+    else:
+        capacity, capacity_label = stats["free_bytes"], "available host memory"
+    if args.limit is not None:
+        capacity, capacity_label = args.limit, "--limit"
+
+    try:
+        measured = measure_step_memory(model, make_batch(batch_size), workload.loss_fn, precision, args.optimizer)
+    except Exception as exc:  # noqa: BLE001 - an OOM is a finding here, not a failure
+        if not is_oom(exc):
+            raise
+        measured = {"peak_bytes": None, "measured": device.type == "cuda", "batch_size": batch_size,
+                    "method": f"out of memory at batch {batch_size}"}
+    free_after_oom(device)
+
+    search: dict[str, Any] = {"requested": bool(args.find_max)}
+    predicted = max_batch_from_estimate(estimate, capacity)
+    search["predicted_from_estimate"] = predicted
+    if args.find_max:
+        if device.type != "cuda" and args.limit is None:
+            search["result"] = None
+            search["note"] = (f"finding the largest batch needs a device with bounded memory: on {device.type} the "
+                              "OS swaps instead of failing. Run it on a CUDA GPU, or pass --limit BYTES for a dry run "
+                              "against a pretend memory size")
+        else:
+            trial = batch_trial(model, make_batch, workload.loss_fn, precision, args.optimizer, limit_bytes=args.limit)
+            result = find_max_batch(trial, start=max(1, min(batch_size, args.max_batch)), limit=args.max_batch,
+                                    device=device)
+            search["result"] = result
+            search["limit"] = args.max_batch
+            search["how"] = ("real training steps until CUDA ran out of memory" if args.limit is None
+                             else f"steps measured against --limit {args.limit:,} B"
+                             + (" (CUDA peak)" if device.type == "cuda" else " (CPU estimate)"))
+            if result >= args.max_batch:
+                search["note"] = f"stopped at --max-batch {args.max_batch:,}: a larger batch may fit"
+            free_after_oom(device)
+    return {
+        "workload": workload.name,
+        "device": str(device),
+        "device_stats": stats,
+        "precision": precision.name,
+        "precision_reason": precision.reason,
+        "batch_size": batch_size,
+        "capacity_bytes": capacity,
+        "capacity_label": capacity_label,
+        "estimate": estimate,
+        "measured": measured,
+        "max_batch": search,
+        "recommendations": recommendations(estimate, capacity, precision),
+    }
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render(report: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    est = report["estimate"]
+    cap = report["capacity_bytes"]
+    table = Table(title=f"{report['workload']}: memory of one training step at batch {report['batch_size']:,} "
+                        f"({report['precision']}, {est['optimizer']}, {report['device']})")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column(f"of {report['capacity_label']}", justify="right")
+    table.add_column("how it is counted")
+    rows = [
+        ("parameters", est["parameter_bytes"], f"{est['parameters']:,} parameters"),
+        ("gradients", est["gradient_bytes"], f"{est['trainable_parameters']:,} trainable"),
+        ("optimizer state", est["optimizer_state_bytes"], f"{est['optimizer_states_per_parameter']} x gradients"),
+        ("activations", est["activation_bytes"],
+         f"{fmt_bytes(est['activation_bytes_per_sample'])}/sample x {est['batch_size']:,} + "
+         f"{fmt_bytes(est['activation_bytes_fixed'])} fixed"),
+    ]
+    def share(b: int) -> str:
+        if not cap:
+            return "-"
+        pct = 100 * b / cap
+        return f"{pct:.2f}%" if pct >= 0.01 or b == 0 else "<0.01%"
+
+    for name, b, how in rows:
+        table.add_row(name, fmt_bytes(b), share(b), how)
+    table.add_row("[bold]total (estimate)", f"[bold]{fmt_bytes(est['total_bytes'])}", share(est["total_bytes"]), "")
+    console.print(table)
+    console.print(f"[dim]not counted: {est['not_counted']}")
+
+    m = report["measured"]
+    label = "measured peak" if m["measured"] else "step estimate at this batch"
+    console.print(f"{label}: [bold]{fmt_bytes(m['peak_bytes'])}[/] ({m['method']})")
+    console.print(f"{report['capacity_label']}: {fmt_bytes(cap)}")
+    s = report["max_batch"]
+    console.print(f"largest batch by the estimate: [bold]{s['predicted_from_estimate']:,}[/] "
+                  f"(fits {fmt_bytes(cap)} {report['capacity_label']})")
+    if s["requested"]:
+        if s.get("result") is not None:
+            console.print(f"largest batch that ran: [bold]{s['result']:,}[/] ({s['how']})")
+        if s.get("note"):
+            console.print(f"[yellow]{s['note']}")
+    else:
+        console.print("[dim]--find-max searches for the largest batch that runs")
+
+    recs = report["recommendations"]
+    if recs:
+        t = Table(title="to need less memory")
+        for col in ("change", "saves", "total after", "setting"):
+            t.add_column(col, justify="right" if col in ("saves", "total after") else "left")
+        for r in recs:
+            t.add_row(r["what"], fmt_bytes(r["saves_bytes"]), fmt_bytes(r["total_bytes_after"]), r["how"])
+        console.print(t)
+
+
+def run(args) -> int:
+    report = memory_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+        return 0
+    from rich.console import Console
+
+    render(report, Console())
+    return 0

@@ -1,0 +1,152 @@
+"""`gputrain profile WORKLOAD`: profile a few training steps, show where the time goes and what bounds them."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _tri(value: str):
+    v = value.strip().lower()
+    if v == "auto":
+        return "auto"
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="a built-in workload (gputrain fit --list) or module:function")
+    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps for the breakdown (default 20)")
+    p.add_argument("--active", type=_positive_int, default=3, help="steps recorded by torch.profiler (default 3)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the workload's")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--log-every", type=_positive_int, default=None,
+                   help="steps between reads of the loss on the host (1 = seed 003's loss.item() every step)")
+    p.add_argument("--data-on-device", type=_tri, default=None, metavar="{auto,on,off}",
+                   help="off: copy each batch from pinned host memory (shows the host-to-device cost)")
+    p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where trace.json and profile_summary.json go (default runs/WORKLOAD/profile-TIME)")
+    p.add_argument("--top", type=_positive_int, default=12, help="rows of the top-ops table")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} us" if x < 1 else f"{x:.2f} ms"
+
+
+def render(s: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{s['workload']}[/] on {s['device']} ({s['device_name']}), {s['precision']}, "
+                  f"batch {s['batch_size']:,}, data {s['data']}")
+    lo, hi = s["step_ms_spread"]
+    console.print(f"step: [bold]{_ms(s['step_ms'])}[/] median of {s['timed_steps']} steps (min {_ms(lo)}, max {_ms(hi)}; "
+                  f"{_ms(s['wall_step_ms'])} mean wall clock), {s['samples_per_s']:,.0f} samples/s")
+
+    t = Table(title=f"where a step's time goes ({s['timing']})")
+    on_gpu = s["device"].startswith("cuda")
+    for col in ("phase", "time", "share", "host time") + (("device time",) if on_gpu else ()):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for row in s["breakdown"]:
+        cells = [row["phase"], _ms(row["ms"]), f"{100 * row['share']:.1f}%", _ms(row["host_ms"])]
+        if on_gpu:
+            cells.append(_ms(row["device_ms"]))
+        t.add_row(*cells)
+    console.print(t)
+
+    t = Table(title=f"top ops by {s['top_ops_by']} (per step, {s['profiled_steps']['active']} profiled steps)")
+    for col in ("op", "calls", "self", "share", "total"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    key, tot = (("self_device_ms_per_step", "device_ms_per_step") if on_gpu
+                else ("self_cpu_ms_per_step", "cpu_ms_per_step"))
+    for r in s["top_ops"]:
+        t.add_row(r["name"][:60], f"{r['calls_per_step']:g}", _ms(r[key]), f"{100 * r['share']:.1f}%", _ms(r[tot]))
+    console.print(t)
+
+    tr = s["trace"]
+    if tr.get("kernels_per_step") is not None:
+        console.print(f"kernels: {tr['kernels_per_step']:.0f} per step, median {tr['median_kernel_us'] or 0:.1f} us; "
+                      f"GPU busy {100 * (tr['gpu_busy'] or 0):.0f}% of the profiled steps; "
+                      f"{tr['syncs_per_step']:g} synchronizing call(s) per step")
+    util = s.get("gpu_utilization")
+    if util:
+        console.print(f"NVML GPU utilization: mean {util['mean_pct']:.0f}% ({util['samples']} samples)")
+    elif on_gpu:
+        console.print(f"[dim]NVML GPU utilization: not available ({s.get('gpu_utilization_note')})")
+    flops = s["flops_per_step"]
+    if s.get("mfu") is not None:
+        console.print(f"MFU: [bold]{100 * s['mfu']:.1f}%[/] ({flops / 1e9:.3f} GFLOP/step, "
+                      f"{s['achieved_tflops']:.2f} of {s['peak_tflops']:g} TFLOP/s {s['precision']} peak)")
+    else:
+        console.print(f"FLOPs: {flops / 1e9:.3f} GFLOP/step, {s['achieved_tflops'] * 1000:.2f} GFLOP/s achieved; "
+                      "MFU: no peak figure for this device")
+
+    syncs = s["syncs"]
+    if syncs["supported"]:
+        console.print(f"syncs (CUDA sync debug mode): {syncs['per_step']:g} per step")
+        for site in syncs["sites"][:8]:
+            console.print(f"  {site['file']}:{site['line']}  {site['code']}  [dim]{site['what']}, "
+                          f"{site['per_step']:g}/step")
+    else:
+        console.print(f"[yellow]sync detector: {syncs['reason']}")
+    reads = s["host_reads"]
+    if reads["sites"]:
+        console.print(f"host reads of tensors (each syncs on a GPU): {reads['per_step']:g} per step")
+        for site in reads["sites"][:8]:
+            console.print(f"  {site['file']}:{site['line']}  {site['code']}  [dim]{site['what']}, "
+                          f"{site['per_step']:g}/step")
+    else:
+        console.print("host reads of tensors: none in the profiled steps")
+
+    v = s["verdict"]
+    console.print(f"\nverdict: [bold]{v['verdict']}[/]")
+    for e in v["evidence"]:
+        console.print(f"  - {e}")
+    if v["suggestions"]:
+        console.print("try:")
+        for x in v["suggestions"]:
+            console.print(f"  - {x}")
+    for x in v["also"]:
+        console.print(f"  [dim]also: {x}")
+    console.print(f"\nChrome trace: {s['files']['trace']} (open in chrome://tracing or ui.perfetto.dev)")
+    console.print(f"summary: {s['files']['summary']}")
+
+
+def run(args) -> int:
+    from gputrain.profiling import default_config, profile_workload
+    from gputrain.workloads import resolve_workload
+
+    workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
+    config = default_config(workload, device=args.device, precision=args.precision, batch_size=args.batch_size,
+                            log_every=args.log_every, data_on_device=args.data_on_device)
+    out = args.out or os.path.join("runs", workload.name.replace(":", "_").replace("/", "_"),
+                                   "profile-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    summary = profile_workload(workload, config, steps=args.steps, active=args.active, out_dir=Path(out), top=args.top)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    from rich.console import Console
+
+    render(summary, Console())
+    return 0

@@ -1,0 +1,920 @@
+"""Where the memory of a training step goes, what fits, and how to make more fit.
+
+Everything here returns plain data (dicts of bytes); `gputrain memory` renders it.
+
+- `memory_stats(device)`: allocated / reserved / peak / free / total bytes right now.
+- `is_oom(exc)`, `free_after_oom(device)`: recognizing and recovering from out-of-memory errors.
+- `estimate_memory(model, sample_batch, ...)`: parameters + gradients + optimizer state +
+  activations (bytes the autograd graph saves for backward, measured, scaled to the batch size).
+- `find_max_batch(try_batch, ...)`: the largest batch that runs (doubling, then binary search).
+- `recommendations(estimate, device_total_bytes, precision)`: what to change and what it saves.
+- `apply_activation_checkpointing(model, targets)`: recompute blocks in backward instead of
+  storing their activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import gc
+import math
+import re
+import sys
+import types
+from collections import Counter
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gputrain.errors import ConfigError, GputrainError
+
+# ---------------------------------------------------------------- what is in memory now
+
+
+def memory_stats(device: torch.device | str) -> dict[str, Any]:
+    """Memory of `device` in bytes: allocated, reserved, peak, free, total.
+
+    CUDA: PyTorch's caching allocator (allocated = live tensors, reserved = held by the cache,
+    peak = max_memory_allocated since the last reset) and the driver's free/total.
+    MPS: current and driver-allocated memory; no peak counter exists.
+    CPU: this process's resident memory (allocated), its high-water mark (peak) and the host's
+    available/total memory. `kind` says which of these the numbers are.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {
+            "device": str(device),
+            "kind": "cuda",
+            "allocated_bytes": int(torch.cuda.memory_allocated(device)),
+            "reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "free_bytes": int(free),
+            "total_bytes": int(total),
+            "note": "PyTorch caching allocator; free/total from the driver",
+        }
+    import psutil
+
+    vm = psutil.virtual_memory()
+    if device.type == "mps":
+        return {
+            "device": "mps",
+            "kind": "mps",
+            "allocated_bytes": int(torch.mps.current_allocated_memory()),
+            "reserved_bytes": int(torch.mps.driver_allocated_memory()),
+            "peak_bytes": None,
+            "free_bytes": int(vm.available),
+            "total_bytes": int(vm.total),
+            "note": "MPS shares the host's memory: free/total are the host's",
+        }
+    rss = psutil.Process().memory_info().rss
+    return {
+        "device": "cpu",
+        "kind": "host",
+        "allocated_bytes": int(rss),
+        "reserved_bytes": None,
+        "peak_bytes": max(_rss_high_water() or 0, int(rss)),
+        "free_bytes": int(vm.available),
+        "total_bytes": int(vm.total),
+        "note": "CPU: this process's resident memory (peak = its high-water mark); free/total are the host's",
+    }
+
+
+def _rss_high_water() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        try:
+            import psutil
+
+            return int(getattr(psutil.Process().memory_info(), "peak_wset", 0)) or None
+        except Exception:
+            return None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS: bytes, Linux: KiB
+
+
+# ---------------------------------------------------------------- out of memory
+
+_OOM_MESSAGES = (
+    "out of memory",  # CUDA ("CUDA out of memory"), MPS ("MPS backend out of memory"), HIP
+    "can't allocate memory",  # the CPU allocator (DefaultCPUAllocator)
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` is an out-of-memory error (CUDA, MPS, CPU allocator, cuBLAS/cuDNN workspace)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return any(m.lower() in text.lower() for m in _OOM_MESSAGES)
+    return False
+
+
+def free_after_oom(device: torch.device | str | None = None) -> None:
+    """Release what a failed step left behind: collect garbage, then return cached blocks to the driver.
+
+    Call it after the `except` block has ended: the exception's traceback holds the failed step's
+    frames, and with them its tensors.
+    """
+    gc.collect()
+    kind = torch.device(device).type if device is not None else None
+    if kind in (None, "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if kind == "mps":
+        torch.mps.empty_cache()
+
+
+# ---------------------------------------------------------------- the largest batch that fits
+
+_NO_LIMIT_CAP = 2**31  # doubling stops here when neither `limit` nor an OOM stops it
+
+
+def find_max_batch(try_batch: Callable[[int], None], start: int = 1, limit: int | None = None,
+                   device: torch.device | str | None = None) -> int:
+    """The largest batch size for which `try_batch(batch_size)` runs without running out of memory.
+
+    Doubles from `start` until a batch fails or reaches `limit`, then binary-searches between the
+    last batch that ran and the first that did not. If `start` itself fails, halves down first.
+    Out-of-memory errors (see `is_oom`) are caught and the memory freed; any other exception
+    propagates. Assumes that a batch that fits means every smaller one fits.
+
+    Returns the largest batch that ran. Raises GputrainError when even a batch of 1 does not fit,
+    and ConfigError for start < 1 or limit < 1.
+    """
+    if start < 1:
+        raise ConfigError(f"find_max_batch: start must be >= 1, got {start}")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"find_max_batch: limit must be >= 1, got {limit}")
+    cap = limit if limit is not None else _NO_LIMIT_CAP
+    tried: dict[int, bool] = {}
+
+    def runs(batch: int) -> bool:
+        if batch not in tried:
+            ok = True
+            try:
+                try_batch(batch)
+            except Exception as exc:  # noqa: BLE001 - only OOM is handled, the rest is re-raised
+                if not is_oom(exc):
+                    raise
+                ok = False
+            if not ok:
+                free_after_oom(device)  # outside the except block: the traceback is gone by now
+            tried[batch] = ok
+        return tried[batch]
+
+    batch = min(start, cap)
+    good, bad = 0, None
+    if runs(batch):
+        good = batch
+        while good < cap:
+            batch = min(good * 2, cap)
+            if runs(batch):
+                good = batch
+            else:
+                bad = batch
+                break
+        if bad is None:
+            return good
+    else:
+        bad = batch
+        while bad > 1:
+            batch = bad // 2
+            if runs(batch):
+                good = batch
+                break
+            bad = batch
+        if good == 0:
+            where = f" on {device}" if device is not None else ""
+            raise GputrainError(
+                f"out of memory{where} even with a batch of 1: the model, its gradients and optimizer state "
+                "do not fit; use bf16, activation checkpointing, a smaller model or a device with more memory")
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if runs(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+# ---------------------------------------------------------------- counting bytes
+
+# Optimizer state tensors per parameter (each the parameter's shape and dtype).
+OPTIMIZER_STATES = {
+    "adamw": 2,  # exp_avg, exp_avg_sq
+    "adam": 2,
+    "sgd": 1,  # momentum buffer (SGD without momentum keeps none: use "none")
+    "rmsprop": 1,
+    "adagrad": 1,
+    "none": 0,
+}
+
+
+def _unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd saves for backward while it is active, once per storage.
+
+    Tensors saved several times (a weight and its transpose, an input kept by two ops) count once:
+    per storage, the distinct (start, size) views are summed, capped at the storage's size.
+    Parameters' storages are skipped (they are counted as parameters). `by_unit` attributes each
+    storage to the unit (see `unit_of`) running when it was first saved.
+    """
+
+    def __init__(self, skip_storages: Iterable[int] = ()):
+        self._skip = set(skip_storages)
+        self._views: dict[int, set[tuple[int, int]]] = {}
+        self._cap: dict[int, int] = {}
+        self._unit_of_storage: dict[int, str | None] = {}
+        self.current_unit: list[str] = []
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            key, cap, ptr = storage.data_ptr(), storage.nbytes(), t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without storage
+            key, cap, ptr = id(t), _nbytes(t), id(t)
+        if key not in self._skip and key != 0:
+            if key not in self._views:
+                self._views[key] = set()
+                self._cap[key] = cap
+                self._unit_of_storage[key] = self.current_unit[-1] if self.current_unit else None
+            self._views[key].add((ptr, _nbytes(t)))
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _bytes(self, key: int) -> int:
+        return min(self._cap[key], sum(size for _, size in self._views[key]))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._bytes(k) for k in self._views)
+
+    def by_unit(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, unit in self._unit_of_storage.items():
+            if unit is not None:
+                out[unit] = out.get(unit, 0) + self._bytes(key)
+        return out
+
+
+def _as_pair(sample_batch) -> tuple[Any, Any]:
+    if isinstance(sample_batch, (tuple, list)) and len(sample_batch) == 2:
+        return sample_batch[0], sample_batch[1]
+    return sample_batch, None
+
+
+def _batch_len(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0])
+    if isinstance(x, (tuple, list)) and x:
+        return _batch_len(x[0])
+    if isinstance(x, dict) and x:
+        return _batch_len(next(iter(x.values())))
+    raise ConfigError(f"sample_batch must hold tensors with the batch on dim 0, got {type(x).__name__}")
+
+
+def _slice(x, n: int):
+    if isinstance(x, torch.Tensor):
+        return x[:n]
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice(v, n) for v in x)
+    if isinstance(x, dict):
+        return {k: _slice(v, n) for k, v in x.items()}
+    return x
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _call(model: nn.Module, x):
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
+
+
+def _precision_of(precision) -> tuple[str, torch.dtype | None]:
+    """(name, autocast dtype) from a Precision, a name, or None (fp32)."""
+    if precision is None:
+        return "fp32", None
+    if isinstance(precision, str):
+        table = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if precision not in table:
+            raise ConfigError(f"unknown precision {precision!r}: use fp32, tf32, bf16 or fp16 (or a Precision)")
+        return precision, table[precision]
+    return precision.name, precision.autocast_dtype
+
+
+@contextlib.contextmanager
+def _side_effect_free(model: nn.Module, device: torch.device):
+    """Run a measuring forward without changing the model: restore buffers (BatchNorm running
+    stats), train/eval mode and the RNG (dropout) afterwards."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    was_training = model.training
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            model.train()
+            yield
+        finally:
+            model.train(was_training)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+def _measure_activations(model: nn.Module, x, y, loss_fn, autocast_dtype: torch.dtype | None,
+                         device: torch.device, units: list[_Unit]) -> tuple[int, dict[str, int], dict[str, int]]:
+    """One forward (+ loss) under the meter: (saved bytes, saved bytes per unit, input bytes per unit)."""
+    skip = {p.untyped_storage().data_ptr() for p in _unique_parameters(model)}
+    meter = SavedTensorMeter(skip)
+    unit_inputs: dict[str, int] = {}
+    handles = []
+    for unit in units:
+        for i, module in enumerate(unit.modules):
+            first = i == 0
+
+            def pre(mod, args, unit=unit, first=first):
+                meter.current_unit.append(unit.name)
+                if first:
+                    unit_inputs[unit.name] = unit_inputs.get(unit.name, 0) + sum(
+                        _nbytes(a) for a in args if isinstance(a, torch.Tensor))
+
+            def post(mod, args, out):
+                if meter.current_unit:
+                    meter.current_unit.pop()
+
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post))
+    ctx = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
+           else contextlib.nullcontext())
+    try:
+        with torch.enable_grad(), meter.hooks(), ctx:
+            out = _call(model, x)
+            if loss_fn is not None and y is not None:
+                loss = loss_fn(out, y)
+            else:
+                loss = out
+            del out, loss
+    finally:
+        for h in handles:
+            h.remove()
+    return meter.total_bytes, meter.by_unit(), unit_inputs
+
+
+def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw", precision=None,
+                    batch_size: int | None = None, loss_fn: Callable | None = None) -> dict[str, Any]:
+    """Bytes one training step of `model` needs at `batch_size`, piece by piece.
+
+    sample_batch: (inputs, targets) or inputs, a few samples (>= 2 for a two-point fit), already
+        transformed as the model sees them; moved to the model's device.
+    optimizer_name: "adamw" | "adam" (2 state tensors per parameter) | "sgd" (momentum: 1) |
+        "rmsprop" | "adagrad" | "none".
+    precision: a Precision, "fp32"/"tf32"/"bf16"/"fp16" or None (fp32); the activations are measured
+        under the matching autocast.
+    batch_size: the batch to estimate for (default: the sample batch's size).
+    loss_fn: included in the measured forward when given (its saved tensors count too).
+
+    Activations are the bytes autograd saves for backward (saved_tensors_hooks, each storage once),
+    measured at the sample batch and half of it and fitted as fixed + per_sample * batch: the
+    fixed part holds what does not grow with the batch (autocast's low-precision weight copies).
+    Not counted: temporaries freed within an op, cuDNN/cuBLAS workspaces, allocator fragmentation,
+    the data set itself. Raises ConfigError for an unknown optimizer or precision.
+    """
+    opt = optimizer_name.lower()
+    if opt not in OPTIMIZER_STATES:
+        raise ConfigError(f"unknown optimizer {optimizer_name!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
+    prec_name, autocast_dtype = _precision_of(precision)
+    params = _unique_parameters(model)
+    trainable = [p for p in params if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+
+    n_params = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in trainable)
+    param_bytes = sum(_nbytes(p) for p in params)
+    grad_bytes = sum(_nbytes(p) for p in trainable)  # gradients take the parameter's dtype
+    states = OPTIMIZER_STATES[opt]
+    opt_bytes = states * grad_bytes  # state tensors are zeros_like(param)
+
+    x, y = _as_pair(sample_batch)
+    x, y = _to(x, device), _to(y, device)
+    n = _batch_len(x)
+    batch = batch_size or n
+    units = checkpoint_units(model, strict=False)
+    with _side_effect_free(model, device):
+        full, full_units, full_inputs = _measure_activations(model, x, y, loss_fn, autocast_dtype, device, units)
+        half_n = n // 2
+        if half_n >= 1:
+            half, half_units, half_inputs = _measure_activations(
+                model, _slice(x, half_n), _slice(y, half_n), loss_fn, autocast_dtype, device, units)
+        bf16_fit = None
+        if autocast_dtype is None and _bf16_autocast_works(device):
+            bf16_full = _measure_activations(model, x, y, loss_fn, torch.bfloat16, device, [])[0]
+            bf16_half = (_measure_activations(model, _slice(x, half_n), _slice(y, half_n), loss_fn,
+                                              torch.bfloat16, device, [])[0] if half_n >= 1 else None)
+            bf16_fit = _linear_fit(n, bf16_full, half_n, bf16_half)
+
+    per_sample, fixed = _linear_fit(n, full, half_n, half if half_n >= 1 else None)
+    activation_bytes = int(round(fixed + per_sample * batch))
+    blocks = []
+    for unit in units:
+        u_per, _ = _linear_fit(n, full_units.get(unit.name, 0), half_n,
+                               half_units.get(unit.name, 0) if half_n >= 1 else None)
+        i_per, _ = _linear_fit(n, full_inputs.get(unit.name, 0), half_n,
+                               half_inputs.get(unit.name, 0) if half_n >= 1 else None)
+        blocks.append({"name": unit.name, "activation_bytes_per_sample": u_per, "input_bytes_per_sample": i_per})
+
+    total = param_bytes + grad_bytes + opt_bytes + activation_bytes
+    el = params[0].element_size() if params else 4
+    arithmetic = [
+        f"parameters: {n_params:,} x {el} B = {param_bytes:,} B",
+        f"gradients: {n_trainable:,} trainable x {el} B = {grad_bytes:,} B",
+        f"optimizer state ({opt}): {states} x {grad_bytes:,} B = {opt_bytes:,} B",
+        f"activations: {fixed:,.0f} B fixed + {per_sample:,.1f} B/sample x {batch:,} = {activation_bytes:,} B "
+        f"(measured {full:,} B at batch {n}" + (f", {half:,} B at batch {half_n})" if half_n >= 1 else ")"),
+        f"total: {param_bytes:,} + {grad_bytes:,} + {opt_bytes:,} + {activation_bytes:,} = {total:,} B",
+    ]
+    return {
+        "batch_size": batch,
+        "optimizer": opt,
+        "precision": prec_name,
+        "device": str(device),
+        "parameters": n_params,
+        "trainable_parameters": n_trainable,
+        "parameter_bytes": param_bytes,
+        "gradient_bytes": grad_bytes,
+        "optimizer_states_per_parameter": states,
+        "optimizer_state_bytes": opt_bytes,
+        "activation_bytes": activation_bytes,
+        "activation_bytes_per_sample": per_sample,
+        "activation_bytes_fixed": fixed,
+        "measured_batches": [n] + ([half_n] if half_n >= 1 else []),
+        "measured_activation_bytes": [full] + ([half] if half_n >= 1 else []),
+        "bf16_activation_bytes_per_sample": None if bf16_fit is None else bf16_fit[0],
+        "bf16_activation_bytes_fixed": None if bf16_fit is None else bf16_fit[1],
+        "blocks": blocks,
+        "total_bytes": total,
+        "arithmetic": arithmetic,
+        "not_counted": "op temporaries, cuDNN/cuBLAS workspaces, allocator fragmentation, the data set",
+    }
+
+
+def _linear_fit(n: int, at_n: int, half_n: int, at_half: int | None) -> tuple[float, float]:
+    """(bytes per sample, fixed bytes) through the points (half_n, at_half) and (n, at_n)."""
+    if at_half is None or half_n == n:
+        return at_n / max(n, 1), 0.0
+    per = (at_n - at_half) / (n - half_n)
+    fixed = at_n - per * n
+    if per < 0 or fixed < 0:  # noise from ops that pick different algorithms per size
+        return at_n / n, 0.0
+    return per, fixed
+
+
+def _bf16_autocast_works(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu"
+
+
+def activation_bytes_at(estimate: dict[str, Any], batch_size: int, bf16: bool = False) -> int:
+    """Activation bytes the estimate predicts at another batch size (optionally under bf16)."""
+    if bf16 and estimate.get("bf16_activation_bytes_per_sample") is not None:
+        per, fixed = estimate["bf16_activation_bytes_per_sample"], estimate["bf16_activation_bytes_fixed"]
+    else:
+        per, fixed = estimate["activation_bytes_per_sample"], estimate["activation_bytes_fixed"]
+        if bf16:
+            per, fixed = per / 2, fixed / 2
+    return int(round(fixed + per * batch_size))
+
+
+def fixed_bytes(estimate: dict[str, Any]) -> int:
+    """Bytes that do not depend on the batch: parameters, gradients, optimizer state."""
+    return estimate["parameter_bytes"] + estimate["gradient_bytes"] + estimate["optimizer_state_bytes"]
+
+
+def max_batch_from_estimate(estimate: dict[str, Any], budget_bytes: int) -> int:
+    """The largest batch whose estimated total fits in `budget_bytes` (0 when none does)."""
+    room = budget_bytes - fixed_bytes(estimate) - estimate["activation_bytes_fixed"]
+    per = estimate["activation_bytes_per_sample"]
+    if room <= 0:
+        return 0
+    return int(room // per) if per > 0 else 2**31
+
+
+# ---------------------------------------------------------------- measuring a real step
+
+
+def _optimizer_for_probe(model: nn.Module, optimizer_name: str) -> torch.optim.Optimizer | None:
+    # lr=0: the probe creates the optimizer's state (its memory) without changing the weights.
+    params = [p for p in _unique_parameters(model) if p.requires_grad]
+    name = optimizer_name.lower()
+    if name in ("adamw", "adam"):
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=0.0)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.0)
+    if name == "none":
+        return None
+    raise ConfigError(f"unknown optimizer {optimizer_name!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _state_bytes(model: nn.Module, optimizer_name: str) -> int:
+    params = _unique_parameters(model)
+    trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+    return sum(_nbytes(p) for p in params) + trainable * (1 + OPTIMIZER_STATES[optimizer_name.lower()])
+
+
+def _saved_bytes_at(model: nn.Module, batch, loss_fn, precision) -> int:
+    x, y = _as_pair(batch)
+    device = _device_of(model)
+    with _side_effect_free(model, device):
+        return _measure_activations(model, _to(x, device), _to(y, device), loss_fn,
+                                    _precision_of(precision)[1], device, [])[0]
+
+
+def measure_step_memory(model: nn.Module, batch, loss_fn: Callable | None = None, precision=None,
+                        optimizer_name: str = "adamw") -> dict[str, Any]:
+    """The memory a training step of `model` on `batch` takes.
+
+    CUDA: the allocator's peak (max_memory_allocated) over two full steps (forward, backward,
+    optimizer with lr=0 so the weights do not change); `measured` is True.
+    Elsewhere nothing bounds the memory the same way, so this is an estimate: parameters,
+    gradients and optimizer state plus the bytes saved for backward, measured at this batch
+    (`measured` False). Returns {"peak_bytes", "measured", "method", "batch_size"}.
+    """
+    device = _device_of(model)
+    x, y = _as_pair(batch)
+    n = _batch_len(x)
+    if device.type != "cuda":
+        return {"peak_bytes": _state_bytes(model, optimizer_name) + _saved_bytes_at(model, batch, loss_fn, precision),
+                "measured": False, "batch_size": n,
+                "method": "estimate: parameters + gradients + optimizer state + tensors saved for backward at this batch"}
+    step = _probe_step(model, loss_fn, precision, optimizer_name)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(2):
+        step(x, y)
+    torch.cuda.synchronize(device)
+    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "measured": True, "batch_size": n,
+            "method": "torch.cuda.max_memory_allocated over two training steps (the model, batch and workspaces included)"}
+
+
+def _probe_step(model: nn.Module, loss_fn, precision, optimizer_name: str) -> Callable:
+    device = _device_of(model)
+    optimizer = _optimizer_for_probe(model, optimizer_name)
+    dtype = _precision_of(precision)[1]
+
+    def step(x, y) -> None:
+        x, y = _to(x, device), _to(y, device)
+        ctx = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with ctx:
+            out = _call(model, x)
+            loss = loss_fn(out, y) if loss_fn is not None and y is not None else out.float().sum()
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def batch_trial(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: Callable | None = None, precision=None,
+                optimizer_name: str = "adamw", limit_bytes: int | None = None) -> Callable[[int], None]:
+    """A `try_batch` for `find_max_batch`: one training step at batch size b.
+
+    make_batch(b) -> (inputs, targets) of b samples. Without limit_bytes the step just runs (on a
+    GPU a batch too large raises a real out-of-memory error). With limit_bytes the step's memory
+    (as `measure_step_memory` gets it: the real peak on CUDA, the estimate elsewhere) is compared
+    with limit_bytes and torch.OutOfMemoryError raised above it: a dry run of the search on any
+    device, or a smaller GPU simulated on a bigger one.
+    """
+    device = _device_of(model)
+    step = _probe_step(model, loss_fn, precision, optimizer_name)
+
+    def trial(b: int) -> None:
+        batch = make_batch(b)
+        if limit_bytes is None:
+            x, y = _as_pair(batch)
+            step(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return
+        need = measure_step_memory(model, batch, loss_fn, precision, optimizer_name)["peak_bytes"]
+        if need > limit_bytes:
+            raise torch.OutOfMemoryError(f"out of memory (limit): a batch of {b} needs {need:,} bytes, "
+                                         f"the limit is {limit_bytes:,}")
+
+    return trial
+
+
+# ---------------------------------------------------------------- what to change
+
+
+def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, precision=None) -> list[dict[str, Any]]:
+    """Ways to need less memory, each with the bytes it saves at the estimate's batch size.
+
+    Each item: action ("bf16" | "accumulate" | "checkpointing" | "smaller-batch"), what (one line),
+    how (the setting), saves_bytes (> 0), total_bytes_after, fits_after (None without a device total).
+    Sorted by bytes saved, largest first. Only changes that save something are listed.
+    """
+    prec = _precision_of(precision)[0] if precision is not None else estimate.get("precision", "fp32")
+    B = estimate["batch_size"]
+    total = estimate["total_bytes"]
+    act = estimate["activation_bytes"]
+    per = estimate["activation_bytes_per_sample"]
+    budget = device_total_bytes
+    recs: list[dict[str, Any]] = []
+
+    def add(action: str, what: str, how: str, saves: float) -> None:
+        saves = int(saves)
+        if saves <= 0:
+            return
+        after = total - saves
+        recs.append({"action": action, "what": what, "how": how, "saves_bytes": saves,
+                     "total_bytes_after": after, "fits_after": None if budget is None else after <= budget})
+
+    if prec not in ("bf16", "fp16"):
+        measured = estimate.get("bf16_activation_bytes_per_sample") is not None
+        bf16_act = activation_bytes_at(estimate, B, bf16=True)
+        add("bf16", "train with bf16 autocast: saved activations are stored in 16 bits "
+            + ("(measured)" if measured else "(about half)"),
+            "--precision bf16 (TrainConfig(precision='bf16'))", act - bf16_act)
+
+    if B >= 2:
+        k = 2
+        if budget is not None and total > budget:
+            while k < B and total - per * (B - math.ceil(B / k)) > budget:
+                k *= 2
+            k = min(k, B)
+        micro = math.ceil(B / k)
+        add("accumulate", f"gradient accumulation: {k} micro-batches of {micro} keep the effective batch of {B}; "
+            "activations scale with the micro-batch",
+            f"--batch-size {micro} --accumulate {k}", per * (B - micro))
+
+    blocks = [b for b in estimate.get("blocks", []) if b["activation_bytes_per_sample"] > 0]
+    if blocks:
+        # Per sample: without checkpointing every block's activations are stored. With it, each
+        # block keeps its input, and backward holds one recomputed block at a time beside the
+        # activations outside the blocks (`rest`).
+        inside = sum(b["activation_bytes_per_sample"] for b in blocks)
+        inputs = sum(b["input_bytes_per_sample"] for b in blocks)
+        rest = max(0.0, per - inside)
+        after = inputs + max(max(b["activation_bytes_per_sample"] for b in blocks), rest)
+        names = ", ".join(b["name"] for b in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
+        add("checkpointing", f"activation checkpointing of {len(blocks)} block(s) ({names}): keep each block's "
+            "input, recompute the rest in backward (about one more forward pass)",
+            "--checkpointing (TrainConfig(checkpointing=True))", (rest + inside - after) * B)
+
+    if B >= 2:
+        if budget is not None and total > budget:
+            fit = max_batch_from_estimate(estimate, budget)
+            if 1 <= fit < B:
+                add("smaller-batch", f"a batch of {fit} fits (the learning rate may need scaling down with it)",
+                    f"--batch-size {fit}", per * (B - fit))
+        else:
+            add("smaller-batch", f"a batch of {B // 2} halves the activations (the learning rate may need scaling)",
+                f"--batch-size {B // 2}", per * (B - B // 2))
+    recs.sort(key=lambda r: r["saves_bytes"], reverse=True)
+    return recs
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+class _Unit:
+    """What one checkpoint covers: a module, or a run of children of an nn.Sequential."""
+
+    def __init__(self, name: str, modules: list[nn.Module], container: nn.Sequential | None = None,
+                 span: tuple[int, int] | None = None):
+        self.name, self.modules, self.container, self.span = name, modules, container, span
+
+    def __repr__(self) -> str:
+        return f"_Unit({self.name!r})"
+
+
+def _is_leaf(m: nn.Module) -> bool:
+    return next(m.children(), None) is None
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _span_name(path: str, a: int, b: int) -> str:
+    return f"{path}[{a}:{b}]"
+
+
+def checkpoint_units(model: nn.Module, strict: bool = True) -> list[_Unit]:
+    """The blocks `apply_activation_checkpointing(model)` wraps when no names are given.
+
+    1. Repeated blocks: children of an nn.Sequential / nn.ModuleList that have submodules and
+       whose class occurs at least twice there (transformer layers, residual blocks); nothing
+       inside a chosen block is chosen again.
+    2. Else all children of the largest nn.ModuleList.
+    3. Else the largest nn.Sequential of 3+ layers is cut into about sqrt(n) runs of layers, and
+       every run but the last is checkpointed (its activations are needed right away anyway).
+    strict: raise ConfigError when nothing qualifies; else return [].
+    """
+    units: list[_Unit] = []
+    taken: list[str] = []
+
+    def inside_taken(name: str) -> bool:
+        return any(name == t or name.startswith(t + ".") for t in taken)
+
+    for path, module in model.named_modules():
+        if inside_taken(path) or not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = list(module.named_children())
+        counts = Counter(type(c) for _, c in children if not _is_leaf(c) and _has_params(c))
+        for name, child in children:
+            if counts.get(type(child), 0) >= 2:
+                full = f"{path}.{name}" if path else name
+                units.append(_Unit(full, [child]))
+                taken.append(full)
+    if units:
+        return units
+
+    lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) >= 2]
+    if lists:
+        path, biggest = max(lists, key=lambda pm: len(pm[1]))
+        return [_Unit(f"{path}.{name}" if path else name, [child]) for name, child in biggest.named_children()]
+
+    seqs = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Sequential) and len(m) >= 3]
+    if seqs:
+        path, seq = max(seqs, key=lambda pm: (len(pm[1]), sum(p.numel() for p in pm[1].parameters())))
+        n = len(seq)
+        k = max(2, round(math.sqrt(n)))
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        children = list(seq.children())
+        for a, b in zip(bounds[:-2], bounds[1:-1]):  # every run but the last
+            units.append(_Unit(_span_name(path, a, b), children[a:b], container=seq, span=(a, b)))
+        return units
+    if strict:
+        raise ConfigError(
+            f"found no repeated blocks, nn.ModuleList or nn.Sequential of 3+ layers in {type(model).__name__} "
+            f"to checkpoint: pass the names of the submodules to checkpoint, e.g. {_example_names(model)}")
+    return []
+
+
+def _example_names(model: nn.Module, k: int = 4) -> list[str]:
+    return [n for n, m in model.named_modules() if n and _has_params(m)][:k]
+
+
+_SPAN = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+
+
+def _resolve_target(model: nn.Module, name: str) -> _Unit:
+    match = _SPAN.match(name)
+    path = match.group(1) if match else name
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        close = difflib.get_close_matches(path, names, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"submodules include {', '.join(names[:8])}"
+        raise ConfigError(f"cannot checkpoint {name!r}: {type(model).__name__} has no submodule {path!r} ({hint})") from None
+    if not match:
+        if module is model:
+            raise ConfigError(f"cannot checkpoint {name!r}: name a submodule, not the whole model")
+        return _Unit(name, [module])
+    a, b = int(match.group(2)), int(match.group(3))
+    if not isinstance(module, nn.Sequential):
+        raise ConfigError(f"cannot checkpoint {name!r}: [a:b] ranges need an nn.Sequential, "
+                          f"{path or 'the model'} is a {type(module).__name__}")
+    if not (0 <= a < b <= len(module)):
+        raise ConfigError(f"cannot checkpoint {name!r}: {path or 'the model'} has {len(module)} layers (0..{len(module)})")
+    return _Unit(name, list(module.children())[a:b], container=module, span=(a, b))
+
+
+def _bn_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    return [b for m in modules for sub in m.modules() if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+            for b in sub.buffers()]
+
+
+def _checkpointed_call(fn: Callable, modules: Sequence[nn.Module], *args, **kwargs):
+    """Run fn under non-reentrant checkpointing. The recomputation in backward restores BatchNorm
+    running statistics afterwards, so they are updated once per step as without checkpointing."""
+    calls = [0]
+
+    def run(*a, **k):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*a, **k)
+        # The recomputation (which may stop early, by raising, once it has what backward needs).
+        buffers = _bn_buffers(modules)
+        saved = [b.clone() for b in buffers]
+        try:
+            return fn(*a, **k)
+        finally:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    forward = type(self).forward.__get__(self)  # the class's forward, not this instance attribute
+    if not (torch.is_grad_enabled() and self.training):
+        return forward(*args, **kwargs)
+    return _checkpointed_call(forward, [self], *args, **kwargs)
+
+
+def _segmented_forward(self: nn.Sequential, x):
+    children = list(self.children())
+    spans = dict(self._gputrain_spans)  # start -> end
+    i, grad = 0, torch.is_grad_enabled() and self.training
+    while i < len(children):
+        end = spans.get(i)
+        if end is None:
+            x = children[i](x)
+            i += 1
+            continue
+        run_children = children[i:end]
+
+        def run(inp, run_children=run_children):
+            for child in run_children:
+                inp = child(inp)
+            return inp
+
+        x = _checkpointed_call(run, run_children, x) if grad else run(x)
+        i = end
+    return x
+
+
+def apply_activation_checkpointing(model: nn.Module, targets: list[str] | None = None) -> list[str]:
+    """Make blocks of `model` recompute their activations in backward instead of storing them.
+
+    targets: submodule names (as in model.named_modules(), e.g. "blocks.3") or runs of an
+    nn.Sequential ("features[0:4]"); None picks the repeated blocks (see `checkpoint_units`).
+    Each chosen module's forward runs under torch.utils.checkpoint.checkpoint(use_reentrant=False)
+    when gradients are on and the module is training; parameter names and state_dict keys do not
+    change. Applying twice wraps nothing twice. Gradients equal those of the unwrapped model.
+    Returns the checkpointed names. Raises ConfigError for a name that is not in the model.
+    """
+    units = checkpoint_units(model) if targets is None else [_resolve_target(model, t) for t in targets]
+    names = []
+    for unit in units:
+        if unit.container is None:
+            module = unit.modules[0]
+            if not getattr(module, "_gputrain_checkpointed", False):
+                module.forward = types.MethodType(_checkpointed_forward, module)
+                module._gputrain_checkpointed = True
+        else:
+            seq = unit.container
+            spans = list(getattr(seq, "_gputrain_spans", []))
+            a, b = unit.span
+            for s, e in spans:
+                if (s, e) != (a, b) and s < b and a < e:
+                    raise ConfigError(f"cannot checkpoint {unit.name!r}: it overlaps layers {s}:{e}, already checkpointed")
+            if (a, b) not in spans:
+                spans.append((a, b))
+            seq._gputrain_spans = sorted(spans)
+            seq.forward = types.MethodType(_segmented_forward, seq)
+        names.append(unit.name)
+    return names
