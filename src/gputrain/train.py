@@ -302,7 +302,9 @@ class Trainer:
                     self.scheduler.step()
                     self.step += 1
                     self.steps_since_log += 1
-                    last = self.step == stop
+                    # The run's last step is a log point; an early stop is not (the loss since the
+                    # last log point goes into the checkpoint, so a resumed history matches).
+                    last = self.step == self.total_steps
                     if self.step % cfg.log_every == 0 or last:
                         record = self._log_point(t_log, samples_at_log)
                         peak = max(peak, record.get("peak_memory_bytes") or 0)
@@ -315,7 +317,7 @@ class Trainer:
                                         samples_per_s=record["samples_per_s"],
                                         memory_bytes=record.get("peak_memory_bytes"))
                         t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and not last:
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < stop:
                         self.save_checkpoint()
         except KeyboardInterrupt:
             if self.run_dir:
