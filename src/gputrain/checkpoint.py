@@ -76,11 +76,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         msg = str(exc)
-        if "weights_only" in msg or "Unsupported global" in msg:
+        if "Unsupported global" in msg or "Unsupported class" in msg:
             raise CheckpointError(
                 f"{path}: holds Python objects that a safe load refuses; gputrain checkpoints hold only "
                 f"tensors and plain data ({msg.splitlines()[0][:200]})") from None
-        raise CheckpointError(f"{path}: corrupt or not a PyTorch file ({msg.splitlines()[0][:200]})") from None
+        detail = next((line.strip() for line in msg.splitlines() if "Unsupported" in line), msg.splitlines()[0][:120])
+        raise CheckpointError(f"{path}: corrupt or not a PyTorch file ({detail})") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         hint = "truncated or corrupt" if size < 1024 or "zip" in first.lower() or "EOF" in first else "unreadable"
