@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None, help="start N processes on this machine with torchrun")
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts after a failure")
     p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a workload option, e.g. --option n=2000 for synthetic-cifar (repeatable)")
     p.add_argument("--progress", type=_tri, default="auto", metavar="{auto,on,off}",
                    help="progress bar (auto: only on a terminal)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -215,6 +217,11 @@ def run(args) -> int:
 
     name = args.workload or DEFAULT_WORKLOAD
     options = {"data_dir": args.data_dir} if args.data_dir else {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. --option n=2000")
+        options[key.replace("-", "_")] = value
     workload = resolve_workload(name, **options)
     config = build_config(args, workload)
     full_batch = workload.full_batch and args.batch_size is None
