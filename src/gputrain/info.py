@@ -1,0 +1,69 @@
+"""`collect_info()`: PyTorch's build, every device, live GPU telemetry and other frameworks' view.
+
+Returns plain data with a stable schema; `gputrain info` renders it or prints it as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+from typing import Any
+
+from gputrain.devices import describe_devices, torch_build
+from gputrain.telemetry import host_memory, nvml_snapshot
+
+SCHEMA_KEYS = ("gputrain", "python", "torch", "devices", "nvml", "frameworks")
+
+
+def collect_info() -> dict[str, Any]:
+    from gputrain import __version__
+
+    devices = describe_devices()
+    devices["host_memory"] = host_memory()
+    return {
+        "gputrain": __version__,
+        "python": {"version": platform.python_version(), "executable": sys.executable, "platform": platform.platform()},
+        "torch": torch_build(),
+        "devices": devices,
+        "nvml": nvml_snapshot(),
+        "frameworks": other_frameworks(),
+    }
+
+
+def other_frameworks() -> dict[str, Any]:
+    """TensorFlow and JAX, only if installed: their versions and the GPUs they see.
+
+    A framework that is not installed is never imported; one that is broken is reported, not fatal.
+    """
+    out: dict[str, Any] = {}
+    if importlib.util.find_spec("tensorflow") is not None:
+        out["tensorflow"] = _probe_framework(_tensorflow)
+    if importlib.util.find_spec("jax") is not None:
+        out["jax"] = _probe_framework(_jax)
+    return out
+
+
+def _probe_framework(fn) -> dict[str, Any]:
+    try:
+        return fn()
+    except BaseException as exc:  # a broken install can raise anything, even SystemExit
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return {"installed": True, "error": f"{type(exc).__name__}: {first}"}
+
+
+def _tensorflow() -> dict[str, Any]:
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    return {"installed": True, "version": tf.__version__, "gpus": [g.name for g in gpus]}
+
+
+def _jax() -> dict[str, Any]:
+    import jax
+
+    devs = jax.devices()
+    return {"installed": True, "version": jax.__version__, "devices": [str(d) for d in devs],
+            "gpus": [str(d) for d in devs if d.platform in ("gpu", "cuda", "rocm")]}

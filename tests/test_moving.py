@@ -1,0 +1,73 @@
+"""move() over nested containers and modules; optimizer state; check_devices naming the tensors."""
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from gputrain import DeviceError, check_devices, move, move_optimizer_state
+
+META = torch.device("meta")
+Pair = collections.namedtuple("Pair", "inputs targets")
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    extra: dict
+    tag: str = "keep"
+
+
+def test_move_nested_structures_to_another_device():
+    x, y = torch.randn(2, 3), torch.arange(2)
+    obj = {"pair": Pair(x, y), "list": [x, (y, "text", 3)], "dc": Batch(x, {"y": y}),
+           "od": collections.OrderedDict(a=x), "dd": collections.defaultdict(list, b=[y])}
+    out = move(obj, META)
+    assert out["pair"].inputs.device == META and isinstance(out["pair"], Pair)
+    assert out["list"][0].device == META and out["list"][1][1:] == ("text", 3)
+    assert isinstance(out["dc"], Batch) and out["dc"].x.device == META and out["dc"].extra["y"].device == META
+    assert out["dc"].tag == "keep"
+    assert isinstance(out["od"], collections.OrderedDict) and out["od"]["a"].device == META
+    assert isinstance(out["dd"], collections.defaultdict) and out["dd"]["b"][0].device == META
+    assert x.device.type == "cpu"  # the originals are untouched
+
+
+def test_move_module_in_place_and_returns_it():
+    m = nn.Linear(3, 2)
+    assert move(m, META) is m
+    assert m.weight.device == META
+
+
+def test_move_optimizer_state_follows_the_model():
+    m = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    move_optimizer_state(opt, META)
+    state = opt.state[m.weight]
+    assert state["exp_avg"].device == META and state["exp_avg_sq"].device == META
+    assert state["step"].device.type == "cpu"  # scalar step counters stay on the host for non-fused Adam
+
+
+def test_check_devices_passes_and_returns_the_device():
+    m = nn.Linear(3, 2)
+    assert check_devices(m, {"x": torch.randn(1, 3)}) == torch.device("cpu")
+
+
+def test_check_devices_names_parameter_and_input():
+    m = nn.Sequential(nn.Linear(3, 2))
+    batch = {"image": torch.randn(1, 3, device=META), "label": torch.zeros(1)}
+    with pytest.raises(DeviceError) as e:
+        check_devices(m, batch)
+    msg = str(e.value)
+    assert "parameter 0.weight is on cpu" in msg and "input batch['image'] is on meta" in msg
+    assert "gputrain.move(batch, 'cpu')" in msg
+
+
+def test_check_devices_names_a_split_model():
+    m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    m[1].to(META)
+    with pytest.raises(DeviceError, match="parameter 0.weight is on cpu but parameter 1.weight is on meta"):
+        check_devices(m, torch.randn(1, 3))
