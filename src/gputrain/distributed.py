@@ -92,9 +92,18 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
         backend = "gloo"
     owns = False
     if not dist.is_initialized():
-        kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs = {"backend": backend, "timeout": timeout}
         if backend == "nccl":
             kwargs["device_id"] = device
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None:
+            # After a torchrun restart the rendezvous store still holds the dead attempt's peer
+            # addresses; a per-attempt key prefix keeps the new process group from dialling them.
+            use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=(rank == 0 and not use_agent), timeout=timeout)
+            kwargs.update(store=dist.PrefixStore(f"gputrain/attempt-{restart}", store), rank=rank, world_size=world)
         dist.init_process_group(**kwargs)
         owns = True
     return DistInfo(True, rank, local_rank, world, dist.get_backend(), owns), device

@@ -448,11 +448,18 @@ class Trainer:
         state = load_checkpoint(path)
         check_model_state(state["model"], self.module)
         saved_cfg = state.get("config", {})
-        for key in ("batch_size", "accumulate", "seed"):
-            if key in saved_cfg and saved_cfg[key] != getattr(self.config, key):
-                raise CheckpointError(
-                    f"{path}: the checkpoint was trained with {key}={saved_cfg[key]!r} but this run has "
-                    f"{key}={getattr(self.config, key)!r}; an exact resume needs the same value")
+        # The data order depends on the seed and the global batch (per-process batch x accumulation
+        # x processes), so a run may resume with another process count if the global batch is kept.
+        saved_global = saved_cfg.get("batch_size", 0) * saved_cfg.get("accumulate", 1) * int(state.get("world_size", 1))
+        global_batch = self.config.batch_size * self.config.accumulate * self.dist.world_size
+        if saved_cfg and saved_global != global_batch:
+            raise CheckpointError(
+                f"{path}: the checkpoint was trained with a global batch of {saved_global} "
+                f"(batch_size x accumulate x processes) but this run has {global_batch}; an exact resume needs "
+                "the same global batch")
+        if "seed" in saved_cfg and saved_cfg["seed"] != self.config.seed:
+            raise CheckpointError(f"{path}: the checkpoint was trained with seed={saved_cfg['seed']} but this run "
+                                  f"has seed={self.config.seed}; an exact resume needs the same seed")
         if self.dist.enabled:
             distributed.load_model_state_dict(self.model, state["model"], self.dist)
             distributed.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], self.dist)

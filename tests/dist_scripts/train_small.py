@@ -1,0 +1,50 @@
+"""Trains a small classifier with gputrain.fit; launched by tests/test_distributed.py.
+
+usage: train_small.py RUN_DIR BATCH ACCUMULATE SHARD STEPS [FAIL_MODE]
+FAIL_MODE: "raise" (rank 1 raises at its 3rd forward), "kill-once" (rank 1 exits hard at its 7th
+forward on the first attempt only), or absent.
+"""
+
+import json
+import logging
+import os
+import sys
+
+import torch
+from torch import nn
+
+from gputrain import TrainConfig, fit
+
+run_dir, batch, accumulate, shard, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+fail = sys.argv[6] if len(sys.argv) > 6 else ""
+rank = int(os.environ.get("RANK", "0"))
+logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(message)s")
+
+
+class Planted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if fail == "raise" and rank == 1 and self.calls == 3:
+                raise ValueError("planted failure on rank 1")
+            if fail == "kill-once" and rank == 1 and self.calls == 7 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+                os._exit(3)
+        return self.net(x)
+
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 8, generator=g)
+y = (x[:, :3].sum(1) > 0).long()
+torch.manual_seed(0)
+model = Planted()
+cfg = TrainConfig(device="cpu", batch_size=batch, accumulate=accumulate, steps=steps, log_every=2, seed=1,
+                  shard=shard, run_dir=run_dir, resume=True, checkpoint_every=2 if fail == "kill-once" else None)
+h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+if rank == 0:
+    with open(os.path.join(run_dir, "result.json"), "w") as f:
+        json.dump({"summary": h.summary, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}, f, default=str)
