@@ -22,7 +22,21 @@ fi
 # Install the package (editable) and the test runner. A stamp skips pip when pyproject is unchanged.
 stamp="$VENV/.gputrain-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
-    "$VPY" -m pip install -q -e ".[test]"
+    if ! "$VPY" -m pip install -q -e ".[test]"; then
+        # No package index (an offline GPU machine): install gputrain alone and use what is there.
+        echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
+        "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+        missing=$("$VPY" - <<'PY'
+import importlib.util
+need = {"numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "psutil": "psutil",
+        "sklearn": "scikit-learn", "mnist1d": "mnist1d", "pynvml": "nvidia-ml-py", "pytest": "pytest"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+        if [ -n "$missing" ]; then
+            echo "setup: missing packages: $missing (install them, or bring their wheels: pip install --no-index FILE.whl)"
+        fi
+    fi
     touch "$stamp"
 fi
 "$VPY" -c "import torch, gputrain; print(f'setup: gputrain ready (torch {torch.__version__}) in $VENV')"

@@ -164,8 +164,10 @@ class TensorBatches:
         return sizes or [self.per_rank]
 
     def _indices(self, epoch: int) -> torch.Tensor | None:
-        if not self.shuffle and self.world_size == 1:
-            return None  # plain slices, no gather
+        if self.world_size == 1 and (not self.shuffle or self.batch_size >= self.n):
+            # Plain slices, no gather: also for full-batch training, where the order of the samples
+            # inside the one batch does not change the mean loss (seed 003's iris run).
+            return None
         if self.shuffle:
             self._gen.manual_seed(epoch_seed(self.seed, epoch))
             perm = torch.randperm(self.n, device=self.device, generator=self._gen)
