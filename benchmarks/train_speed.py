@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.devices import cpu_model_name, synchronizer

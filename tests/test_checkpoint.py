@@ -1,6 +1,5 @@
 """Checkpoints: atomic writes, safe loads, and errors that name the file and the problem."""
 
-import os
 import random
 import subprocess
 import sys

@@ -48,11 +48,21 @@ def test_cuda_on_a_cpu_only_build(monkeypatch):
     assert "install a CUDA build of PyTorch" in msg
 
 
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only PyTorch build")
+def test_cuda_on_this_cpu_only_build_unpatched():
+    with pytest.raises(DeviceError, match=r"cuda:0 requested, but this PyTorch build has no CUDA support"):
+        pick_device("cuda:0")
+
+
 def test_cuda_index_out_of_range_names_the_devices(monkeypatch):
     _fake_cuda(monkeypatch, ["NVIDIA H100 80GB HBM3"])
-    with pytest.raises(DeviceError, match=r"cuda:3 requested, but this machine has 1 CUDA device "
-                                          r"\(cuda:0 NVIDIA H100 80GB HBM3\)"):
+    with pytest.raises(DeviceError) as e:
         pick_device("cuda:3")
+    assert str(e.value) == ("cuda:3 requested, but this machine has 1 CUDA device (cuda:0 NVIDIA H100 80GB HBM3): "
+                            "use one of cuda:0..cuda:0")
+    _fake_cuda(monkeypatch, ["A100", "A100"])
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    assert pick_device("cuda") == torch.device("cuda", 0)  # "cuda" means the current device, made explicit
 
 
 def test_cuda_built_but_not_available(monkeypatch):
@@ -60,6 +70,15 @@ def test_cuda_built_but_not_available(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(DeviceError, match=r"CUDA is not available \(CUDA_VISIBLE_DEVICES='' hides every GPU\)"):
         pick_device("cuda")
+
+
+def test_cuda_built_but_no_driver(monkeypatch):
+    _fake_cuda(monkeypatch, [], built=True, available=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(DeviceError) as e:
+        pick_device("cuda")
+    assert str(e.value) == ("cuda requested, but CUDA is not available (no usable NVIDIA GPU or driver was found): "
+                            "run `gputrain doctor` to see why, or use device 'cpu'")
 
 
 def test_probe_failure_is_a_device_error(monkeypatch):

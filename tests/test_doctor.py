@@ -1,20 +1,25 @@
-"""`gputrain doctor` on faked machines: each check's verdict and fix; exit codes; JSON."""
+"""`gputrain doctor` on faked machines: each check's verdict and fix; exit codes; JSON; measurements."""
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 
+from gputrain import devices
 from gputrain import doctor as doc
 from gputrain.cli import main
+from test_info import fake_pynvml
 
-H100 = {"index": 0, "device": "cuda:0", "name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": 80 * 2**30,
-        "free_memory_bytes": 79 * 2**30, "compute_capability": "9.0", "multiprocessors": 132, "bf16": True, "tf32": True}
+GIB = 2**30
+H100 = {"index": 0, "device": "cuda:0", "name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": 80 * GIB,
+        "free_memory_bytes": 79 * GIB, "compute_capability": "9.0", "multiprocessors": 132, "bf16": True, "tf32": True}
 T4 = {**H100, "name": "Tesla T4", "compute_capability": "7.5", "bf16": False, "tf32": False}
 
 
 def probe(**changes):
+    """A healthy H100 machine; each test changes one fact."""
     base = doc.Probe(torch_version="2.13.0", torch_cuda="12.6", cuda_available=True, cuda_error=None,
                      nvidia_driver=True, driver_version="560.35", driver_cuda="12.6", gpus=[H100], tf32_matmul=True)
     return dataclasses.replace(base, **changes)
@@ -26,67 +31,166 @@ def by_name(checks):
 
 def test_healthy_gpu_machine_passes():
     checks = doc.run_checks(probe())
+    assert [c.name for c in checks] == ["pytorch build", "cuda", "driver", "memory cuda:0"]
     assert all(c.status == "pass" for c in checks), checks
 
 
 def test_gpu_present_but_cpu_only_torch_fails():
-    c = by_name(doc.run_checks(probe(torch_cuda=None, cuda_available=False, gpus=[])))["pytorch build"]
-    assert c.status == "fail" and "CPU-only build" in c.message and "CUDA build" in c.fix
+    checks = by_name(doc.run_checks(probe(torch_cuda=None, cuda_available=False, gpus=[])))
+    c = checks["pytorch build"]
+    assert c.status == "fail" and "PyTorch 2.13.0 is a CPU-only build" in c.message and "driver 560.35" in c.message
+    assert "install a CUDA build of PyTorch" in c.fix
+    assert checks["accelerator"].fix == "fix the failure above"
+
+
+def test_gather_probe_nvml_sees_a_gpu_torch_has_no_cuda(monkeypatch):
+    """The real gather on this CPU-only build, with NVML faked to report an H100."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    monkeypatch.setattr(devices, "_cuda_built", lambda: False)
+    p = doc.gather_probe()
+    assert p.nvidia_driver and p.driver_version == "560.35.03" and p.driver_cuda == "12.6"
+    assert [x["pid"] for x in p.gpu_processes[0]] == [4242]  # this process is not "other"
+    checks = by_name(doc.run_checks(dataclasses.replace(p, torch_cuda=None)))
+    assert checks["pytorch build"].status == "fail"
+
+
+def test_gather_probe_without_nvml_keeps_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(init_error=RuntimeError("NVML Shared Library Not Found")))
+    monkeypatch.setattr(doc.os.path, "exists", lambda path: False)  # and no /proc/driver/nvidia
+    p = doc.gather_probe()
+    assert not p.nvidia_driver and p.driver_version is None
+    assert p.nvml_reason.endswith("NVML Shared Library Not Found")
 
 
 def test_cuda_not_initializable_fails():
     c = by_name(doc.run_checks(probe(cuda_available=False, gpus=[], cuda_error="CUDA driver initialization failed")))["cuda"]
-    assert c.status == "fail" and "driver initialization failed" in c.message
+    assert c.status == "fail" and c.message.endswith("CUDA is not available: CUDA driver initialization failed")
+    assert "nvidia-smi" in c.fix
+    c = by_name(doc.run_checks(probe(cuda_available=False, gpus=[], nvidia_driver=False, driver_cuda=None)))["cuda"]
+    assert c.status == "fail" and "no NVIDIA driver found" in c.message
 
 
 def test_old_driver():
     checks = by_name(doc.run_checks(probe(driver_cuda="11.8")))
-    assert checks["driver"].status == "fail" and "CUDA up to 11.8" in checks["driver"].message
+    assert checks["driver"].status == "fail"
+    assert "supports CUDA up to 11.8, but PyTorch was built with CUDA 12.6" in checks["driver"].message
+    assert "CUDA 11.x" in checks["driver"].fix
+    # Same major version: minor-version compatibility usually works, so a warning.
     assert by_name(doc.run_checks(probe(driver_cuda="12.2")))["driver"].status == "warn"
+    assert by_name(doc.run_checks(probe(driver_cuda="12.8")))["driver"].status == "pass"
 
 
 def test_memory_held_by_others_warns():
-    gpu = {**H100, "free_memory_bytes": 10 * 2**30}
-    c = by_name(doc.run_checks(probe(gpus=[gpu], gpu_processes={0: [{"pid": 7, "memory_bytes": 70 * 2**30}]})))["memory cuda:0"]
-    assert c.status == "warn" and "1 other process(es) hold 70.0 GiB" in c.message
+    gpu = {**H100, "free_memory_bytes": 10 * GIB}
+    c = by_name(doc.run_checks(probe(gpus=[gpu], gpu_processes={0: [{"pid": 7, "memory_bytes": 70 * GIB}]})))
+    c = c["memory cuda:0"]
+    assert c.status == "warn" and c.message == "only 10.0 of 80.0 GiB free: 1 other process hold 70.0 GiB (pids 7)"
+    assert "--device cuda:N" in c.fix
+    c = by_name(doc.run_checks(probe(gpus=[gpu])))["memory cuda:0"]
+    assert c.status == "warn" and "NVML lists no other process" in c.message
 
 
-def test_tf32_off_on_ampere_warns_and_no_bf16_warns():
-    assert by_name(doc.run_checks(probe(tf32_matmul=False)))["tf32 cuda:0"].status == "warn"
+def test_tf32_off_on_a_hopper_gpu_warns():
+    c = by_name(doc.run_checks(probe(tf32_matmul=False)))["tf32 cuda:0"]
+    assert c.status == "warn" and "capability 9.0" in c.message
+    assert "gputrain fit turns TF32 on" in c.fix and "set_float32_matmul_precision('high')" in c.fix
+    assert "tf32 cuda:0" not in by_name(doc.run_checks(probe(tf32_matmul=False, gpus=[T4])))  # no TF32 hardware
+
+
+def test_no_bf16_warns():
     c = by_name(doc.run_checks(probe(gpus=[T4])))["bf16 cuda:0"]
-    assert c.status == "warn" and "fp16" in c.message
+    assert c.status == "warn" and "Tesla T4 (capability 7.5) has no bf16" in c.message and "fp16" in c.fix
 
 
 def test_cpu_only_and_mps_fallback_warn():
     checks = by_name(doc.run_checks(probe(torch_cuda=None, cuda_available=False, gpus=[], nvidia_driver=False,
-                                          mps_fallback=True)))
+                                          driver_cuda=None, mps_fallback=True)))
     assert checks["pytorch build"].status == "pass"
-    assert checks["accelerator"].status == "warn" and "CPU" in checks["accelerator"].message
-    assert checks["mps fallback"].status == "warn"
+    assert checks["accelerator"].status == "warn" and "training runs on the CPU" in checks["accelerator"].message
+    assert checks["mps fallback"].status == "warn" and "PYTORCH_ENABLE_MPS_FALLBACK=1" in checks["mps fallback"].message
 
 
-def test_doctor_exit_code_follows_failures(monkeypatch, capsys):
+def test_tf32_reading_survives_both_pytorch_apis():
+    matmul = torch.backends.cuda.matmul
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert doc.tf32_matmul_enabled() is False
+        torch.set_float32_matmul_precision("high")
+        assert doc.tf32_matmul_enabled() is True
+        if hasattr(matmul, "fp32_precision"):  # the newer API: reading allow_tf32 after it raises
+            matmul.fp32_precision = "tf32"
+            assert doc.tf32_matmul_enabled() is True
+            matmul.fp32_precision = "ieee"
+            assert doc.tf32_matmul_enabled() is False
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def test_matmul_verdict_against_the_peak_table():
+    c = doc.matmul_check("NVIDIA H100 80GB HBM3", {"bf16": 700.0, "tf32": 400.0, "fp32": 50.0}, 4096)
+    assert c.status == "pass" and "bf16 700 (71% of 989)" in c.message
+    c = doc.matmul_check("NVIDIA H100 80GB HBM3", {"bf16": 200.0}, 4096)
+    assert c.status == "warn" and "power limit" in c.fix
+    c = doc.matmul_check("Mystery GPU 9000", {"bf16": 123.0, "fp32": 20.0}, 4096)
+    assert c.status == "pass" and "%" not in c.message and "no published peak known" in c.message
+
+
+def test_transfer_verdict():
+    assert doc.transfer_check({"pinned": 24.0, "pageable": 9.0}).status == "pass"
+    c = doc.transfer_check({"pinned": 3.0, "pageable": 3.0})
+    assert c.status == "warn" and "PCIe" in c.fix
+
+
+def test_doctor_exit_code_and_json(monkeypatch, capsys):
     monkeypatch.setattr(doc, "gather_probe", lambda: probe(torch_cuda=None, cuda_available=False, gpus=[]))
     assert main(["doctor", "--no-measure", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is False and any(c["status"] == "fail" for c in report["checks"])
-    monkeypatch.setattr(doc, "gather_probe", lambda: probe(cuda_available=False, gpus=[], torch_cuda=None,
-                                                           nvidia_driver=False))
+    assert set(report) == {"ok", "checks", "measurements", "probe"}
+    assert report["ok"] is False and report["measurements"] is None
+    assert {"name", "status", "message", "fix"} == set(report["checks"][0])
+    assert report["checks"][0]["status"] == "fail"
+
+    assert main(["doctor", "--no-measure"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "fix: install a CUDA build of PyTorch" in out and "1 check(s) failed" in out
+
+    monkeypatch.setattr(doc, "gather_probe", lambda: probe(torch_cuda=None, cuda_available=False, gpus=[],
+                                                           nvidia_driver=False, driver_cuda=None))
     assert main(["doctor", "--no-measure"]) == 0
+    assert "no failures, 1 warning(s)" in capsys.readouterr().out
 
 
-def test_doctor_measures_this_machine():
-    report = doc.doctor(run_measurements=True)
+def test_measurement_error_becomes_a_warning(monkeypatch):
+    def broken(device, budget_s=0.5):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(doc, "measure", broken)
+    report = doc.doctor(probe=probe(torch_cuda=None, cuda_available=False, gpus=[], nvidia_driver=False))
+    c = report["checks"][-1]
+    assert c["name"] == "measurements" and c["status"] == "warn"
+    assert c["message"] == "could not measure on cpu: CUDA error: an illegal memory access was encountered"
+
+
+def test_doctor_measures_this_machine(capsys):
+    assert main(["doctor", "--json"]) in (0, 1)
+    report = json.loads(capsys.readouterr().out)
     names = [c["name"] for c in report["checks"]]
     assert "matmul" in names and "host-to-device" in names
     if not torch.cuda.is_available():
         assert report["measurements"]["matmul_gflops_fp32"] > 0.1
         assert report["measurements"]["h2d_gb_per_s"] is None
+        assert "skipped" in next(c for c in report["checks"] if c["name"] == "host-to-device")["message"]
 
 
 @pytest.mark.gpu
 def test_doctor_measures_the_gpu():
-    m = doc.doctor()["measurements"]
+    report = doc.doctor()
+    m = report["measurements"]
     assert m["h2d_gb_per_s"]["pinned"] > m["h2d_gb_per_s"]["pageable"]
-    if "H100" in torch.cuda.get_device_name(0) or "H200" in torch.cuda.get_device_name(0):
-        assert m["matmul_tflops"]["bf16"] > 300
+    assert set(m["matmul_tflops"]) == {"bf16", "tf32", "fp32"}
+    name = torch.cuda.get_device_name(0)
+    if "H100" in name or "H200" in name:
+        assert m["matmul_tflops"]["bf16"] > 100
+        assert m["peak_tflops"]["bf16"] is not None
+    assert torch.get_float32_matmul_precision() == "highest"  # the measurement restored the setting

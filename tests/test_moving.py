@@ -71,3 +71,21 @@ def test_check_devices_names_a_split_model():
     m[1].to(META)
     with pytest.raises(DeviceError, match="parameter 0.weight is on cpu but parameter 1.weight is on meta"):
         check_devices(m, torch.randn(1, 3))
+
+
+def test_move_modules_inside_containers_and_keeps_other_values():
+    m = nn.Linear(3, 2)
+    out = move({"model": m, "steps": 3, "name": None, "xs": (torch.zeros(1),)}, "meta")
+    assert out["model"] is m and m.weight.device == META
+    assert out["steps"] == 3 and out["name"] is None and isinstance(out["xs"], tuple) and out["xs"][0].device == META
+
+
+def test_check_devices_names_inputs_on_two_devices_for_a_parameterless_model():
+    batch = [torch.zeros(1), Pair(torch.zeros(1, device=META), 0)]
+    with pytest.raises(DeviceError) as e:
+        check_devices(nn.ReLU(), batch)
+    assert str(e.value) == "the inputs are on different devices: batch[0] is on cpu but batch[1].inputs is on meta"
+
+
+def test_check_devices_with_no_tensors_returns_none():
+    assert check_devices(nn.ReLU(), {"n": 3}) is None

@@ -15,6 +15,8 @@ import torch
 
 from gputrain import peaks
 
+GiB = 2**30
+
 CUDA_WHEEL_FIX = ("install a CUDA build of PyTorch: pip install torch --index-url "
                   "https://download.pytorch.org/whl/cu126 (see pytorch.org/get-started)")
 
@@ -27,12 +29,13 @@ class Probe:
     torch_cuda: str | None  # CUDA version PyTorch was built with; None for a CPU-only build
     cuda_available: bool
     cuda_error: str | None
-    nvidia_driver: bool  # an NVIDIA driver is loaded (NVML or /proc/driver/nvidia)
+    nvidia_driver: bool  # an NVIDIA GPU and driver are there (NVML sees a GPU, or /proc/driver/nvidia exists)
     driver_version: str | None
-    driver_cuda: str | None  # newest CUDA the driver supports, "12.4"
+    driver_cuda: str | None  # newest CUDA the driver supports, "12.4" (from NVML)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # devices.describe_cuda rows
-    gpu_processes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # index -> NVML processes
-    tf32_matmul: bool = False
+    gpu_processes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # index -> other NVML processes
+    nvml_reason: str | None = None  # why NVML gave nothing, when it did not
+    tf32_matmul: bool = False  # fp32 matmuls in this process may use TF32 tensor cores
     mps_built: bool = False
     mps_available: bool = False
     mps_fallback: bool = False
@@ -46,40 +49,65 @@ class Check:
     fix: str = ""
 
 
+def tf32_matmul_enabled() -> bool:
+    """Whether fp32 CUDA matmuls in this process may use TF32 tensor cores.
+
+    PyTorch has two APIs for this (allow_tf32 / set_float32_matmul_precision, and the newer
+    fp32_precision); reading the old flag raises once the new one was used, so read the new one first.
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        new = getattr(matmul, "fp32_precision", None)
+        if new is not None:
+            return new == "tf32"
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return torch.get_float32_matmul_precision() != "highest"
+
+
 def gather_probe() -> Probe:
+    """Every fact the checks need, read once from this machine (tests build a Probe by hand)."""
     from gputrain import devices, telemetry
 
-    nvml = telemetry.nvml_snapshot()
+    nvml, nvml_reason = telemetry.nvml_telemetry()
     gpus, cuda_error = [], None
     available = False
     if devices._cuda_built():
         try:
-            available = torch.cuda.is_available()
+            available = devices._cuda_available() and devices._cuda_count() > 0
             if available:
-                gpus = [devices.describe_cuda(i) for i in range(torch.cuda.device_count())]
+                gpus = [devices.describe_cuda(i) for i in range(devices._cuda_count())]
             else:
-                try:  # ask CUDA why: the first real call raises the driver's error text
+                try:  # ask CUDA why: initializing raises the driver's own error text
                     torch.cuda.init()
                 except Exception as exc:
-                    cuda_error = str(exc).strip().splitlines()[0]
+                    cuda_error = _first_line(exc)
         except Exception as exc:
-            available, cuda_error = False, str(exc).strip().splitlines()[0]
-    procs = {g["index"]: g.get("processes", []) for g in nvml.get("gpus", [])} if nvml.get("available") else {}
+            available, cuda_error = False, _first_line(exc)
+    procs = {}
+    if nvml:
+        procs = {g["index"]: [x for x in g.get("processes", []) if not x.get("this_process")] for g in nvml["gpus"]}
     return Probe(
         torch_version=torch.__version__,
         torch_cuda=torch.version.cuda,
         cuda_available=available,
         cuda_error=cuda_error,
-        nvidia_driver=bool(nvml.get("available")) or telemetry.nvidia_driver_present(),
-        driver_version=nvml.get("driver"),
-        driver_cuda=nvml.get("cuda_driver"),
+        nvidia_driver=bool(nvml and nvml["gpus"]) or telemetry.nvidia_driver_present(),
+        driver_version=nvml["driver"] if nvml else None,
+        driver_cuda=nvml["cuda_driver"] if nvml else None,
         gpus=gpus,
         gpu_processes=procs,
-        tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest",
+        nvml_reason=nvml_reason,
+        tf32_matmul=tf32_matmul_enabled(),
         mps_built=devices._mps_built(),
         mps_available=devices._mps_available(),
         mps_fallback=os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1",
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _version(text: str | None) -> tuple[int, int] | None:
@@ -91,6 +119,7 @@ def _version(text: str | None) -> tuple[int, int] | None:
 
 
 def run_checks(p: Probe) -> list[Check]:
+    """Verdicts on a Probe: pass / warn / fail, each with a one-line fix. Pure: no device is touched."""
     checks: list[Check] = []
     # 1. The GPU and the PyTorch build.
     if p.nvidia_driver and p.torch_cuda is None:
@@ -105,11 +134,12 @@ def run_checks(p: Probe) -> list[Check]:
     if p.torch_cuda is not None and not p.cuda_available:
         why = p.cuda_error or ("no NVIDIA driver found" if not p.nvidia_driver else "the driver did not initialize")
         checks.append(Check("cuda", "fail", f"PyTorch has CUDA {p.torch_cuda} but CUDA is not available: {why}",
-                            "check `nvidia-smi`; install or update the NVIDIA driver; check CUDA_VISIBLE_DEVICES"))
+                            "run `nvidia-smi`; install or update the NVIDIA driver; check CUDA_VISIBLE_DEVICES"))
     elif p.cuda_available:
         names = ", ".join(f"cuda:{g['index']} {g['name']}" for g in p.gpus)
-        checks.append(Check("cuda", "pass", f"{len(p.gpus)} CUDA device(s): {names}"))
-    # 3. Driver new enough for the build.
+        checks.append(Check("cuda", "pass", f"{len(p.gpus)} CUDA device{'s' if len(p.gpus) != 1 else ''}: {names}"))
+    # 3. Driver new enough for the build. Within one major version, CUDA's minor-version
+    # compatibility usually lets an older driver run the build, so that is a warning.
     build, drv = _version(p.torch_cuda), _version(p.driver_cuda)
     if build and drv:
         if drv[0] < build[0]:
@@ -119,38 +149,22 @@ def run_checks(p: Probe) -> list[Check]:
                                 f"update the NVIDIA driver, or install a PyTorch built for CUDA {drv[0]}.x"))
         elif drv < build:
             checks.append(Check("driver", "warn",
-                                f"driver supports CUDA {p.driver_cuda}, older than PyTorch's {p.torch_cuda}: minor-version "
-                                "compatibility usually works, but some kernels (JIT, newest features) may fail",
-                                "update the NVIDIA driver"))
+                                f"driver {p.driver_version} supports CUDA {p.driver_cuda}, older than PyTorch's "
+                                f"{p.torch_cuda}: minor-version compatibility usually works, but some kernels "
+                                "(JIT-compiled, newest features) may fail", "update the NVIDIA driver"))
         else:
-            checks.append(Check("driver", "pass", f"driver {p.driver_version} supports CUDA {p.driver_cuda}"))
+            checks.append(Check("driver", "pass", f"driver {p.driver_version} supports CUDA {p.driver_cuda} "
+                                f"(PyTorch needs {p.torch_cuda})"))
     # 4. Memory held by other processes; 5. TF32; 6. bf16.
     for g in p.gpus:
-        free, total = g.get("free_memory_bytes"), g.get("total_memory_bytes")
-        others = p.gpu_processes.get(g["index"], [])
-        if free is not None and total and free < 0.5 * total:
-            held = sum(x.get("memory_bytes") or 0 for x in others)
-            who = f" ({len(others)} other process(es) hold {held / 2**30:.1f} GiB)" if others else ""
-            checks.append(Check(f"memory cuda:{g['index']}", "warn",
-                                f"only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free{who}",
-                                "stop other jobs on this GPU (nvidia-smi lists them) or pick another with --device cuda:N"))
-        elif free is not None:
-            checks.append(Check(f"memory cuda:{g['index']}", "pass", f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"))
-        if g.get("tf32") and not p.tf32_matmul:
-            checks.append(Check(f"tf32 cuda:{g['index']}", "warn",
-                                f"{g['name']} has TF32 tensor cores but fp32 matmuls in this process do not use them",
-                                "torch.set_float32_matmul_precision('high') in your code; gputrain fit turns it on "
-                                "for bf16/tf32 runs"))
-        if not g.get("bf16"):
-            checks.append(Check(f"bf16 cuda:{g['index']}", "warn",
-                                f"{g['name']} (capability {g['compute_capability']}) has no bf16 tensor cores: "
-                                "mixed precision uses fp16 with loss scaling", "nothing to do; gputrain picks fp16"))
+        checks += _gpu_checks(p, g)
     # 7. CPU only.
     if not p.cuda_available and not p.mps_available:
         checks.append(Check("accelerator", "warn",
-                            "no usable GPU: training runs on the CPU, where mid-size conv nets train 10-100x slower "
-                            "than on a current GPU (tiny models like iris are the exception)",
-                            "on a machine with an NVIDIA GPU install its driver and a CUDA build of PyTorch"))
+                            "no usable GPU: training runs on the CPU, where mid-size conv nets and transformers train "
+                            "10-100x slower than on a current GPU (tiny models like iris are the exception)",
+                            "fix the failure above" if p.nvidia_driver else
+                            "on a machine with an NVIDIA GPU, install its driver and a CUDA build of PyTorch"))
     # 8. MPS fallback.
     if p.mps_fallback:
         checks.append(Check("mps fallback", "warn",
@@ -159,72 +173,139 @@ def run_checks(p: Probe) -> list[Check]:
     return checks
 
 
-def measure(device: torch.device, budget_s: float = 1.0) -> tuple[dict[str, Any], list[Check]]:
-    """A short bandwidth test (pinned vs pageable) and a matmul test against the device's peak."""
+def _gpu_checks(p: Probe, g: dict[str, Any]) -> list[Check]:
+    out = []
+    dev = f"cuda:{g['index']}"
+    free, total = g.get("free_memory_bytes"), g.get("total_memory_bytes")
+    others = p.gpu_processes.get(g["index"], [])
+    if free is not None and total:
+        if free < 0.5 * total:
+            held = sum(x.get("memory_bytes") or 0 for x in others)
+            who = (f": {len(others)} other process{'es' if len(others) != 1 else ''} hold {held / GiB:.1f} GiB "
+                   f"(pids {', '.join(str(x['pid']) for x in others[:5])})" if others
+                   else ": NVML lists no other process here (one in another container may hold it)")
+            out.append(Check(f"memory {dev}", "warn", f"only {free / GiB:.1f} of {total / GiB:.1f} GiB free{who}",
+                             "stop the other jobs on this GPU (nvidia-smi lists them) or pick another with --device cuda:N"))
+        else:
+            out.append(Check(f"memory {dev}", "pass", f"{free / GiB:.1f} of {total / GiB:.1f} GiB free"))
+    if g.get("tf32") and not p.tf32_matmul:
+        out.append(Check(f"tf32 {dev}", "warn",
+                         f"{g['name']} (capability {g['compute_capability']}) has TF32 tensor cores, but fp32 matmuls "
+                         "in this process run in full fp32, several times slower",
+                         "gputrain fit turns TF32 on for its run when precision is bf16/tf32 (auto picks bf16 here); "
+                         "in your own code call torch.set_float32_matmul_precision('high')"))
+    if not g.get("bf16"):
+        out.append(Check(f"bf16 {dev}", "warn",
+                         f"{g['name']} (capability {g['compute_capability']}) has no bf16 tensor cores: mixed precision "
+                         "there is fp16 with loss scaling", "nothing to do: gputrain's auto precision picks fp16"))
+    return out
+
+
+# ---------------------------------------------------------------- measurements
+
+MATMUL_N = {"cuda": 4096, "cpu": 512}  # square matmul size per device type
+
+
+def measure(device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, Any], list[Check]]:
+    """A short host-to-device bandwidth test (pinned vs pageable) and a matmul test against the peak.
+
+    CUDA: 64 MiB copies, and 4096^3 matmuls in bf16, tf32 and fp32 timed with CUDA events (warm-up,
+    median). CPU: a 512^3 fp32 matmul in GFLOP/s; no copy test. Each timing takes about `budget_s`.
+    Returns (measurements as plain data, checks).
+    """
     from gputrain.bench.common import measure as timeit
 
     results: dict[str, Any] = {"device": str(device)}
-    checks: list[Check] = []
-    if device.type == "cuda":
-        nbytes = 64 * 2**20
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        pinned = src.pin_memory()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        bw = {}
-        for label, host in (("pageable", src), ("pinned", pinned)):
-            r = timeit(lambda h=host: dst.copy_(h, non_blocking=True), device, warmup=2, repeats=5, budget_s=budget_s)
-            bw[label] = nbytes / r["median_s"] / 1e9
-        results["h2d_gb_per_s"] = bw
-        ratio = bw["pinned"] / bw["pageable"]
-        checks.append(Check("host-to-device", "pass" if ratio >= 1.2 else "warn",
-                            f"64 MiB copies: pinned {bw['pinned']:.1f} GB/s, pageable {bw['pageable']:.1f} GB/s "
-                            f"({ratio:.1f}x)",
-                            "" if ratio >= 1.2 else "pinned memory should be faster; check the PCIe link (lspci -vv)"))
-        name = torch.cuda.get_device_name(device)
-        n = 4096
-        tf = {}
-        for prec, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            r = timeit(lambda: a @ b, device, warmup=3, repeats=10, budget_s=budget_s)
-            tf[prec] = 2 * n**3 / r["median_s"] / 1e12
-        results["matmul_tflops"] = tf
-        fp32_as = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-        parts = []
-        for prec, value in tf.items():
-            peak = peaks.peak_tflops(name, prec if prec != "fp32" else fp32_as)
-            parts.append(f"{prec} {value:.0f} TFLOP/s" + (f" ({value / peak:.0%} of {peak:.0f} peak)" if peak else ""))
-        peak_bf16 = peaks.peak_tflops(name, "bf16")
-        low = peak_bf16 is not None and tf["bf16"] < 0.4 * peak_bf16
-        checks.append(Check("matmul", "warn" if low else "pass", f"{n}^3 matmul on {name}: " + ", ".join(parts)
-                            + ("" if peak_bf16 else " (no peak known for this GPU)"),
-                            "well below peak: check clocks and power limits (nvidia-smi -q -d CLOCK,POWER) and "
-                            "other jobs" if low else ""))
-    else:
-        n = 512
+    if device.type != "cuda":
+        n = MATMUL_N["cpu"]
         a, b = torch.randn(n, n), torch.randn(n, n)
         r = timeit(lambda: a @ b, device, warmup=2, repeats=5, budget_s=budget_s)
         gflops = 2 * n**3 / r["median_s"] / 1e9
-        results["matmul_gflops_fp32"] = gflops
-        checks.append(Check("matmul", "pass", f"{n}^3 fp32 matmul on the CPU: {gflops:.1f} GFLOP/s "
-                            f"({torch.get_num_threads()} threads)"))
-        results["h2d_gb_per_s"] = None
-        checks.append(Check("host-to-device", "pass", "skipped: no GPU to copy to"))
+        results.update(h2d_gb_per_s=None, matmul_gflops_fp32=gflops, matmul_n=n, threads=torch.get_num_threads())
+        return results, [
+            Check("host-to-device", "pass", "skipped: no GPU to copy to"),
+            Check("matmul", "pass", f"{n}^3 fp32 matmul on the CPU: {gflops:.1f} GFLOP/s "
+                                    f"({torch.get_num_threads()} threads); a current data-center GPU does hundreds of TFLOP/s in bf16"),
+        ]
+
+    nbytes = 64 * 2**20
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    bw = {}
+    for label, host in (("pageable", src), ("pinned", src.pin_memory())):
+        r = timeit(lambda h=host: dst.copy_(h, non_blocking=True), device, warmup=2, repeats=5, budget_s=budget_s)
+        bw[label] = nbytes / r["median_s"] / 1e9
+    results["h2d_gb_per_s"] = bw
+    checks = [transfer_check(bw)]
+
+    name = torch.cuda.get_device_name(device)
+    n = MATMUL_N["cuda"]
+    tflops = {}
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for prec, dtype, fp32_mode in (("bf16", torch.bfloat16, "highest"), ("tf32", torch.float32, "high"),
+                                       ("fp32", torch.float32, "highest")):
+            torch.set_float32_matmul_precision(fp32_mode)
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            r = timeit(lambda: a @ b, device, warmup=3, repeats=10, budget_s=budget_s)
+            tflops[prec] = 2 * n**3 / r["median_s"] / 1e12
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    results.update(matmul_tflops=tflops, matmul_n=n, device_name=name,
+                   peak_tflops={prec: peaks.peak_tflops(name, prec) for prec in tflops})
+    checks.append(matmul_check(name, tflops, n))
     return results, checks
 
 
+def transfer_check(gb_per_s: dict[str, float]) -> Check:
+    """Verdict on pinned vs pageable host-to-device GB/s: pinned memory should be clearly faster."""
+    pinned, pageable = gb_per_s["pinned"], gb_per_s["pageable"]
+    ratio = pinned / pageable
+    ok = ratio >= 1.2
+    return Check("host-to-device", "pass" if ok else "warn",
+                 f"64 MiB copies: pinned {pinned:.1f} GB/s, pageable {pageable:.1f} GB/s ({ratio:.1f}x); "
+                 "gputrain's loaders use pinned memory",
+                 "" if ok else "pinned copies should be faster: check the PCIe link width and speed (nvidia-smi -q)")
+
+
+def matmul_check(name: str, tflops: dict[str, float], n: int) -> Check:
+    """Verdict on measured matmul TFLOP/s per precision against the peak table.
+
+    A GPU missing from the table gets no % figure (no made-up peak). Warns when bf16 reaches less
+    than 40% of the peak: a throttled, power-capped or shared GPU.
+    """
+    parts = []
+    for prec, value in tflops.items():
+        peak = peaks.peak_tflops(name, prec)
+        parts.append(f"{prec} {value:.0f}" + (f" ({value / peak:.0%} of {peak:.0f})" if peak else ""))
+    peak_bf16 = peaks.peak_tflops(name, "bf16")
+    low = peak_bf16 is not None and "bf16" in tflops and tflops["bf16"] < 0.4 * peak_bf16
+    message = f"{n}^3 matmul on {name}, TFLOP/s: " + ", ".join(parts)
+    if peaks.lookup(name) is None:
+        message += " (no published peak known for this GPU)"
+    return Check("matmul", "warn" if low else "pass", message,
+                 "well below peak: check clocks, power limit and other jobs (nvidia-smi -q -d CLOCK,POWER)"
+                 if low else "")
+
+
 def doctor(run_measurements: bool = True, probe: Probe | None = None) -> dict[str, Any]:
-    """All checks (and measurements); returns plain data with `ok` False when any check failed."""
+    """All checks (and measurements) as plain data: {"ok", "checks", "measurements", "probe"}.
+
+    `ok` is False when any check failed. A measurement that errors becomes a warning; it never
+    hides the checks.
+    """
     probe = probe or gather_probe()
     checks = run_checks(probe)
     measurements = None
     if run_measurements:
-        device = torch.device("cuda", 0) if probe.cuda_available and probe.gpus else torch.device("cpu")
+        device = torch.device("cuda", probe.gpus[0]["index"]) if probe.cuda_available and probe.gpus else torch.device("cpu")
         try:
             measurements, more = measure(device)
             checks += more
-        except Exception as exc:  # a measurement must never hide the checks
-            checks.append(Check("measurements", "warn", f"could not measure on {device}: {exc}"))
+        except Exception as exc:
+            checks.append(Check("measurements", "warn", f"could not measure on {device}: {_first_line(exc)}",
+                                "run `gputrain bench matmul` for details"))
     return {
         "ok": not any(c.status == "fail" for c in checks),
         "checks": [asdict(c) for c in checks],

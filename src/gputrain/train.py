@@ -11,10 +11,8 @@ What happens, in order:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,8 +25,8 @@ from torch import nn
 from gputrain import distributed
 from gputrain.config import TrainConfig
 from gputrain.cuda_graphs import GraphedTrainStep, graph_blockers
-from gputrain.data import BatchStream, BatchTransform, Placement, make_loader, split_batch, as_tensors
-from gputrain.errors import CheckpointError, ConfigError, GputrainError
+from gputrain.data import BatchStream, BatchTransform, make_loader, split_batch
+from gputrain.errors import CheckpointError, GputrainError
 from gputrain.history import History
 from gputrain.moving import move, move_optimizer_state
 from gputrain.optim import make_optimizer, make_scheduler

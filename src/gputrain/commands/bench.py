@@ -18,18 +18,11 @@ import argparse
 import json
 import re
 from typing import Any
+from gputrain.commands.argtypes import positive_int as _positive_int
 
 NAMES = ("matmul", "transfer", "crossover", "precision", "memory")
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def _bytes(value: str) -> int:

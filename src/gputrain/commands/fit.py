@@ -11,43 +11,19 @@ import time
 from pathlib import Path
 
 from gputrain.errors import ConfigError
+from gputrain.commands.argtypes import positive_float as _positive_float, positive_int as _positive_int, tri as _tri
 
 DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
 
 
-def _tri(value: str):
-    v = value.strip().lower()
-    if v in ("auto",):
-        return "auto"
-    if v in ("on", "true", "yes", "1"):
-        return True
-    if v in ("off", "false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def _batch_size(value: str):
     return "auto" if value.strip().lower() == "auto" else _positive_int(value)
 
 
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -262,27 +238,25 @@ def _auto_batch_size(workload, config):
         return config
     import torch
 
-    from gputrain.memory import find_max_batch
-    from gputrain.precision import autocast, resolve_precision
+    from gputrain.data import BatchTransform
+    from gputrain.memory import batch_trial, find_max_batch
+    from gputrain.precision import resolve_precision
 
     data = workload.make_data()
     model = workload.make_model().to(device)
     precision = resolve_precision(config.precision, device)
     x_all, y_all = data.train
     n = x_all.shape[0]
+    transform = BatchTransform(data.mean, data.std)
 
-    def try_batch(b: int) -> None:
-        idx = torch.arange(b) % n
-        x = x_all[idx].to(device).float()
-        y = y_all[idx].to(device)
-        with autocast(precision, device):
-            loss = workload.loss_fn(model(x), y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+    def make_batch(b: int):
+        idx = torch.arange(b) % n  # repeat samples when b exceeds the data set
+        return transform(x_all[idx].to(device), train=False), y_all[idx].to(device)
 
-    best = find_max_batch(try_batch, start=config.batch_size, limit=n, device=device)
-    del model
+    # One real training step per trial, optimizer state included (AdamW's two moments).
+    trial = batch_trial(model, make_batch, workload.loss_fn, precision, "adamw")
+    best = find_max_batch(trial, start=config.batch_size, limit=n, device=device)
+    model.to("cpu")
     torch.cuda.empty_cache()
     log.info("--batch-size auto: %d is the largest micro-batch that fits (searched up to %d)", best, n)
     return config.replace(batch_size=best)

@@ -13,6 +13,10 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _unit(value, unit: str, fmt: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
 def run(args) -> int:
     from gputrain.info import collect_info
 
@@ -48,12 +52,15 @@ def run(args) -> int:
         console.print(f"[red]CUDA error:[/] {devices['cuda_error']}")
     if nvml.get("available"):
         nt = Table(title=f"NVML: driver {nvml.get('driver')}, CUDA driver API {nvml.get('cuda_driver')}", title_justify="left")
-        for col in ("gpu", "name", "util", "temp", "power", "memory used"):
+        for col in ("gpu", "name", "util", "temp", "power / limit", "memory used", "other processes"):
             nt.add_column(col)
         for g in nvml["gpus"]:
-            power = f"{g['power_w']:.0f} / {g['power_limit_w']:.0f} W" if g["power_w"] is not None and g["power_limit_w"] else "-"
-            nt.add_row(str(g["index"]), str(g["name"]), f"{g['utilization_pct']}%", f"{g['temperature_c']} C", power,
-                       f"{_gib(g['memory_used_bytes'])} / {_gib(g['memory_total_bytes'])}")
+            others = [x for x in g["processes"] if not x["this_process"]]
+            held = g["other_processes_memory_bytes"]
+            nt.add_row(str(g["index"]), str(g["name"]), _unit(g["utilization_pct"], "%"), _unit(g["temperature_c"], " C"),
+                       f"{_unit(g['power_w'], ' W', '.0f')} / {_unit(g['power_limit_w'], ' W', '.0f')}",
+                       f"{_gib(g['memory_used_bytes'])} / {_gib(g['memory_total_bytes'])}",
+                       f"{len(others)}" + (f" ({_gib(held)})" if held else ""))
         console.print(nt)
     else:
         console.print(f"NVML: not available ({nvml.get('reason')})")

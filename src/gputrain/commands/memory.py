@@ -6,6 +6,8 @@ import argparse
 import json
 import math
 from typing import Any
+from gputrain.commands.argtypes import positive_int as _positive_int
+from gputrain.reporting import format_bytes as fmt_bytes
 
 SAMPLE = 16  # samples in the measured batch (the estimate fits a line through it and its half)
 DEFAULT_MAX_BATCH = 2**20  # the search stops here unless --max-batch says otherwise
@@ -27,14 +29,6 @@ def _bytes_arg(value: str) -> int:
     return int(n * units[unit])
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,15 +135,6 @@ def memory_report(args) -> dict[str, Any]:
     }
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def render(report: dict[str, Any], console) -> None:

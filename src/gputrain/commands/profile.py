@@ -8,27 +8,11 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from gputrain.commands.argtypes import positive_int as _positive_int, tri as _tri
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
-def _tri(value: str):
-    v = value.strip().lower()
-    if v == "auto":
-        return "auto"
-    if v in ("on", "true", "yes", "1"):
-        return True
-    if v in ("off", "false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
