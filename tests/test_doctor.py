@@ -49,9 +49,36 @@ def test_gather_probe_nvml_sees_a_gpu_torch_has_no_cuda(monkeypatch):
     monkeypatch.setattr(devices, "_cuda_built", lambda: False)
     p = doc.gather_probe()
     assert p.nvidia_driver and p.driver_version == "560.35.03" and p.driver_cuda == "12.6"
-    assert [x["pid"] for x in p.gpu_processes[0]] == [4242]  # this process is not "other"
+    assert p.gpus == [] and p.gpu_processes == {}  # PyTorch sees no GPU to attach processes to
     checks = by_name(doc.run_checks(dataclasses.replace(p, torch_cuda=None)))
     assert checks["pytorch build"].status == "fail"
+
+
+def test_gather_probe_memory_held_by_another_process(monkeypatch):
+    """Faked CUDA device and NVML: the other process's pid and memory reach the memory check."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    monkeypatch.setattr(devices, "_cuda_built", lambda: True)
+    monkeypatch.setattr(devices, "_cuda_available", lambda: True)
+    monkeypatch.setattr(devices, "_cuda_count", lambda: 1)
+    monkeypatch.setattr(devices, "describe_cuda", lambda i: {**H100, "free_memory_bytes": 10 * GIB})
+    monkeypatch.setattr(doc, "_cuda_uuid", lambda i: "0")  # the fake NVML GPU's UUID is "GPU-0"
+    p = doc.gather_probe()
+    assert p.cuda_available and [x["pid"] for x in p.gpu_processes[0]] == [4242]  # this process is not "other"
+    c = by_name(doc.run_checks(dataclasses.replace(p, torch_cuda="12.6")))["memory cuda:0"]
+    assert c.status == "warn" and c.message == "only 10.0 of 80.0 GiB free: 1 other process holds 69.0 GiB (pids 4242)"
+
+
+def test_nvml_gpus_are_matched_to_pytorch_by_uuid(monkeypatch):
+    """NVML numbers all GPUs by PCI bus; PyTorch only the visible ones: cuda:0 may be NVML's GPU 2."""
+    nvml = [{"index": i, "uuid": f"GPU-{i}AAA", "processes": [{"pid": 100 + i, "memory_bytes": GIB,
+                                                                "this_process": False}]} for i in range(3)]
+    gpus = [{**H100, "index": 0}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert doc.processes_by_cuda_index(gpus, nvml, {0: "2aaa"}) == {0: nvml[2]["processes"]}
+    assert doc.processes_by_cuda_index(gpus, nvml, {0: None}) == {}  # unknown, never a wrong GPU's list
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    three = [{**H100, "index": i} for i in range(3)]
+    assert doc.processes_by_cuda_index(three, nvml, {})[1] == nvml[1]["processes"]  # all visible: by index
 
 
 def test_gather_probe_without_nvml_keeps_the_reason(monkeypatch):
@@ -84,10 +111,25 @@ def test_memory_held_by_others_warns():
     gpu = {**H100, "free_memory_bytes": 10 * GIB}
     c = by_name(doc.run_checks(probe(gpus=[gpu], gpu_processes={0: [{"pid": 7, "memory_bytes": 70 * GIB}]})))
     c = c["memory cuda:0"]
-    assert c.status == "warn" and c.message == "only 10.0 of 80.0 GiB free: 1 other process hold 70.0 GiB (pids 7)"
+    assert c.status == "warn" and c.message == "only 10.0 of 80.0 GiB free: 1 other process holds 70.0 GiB (pids 7)"
     assert "--device cuda:N" in c.fix
-    c = by_name(doc.run_checks(probe(gpus=[gpu])))["memory cuda:0"]
+    c = by_name(doc.run_checks(probe(gpus=[gpu], gpu_processes={0: []})))["memory cuda:0"]
     assert c.status == "warn" and "NVML lists no other process" in c.message
+    c = by_name(doc.run_checks(probe(gpus=[gpu])))["memory cuda:0"]
+    assert c.status == "warn" and "who holds it is unknown" in c.message
+    assert by_name(doc.run_checks(probe()))["memory cuda:0"].message == "79.0 of 80.0 GiB free"
+
+
+def test_rocm_build():
+    checks = by_name(doc.run_checks(probe(torch_cuda=None, torch_hip="6.2", nvidia_driver=False, driver_cuda=None,
+                                          gpus=[{**H100, "name": "AMD Instinct MI300X"}])))
+    assert checks["pytorch build"].status == "pass" and "ROCm 6.2" in checks["pytorch build"].message
+    assert "driver" not in checks  # NVIDIA's driver/CUDA comparison does not apply
+    c = by_name(doc.run_checks(probe(torch_cuda=None, torch_hip="6.2", nvidia_driver=False, cuda_available=False,
+                                     gpus=[])))["cuda"]
+    assert c.status == "fail" and "rocm-smi" in c.fix
+    c = by_name(doc.run_checks(probe(torch_cuda=None, torch_hip="6.2", cuda_available=False, gpus=[])))
+    assert c["pytorch build"].status == "fail" and "is a ROCm 6.2 (AMD) build" in c["pytorch build"].message
 
 
 def test_tf32_off_on_a_hopper_gpu_warns():

@@ -139,6 +139,16 @@ def test_broken_framework_is_reported_not_fatal(monkeypatch):
                                   "error": "ImportError: libcudart.so.11.0: cannot open shared object file"}}
 
 
+def test_framework_whose_lookup_fails_is_reported(monkeypatch):
+    def find_spec(name):
+        if name == "jax":
+            raise ValueError("jax.__spec__ is None")
+        return None
+
+    monkeypatch.setattr(info.importlib.util, "find_spec", find_spec)
+    assert info.other_frameworks() == {"jax": {"installed": True, "error": "ValueError: jax.__spec__ is None"}}
+
+
 def test_installed_framework_reports_version_and_gpus(monkeypatch):
     fake_jax = types.ModuleType("jax")
     fake_jax.__version__ = "0.4.30"

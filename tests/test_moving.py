@@ -40,6 +40,13 @@ def test_move_module_in_place_and_returns_it():
     assert m.weight.device == META
 
 
+def test_move_to_the_device_it_is_on_keeps_the_objects():
+    x, m = torch.randn(2), nn.Linear(3, 2)
+    out = move({"x": x, "model": m, "pair": Pair(x, [x])}, "cpu")
+    assert out["x"] is x and out["model"] is m and out["pair"].targets[0] is x  # .to is a no-op: no copies
+    assert m.weight.device.type == "cpu"
+
+
 def test_move_optimizer_state_follows_the_model():
     m = nn.Linear(3, 2)
     opt = torch.optim.AdamW(m.parameters())

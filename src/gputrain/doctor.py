@@ -26,19 +26,22 @@ class Probe:
     """Everything the checks look at, gathered in one place."""
 
     torch_version: str
-    torch_cuda: str | None  # CUDA version PyTorch was built with; None for a CPU-only build
+    torch_cuda: str | None  # CUDA version PyTorch was built with; None for a CPU-only (or ROCm) build
     cuda_available: bool
     cuda_error: str | None
     nvidia_driver: bool  # an NVIDIA GPU and driver are there (NVML sees a GPU, or /proc/driver/nvidia exists)
     driver_version: str | None
     driver_cuda: str | None  # newest CUDA the driver supports, "12.4" (from NVML)
     gpus: list[dict[str, Any]] = field(default_factory=list)  # devices.describe_cuda rows
-    gpu_processes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # index -> other NVML processes
+    # PyTorch CUDA index -> other processes NVML lists on that GPU; an index missing means unknown
+    # (no NVML, or its GPU could not be matched to PyTorch's).
+    gpu_processes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     nvml_reason: str | None = None  # why NVML gave nothing, when it did not
     tf32_matmul: bool = False  # fp32 matmuls in this process may use TF32 tensor cores
     mps_built: bool = False
     mps_available: bool = False
     mps_fallback: bool = False
+    torch_hip: str | None = None  # ROCm version of an AMD build (torch.cuda then drives AMD GPUs)
 
 
 @dataclass
@@ -84,12 +87,12 @@ def gather_probe() -> Probe:
                     cuda_error = _first_line(exc)
         except Exception as exc:
             available, cuda_error = False, _first_line(exc)
-    procs = {}
-    if nvml:
-        procs = {g["index"]: [x for x in g.get("processes", []) if not x.get("this_process")] for g in nvml["gpus"]}
+    uuids = {g["index"]: _cuda_uuid(g["index"]) for g in gpus}
+    procs = processes_by_cuda_index(gpus, nvml["gpus"] if nvml else [], uuids)
     return Probe(
         torch_version=torch.__version__,
         torch_cuda=torch.version.cuda,
+        torch_hip=getattr(torch.version, "hip", None),
         cuda_available=available,
         cuda_error=cuda_error,
         nvidia_driver=bool(nvml and nvml["gpus"]) or telemetry.nvidia_driver_present(),
@@ -103,6 +106,47 @@ def gather_probe() -> Probe:
         mps_available=devices._mps_available(),
         mps_fallback=os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1",
     )
+
+
+def _cuda_uuid(index: int) -> str | None:
+    """The UUID of PyTorch's cuda:`index` ("8b7c1b5c-..."), or None when this PyTorch cannot say."""
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+
+
+def _bare_uuid(text: str | None) -> str | None:
+    if not text:
+        return None
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text
+
+
+def processes_by_cuda_index(gpus: list[dict[str, Any]], nvml_gpus: list[dict[str, Any]],
+                            uuids: dict[int, str | None]) -> dict[int, list[dict[str, Any]]]:
+    """Other processes on each of PyTorch's CUDA devices, from NVML's per-GPU process lists.
+
+    NVML numbers every GPU of the machine in PCI bus order; PyTorch numbers only the visible ones
+    (CUDA_VISIBLE_DEVICES), fastest first by default. So the indices need not agree: GPUs are
+    matched by UUID, and by index only when that fails and every GPU is visible to PyTorch.
+    Returns {cuda index: [{pid, memory_bytes, this_process: False}, ...]}; unmatched GPUs are absent.
+    """
+    by_uuid = {_bare_uuid(g.get("uuid")): g for g in nvml_gpus if g.get("uuid")}
+    by_index = {g["index"]: g for g in nvml_gpus}
+    all_visible = os.environ.get("CUDA_VISIBLE_DEVICES") is None and len(nvml_gpus) == len(gpus)
+    out = {}
+    for g in gpus:
+        uuid = _bare_uuid(uuids.get(g["index"]))
+        match = by_uuid.get(uuid) if uuid else None
+        if match is None and all_visible:
+            match = by_index.get(g["index"])
+        if match is not None:
+            out[g["index"]] = [x for x in match.get("processes", []) if not x.get("this_process")]
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
@@ -122,16 +166,23 @@ def run_checks(p: Probe) -> list[Check]:
     """Verdicts on a Probe: pass / warn / fail, each with a one-line fix. Pure: no device is touched."""
     checks: list[Check] = []
     # 1. The GPU and the PyTorch build.
+    kind = f"a ROCm {p.torch_hip} (AMD) build" if p.torch_hip else "a CPU-only build"
     if p.nvidia_driver and p.torch_cuda is None:
         checks.append(Check("pytorch build", "fail",
                             f"an NVIDIA GPU is present (driver {p.driver_version or 'loaded'}) but PyTorch "
-                            f"{p.torch_version} is a CPU-only build, so it can never use the GPU", CUDA_WHEEL_FIX))
+                            f"{p.torch_version} is {kind}, so it can never use the GPU", CUDA_WHEEL_FIX))
+    elif p.torch_hip:
+        checks.append(Check("pytorch build", "pass", f"PyTorch {p.torch_version} built with ROCm {p.torch_hip}"))
     elif p.torch_cuda is None:
         checks.append(Check("pytorch build", "pass", f"PyTorch {p.torch_version}, CPU-only build (no NVIDIA GPU found)"))
     else:
         checks.append(Check("pytorch build", "pass", f"PyTorch {p.torch_version} built with CUDA {p.torch_cuda}"))
     # 2. CUDA initializes.
-    if p.torch_cuda is not None and not p.cuda_available:
+    if p.torch_hip and not p.cuda_available:
+        checks.append(Check("cuda", "fail", f"PyTorch has ROCm {p.torch_hip} but no AMD GPU is usable: "
+                            f"{p.cuda_error or 'no GPU or driver found'}",
+                            "run `rocm-smi`; install the ROCm driver; check HIP_VISIBLE_DEVICES"))
+    elif p.torch_cuda is not None and not p.cuda_available:
         why = p.cuda_error or ("no NVIDIA driver found" if not p.nvidia_driver else "the driver did not initialize")
         checks.append(Check("cuda", "fail", f"PyTorch has CUDA {p.torch_cuda} but CUDA is not available: {why}",
                             "run `nvidia-smi`; install or update the NVIDIA driver; check CUDA_VISIBLE_DEVICES"))
@@ -177,13 +228,18 @@ def _gpu_checks(p: Probe, g: dict[str, Any]) -> list[Check]:
     out = []
     dev = f"cuda:{g['index']}"
     free, total = g.get("free_memory_bytes"), g.get("total_memory_bytes")
-    others = p.gpu_processes.get(g["index"], [])
+    others = p.gpu_processes.get(g["index"])  # None: unknown
     if free is not None and total:
         if free < 0.5 * total:
-            held = sum(x.get("memory_bytes") or 0 for x in others)
-            who = (f": {len(others)} other process{'es' if len(others) != 1 else ''} hold {held / GiB:.1f} GiB "
-                   f"(pids {', '.join(str(x['pid']) for x in others[:5])})" if others
-                   else ": NVML lists no other process here (one in another container may hold it)")
+            if others is None:
+                who = ": NVML gives no process list for this GPU, so who holds it is unknown"
+            elif others:
+                held = sum(x.get("memory_bytes") or 0 for x in others)
+                who = (f": {len(others)} other process{'es' if len(others) != 1 else ''} "
+                       f"hold{'s' if len(others) == 1 else ''} {held / GiB:.1f} GiB "
+                       f"(pids {', '.join(str(x['pid']) for x in others[:5])})")
+            else:
+                who = ": NVML lists no other process here (one in another container may hold it)"
             out.append(Check(f"memory {dev}", "warn", f"only {free / GiB:.1f} of {total / GiB:.1f} GiB free{who}",
                              "stop the other jobs on this GPU (nvidia-smi lists them) or pick another with --device cuda:N"))
         else:

@@ -37,11 +37,20 @@ def other_frameworks() -> dict[str, Any]:
     A framework that is not installed is never imported; one that is broken is reported, not fatal.
     """
     out: dict[str, Any] = {}
-    if importlib.util.find_spec("tensorflow") is not None:
-        out["tensorflow"] = _probe_framework(_tensorflow)
-    if importlib.util.find_spec("jax") is not None:
-        out["jax"] = _probe_framework(_jax)
+    for name, query in (("tensorflow", _tensorflow), ("jax", _jax)):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError) as exc:  # e.g. sys.modules[name] is None or has no __spec__
+            out[name] = {"installed": True, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
+            continue
+        if found:
+            out[name] = _probe_framework(query)
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 def _probe_framework(fn) -> dict[str, Any]:
@@ -50,8 +59,7 @@ def _probe_framework(fn) -> dict[str, Any]:
     except BaseException as exc:  # a broken install can raise anything, even SystemExit
         if isinstance(exc, KeyboardInterrupt):
             raise
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        return {"installed": True, "error": f"{type(exc).__name__}: {first}"}
+        return {"installed": True, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
 
 
 def _tensorflow() -> dict[str, Any]:

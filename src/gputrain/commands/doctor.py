@@ -32,7 +32,8 @@ def render(report) -> None:
     console = Console()
     probe = report["probe"]
     console.print(f"[bold]gputrain doctor[/] · PyTorch {probe['torch_version']}"
-                  + (f" · CUDA {probe['torch_cuda']}" if probe["torch_cuda"] else " · CPU-only build")
+                  + (f" · CUDA {probe['torch_cuda']}" if probe["torch_cuda"] else
+                     f" · ROCm {probe['torch_hip']}" if probe.get("torch_hip") else " · CPU-only build")
                   + (f" · driver {probe['driver_version']}" if probe["driver_version"] else ""))
     # A borderless grid: the finding and its fix get the whole width instead of two narrow columns.
     grid = Table.grid(padding=(0, 1))
