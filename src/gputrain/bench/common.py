@@ -317,9 +317,17 @@ def matmul_precision(precision, device: torch.device):
     if device.type != "cuda":
         yield
         return
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    # Saved through get_float32_matmul_precision: reading the older allow_tf32 flags raises on
+    # recent PyTorch once a program has used the newer fp32_precision settings.
+    saved_matmul = torch.get_float32_matmul_precision()
+    try:
+        saved_cudnn = torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        saved_cudnn = None
     apply_matmul_settings(precision, device)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        torch.set_float32_matmul_precision(saved_matmul)
+        if saved_cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = saved_cudnn
