@@ -240,3 +240,24 @@ def test_no_sync_in_hot_loop_on_gpu():
         return sum("synchroniz" in str(w.message) for w in caught)
 
     assert syncs(60) == syncs(20)
+
+
+def test_fit_accepts_a_dataset_and_a_dataloader():
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    x, y = _data(96)
+
+    class Pairs(Dataset):  # a plain map-style dataset: goes through the DataLoader path
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    h1 = fit(_model(), Pairs(), loss_fn=nn.CrossEntropyLoss(), eval_data=TensorDataset(x, y),
+             config=TrainConfig(device="cpu", batch_size=16, epochs=2, num_workers=0))
+    assert h1.summary["data"] == "dataloader" and h1.summary["steps"] == 12
+    h2 = fit(_model(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True), loss_fn=nn.CrossEntropyLoss(),
+             config=TrainConfig(device="cpu", epochs=2))
+    assert h2.summary["data"] == "user-dataloader" and h2.summary["steps"] == 6
+    assert h1.records[-1]["eval_accuracy"] > 0
