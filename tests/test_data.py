@@ -52,10 +52,11 @@ def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
     assert len(shards[0]) == len(shards[1])
 
 
-def test_dataloader_path_matches_the_same_permutation_and_resumes():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_path_matches_the_same_permutation_and_resumes(workers):
     x, y = torch.randn(37, 2), torch.arange(37)
     slices = TensorBatches(x, y, 6, device=CPU, shuffle=True, seed=5)
-    loader = LoaderBatches(_TensorsByIndex(x, y), 6, device=CPU, shuffle=True, seed=5, num_workers=0,
+    loader = LoaderBatches(_TensorsByIndex(x, y), 6, device=CPU, shuffle=True, seed=5, num_workers=workers,
                            batched_dataset=True)
     assert _ids(loader, 1) == _ids(slices, 1)
     assert _ids(loader, 1, start=2) == _ids(slices, 1)[12:]
