@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -238,7 +239,15 @@ def barrier(info: DistInfo) -> None:
 
 
 def cleanup(info: DistInfo) -> None:
+    """Destroy the process group we created. Drop your references to the wrapped model first.
+
+    A DDP wrapper sits in reference cycles, so it outlives the trainer until the cycle collector
+    runs; when that is interpreter shutdown, freeing it aborts the process ("terminate called
+    without an active exception", SIGABRT, about 1 run in 4 with gloo on torch 2.13), which torchrun
+    reports as a failed job. Collect it here instead.
+    """
     if info.enabled and info.owns_group and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

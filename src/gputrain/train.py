@@ -610,10 +610,12 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable, optimizer=None, conf
     """
     trainer = Trainer(model, train_data, loss_fn=loss_fn, optimizer=optimizer, config=config,
                       eval_data=eval_data, task=task)
+    info = trainer.dist
     try:
         return trainer.run()
     finally:
-        distributed.cleanup(trainer.dist)
+        del trainer  # cleanup() frees the DDP wrapper before the process group goes (see there)
+        distributed.cleanup(info)
 
 
 def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None

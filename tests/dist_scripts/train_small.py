@@ -2,7 +2,10 @@
 
 usage: train_small.py RUN_DIR BATCH ACCUMULATE SHARD STEPS [FAIL_MODE]
 FAIL_MODE: "raise" (rank 1 raises at its 3rd forward), "kill-once" (rank 1 exits hard at its 7th
-forward on the first attempt only), or absent.
+forward, inside step 7, on torchrun's first attempt only), or absent.
+
+Rank 0 writes RUN_DIR/result.json: the summary, torchrun's restart count, the wrapper class the
+trainer used, and how many gradient all-reduces DDP ran (one bucket per synchronized step).
 """
 
 import json
@@ -12,8 +15,9 @@ import sys
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from gputrain import TrainConfig, fit
+from gputrain import TrainConfig, distributed, fit
 
 run_dir, batch, accumulate, shard, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 fail = sys.argv[6] if len(sys.argv) > 6 else ""
@@ -37,14 +41,35 @@ class Planted(nn.Module):
         return self.net(x)
 
 
+# Watch the trainer's wrapping: which wrapper, and every gradient all-reduce DDP issues.
+seen = {"wrapper": None, "grad_allreduces": 0}
+_wrap_model = distributed.wrap_model
+
+
+def _count(process_group, bucket):
+    seen["grad_allreduces"] += 1
+    return default_hooks.allreduce_hook(process_group, bucket)
+
+
+def wrap_and_watch(model, info, device, shard=False):
+    wrapped = _wrap_model(model, info, device, shard=shard)
+    seen["wrapper"] = type(wrapped).__name__
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        wrapped.register_comm_hook(None, _count)  # None: the default process group
+    return wrapped
+
+
+distributed.wrap_model = wrap_and_watch
+
 g = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=g)
 y = (x[:, :3].sum(1) > 0).long()
-torch.manual_seed(0)
+torch.manual_seed(0)  # the same initial weights in every process and every run
 model = Planted()
 cfg = TrainConfig(device="cpu", batch_size=batch, accumulate=accumulate, steps=steps, log_every=2, seed=1,
                   shard=shard, run_dir=run_dir, resume=True, checkpoint_every=2 if fail == "kill-once" else None)
 h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
 if rank == 0:
     with open(os.path.join(run_dir, "result.json"), "w") as f:
-        json.dump({"summary": h.summary, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}, f, default=str)
+        json.dump({"summary": h.summary, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), **seen}, f,
+                  default=str)
