@@ -1,20 +1,25 @@
 """Checkpoints: written atomically, loaded safely, and explained when they are bad.
 
 A checkpoint is a dict of tensors and plain data (no pickled objects), so it loads with
-`torch.load(weights_only=True)`. Writing goes to a temporary file in the same folder, which is
-fsynced and then renamed over the target: a crash at any moment leaves either the old checkpoint
-or the new one, never half of one.
+`torch.load(weights_only=True)`; `save_checkpoint` refuses anything else before it writes, so a
+run fails at its first checkpoint rather than at the resume hours later. Writing goes to a
+temporary file in the same folder, which is fsynced and then renamed over the target: a crash at
+any moment leaves either the old checkpoint or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import glob
 import os
 import pickle
 import random
+import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 import numpy as np
 import torch
@@ -24,27 +29,46 @@ from gputrain.errors import CheckpointError
 FORMAT = "gputrain-checkpoint"
 VERSION = 1
 
+_TMP_SUFFIX = ".tmp"
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write `state` to `path` atomically (temp file, fsync, rename, fsync of the folder)."""
+
+# ---------------------------------------------------------------- atomic files
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file next to `path`; on a clean exit it replaces `path` in one rename.
+
+    The temp file is flushed and fsynced before the rename and the folder after it, so after a
+    power cut the folder holds the old file or the new one. On an exception the temp file is
+    removed and `path` is untouched; after a SIGKILL a `.NAME.*.tmp` file may remain, which the
+    next successful write of the same `path` removes.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "version": VERSION, **state}
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+        text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
+        with os.fdopen(fd, mode, **text) as f:
+            _chmod_like_a_new_file(f.fileno())
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(path.parent)
-    return path
+    _remove_stale_temps(path)
+
+
+def _chmod_like_a_new_file(fd: int) -> None:
+    # mkstemp makes the file 0600; give it the mode open() would (0666 minus the umask).
+    if not hasattr(os, "fchmod"):
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -60,12 +84,64 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files of `path` left by a writer that was killed before its rename."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*{_TMP_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+# ---------------------------------------------------------------- save / load
+
+# Types torch.load(weights_only=True) accepts without an allowlist. Exact types: np.float64 is a
+# float subclass and an IntEnum an int subclass, and both are refused on load.
+_PLAIN_SCALARS = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
+
+
+def check_plain(value: Any, where: str = "state") -> None:
+    """Raise CheckpointError naming the first value a weights_only load would refuse."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _PLAIN_SCALARS:
+        return
+    if kind in (dict, collections.OrderedDict):
+        for k, v in value.items():
+            check_plain(k, f"{where} key {k!r}")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    if kind in _CONTAINERS:
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+        return
+    hint = " (convert it with float() / int() / torch.as_tensor)" if kind.__module__ == "numpy" else ""
+    raise CheckpointError(f"cannot checkpoint {where}: it is a {kind.__module__}.{kind.__qualname__}; gputrain "
+                          f"checkpoints hold only tensors and plain data (numbers, strings, lists, dicts){hint}")
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """Write `state` (tensors and plain data) to `path` atomically; returns the path.
+
+    Adds {"format": FORMAT, "version": VERSION}. Raises CheckpointError, before anything is
+    written, when `state` holds a value that `load_checkpoint` could not read back.
+    """
+    path = Path(path)
+    payload = {"format": FORMAT, "version": VERSION, **state}
+    check_plain(payload)
+    with atomic_file(path, "wb") as f:
+        torch.save(payload, f)
+    return path
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a gputrain checkpoint; CheckpointError naming the file and the problem otherwise."""
+    """Load a gputrain checkpoint with torch.load(weights_only=True); returns its dict.
+
+    Raises CheckpointError naming the file and the problem: missing, a folder, empty, truncated,
+    corrupt, not a gputrain checkpoint, written by a newer gputrain, or holding pickled objects.
+    """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: no checkpoint there; check --run-dir / --resume (a run writes "
-                              f"checkpoint.pt in its run directory)")
+        raise CheckpointError(f"{path}: no checkpoint there{_neighbours(path)}; check --resume / --run-dir "
+                              "(TrainConfig.resume / run_dir): a run writes checkpoint.pt in its run directory")
     if path.is_dir():
         raise CheckpointError(f"{path} is a folder; give the checkpoint file (e.g. {path / 'checkpoint.pt'})")
     size = path.stat().st_size
@@ -75,68 +151,136 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        msg = str(exc)
-        if "Unsupported global" in msg or "Unsupported class" in msg:
+        msg = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch puts terminal bold codes in it
+        refused = re.search(r"Unsupported (?:global|class):? *(?:GLOBAL )?([\w.]+)", msg)
+        if refused:
             raise CheckpointError(
-                f"{path}: holds Python objects that a safe load refuses; gputrain checkpoints hold only "
-                f"tensors and plain data ({msg.splitlines()[0][:200]})") from None
-        detail = next((line.strip() for line in msg.splitlines() if "Unsupported" in line), msg.splitlines()[0][:120])
-        raise CheckpointError(f"{path}: corrupt or not a PyTorch file ({detail})") from None
+                f"{path}: holds Python objects that a safe (weights_only) load refuses ({refused.group(1)}); "
+                "gputrain checkpoints hold only tensors and plain data, so this file was not written by "
+                "gputrain.save_checkpoint") from None
+        raise CheckpointError(_explain(path, size, msg)) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        hint = "truncated or corrupt" if size < 1024 or "zip" in first.lower() or "EOF" in first else "unreadable"
-        raise CheckpointError(f"{path}: {hint} checkpoint ({size} bytes): {first}") from None
+        raise CheckpointError(_explain(path, size, str(exc) or type(exc).__name__)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: a PyTorch file but not a gputrain checkpoint (no '{FORMAT}' marker); "
-                              "to start from plain weights, load them into the model before fit()")
+        raise CheckpointError(f"{path}: a PyTorch file but not a gputrain checkpoint (no format={FORMAT!r} "
+                              "marker); to start from plain weights, load them into the model before fit()")
     version = state.get("version")
     if not isinstance(version, int) or version > VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {version!r} is newer than this gputrain "
-                              f"reads ({VERSION}); upgrade gputrain")
+                              f"reads (up to {VERSION}); upgrade gputrain")
     return state
 
 
-def check_model_state(model_state: dict[str, torch.Tensor], model: torch.nn.Module, path: str = "") -> None:
-    """Raise CheckpointError when a checkpoint's weights do not belong to `model`."""
+def _explain(path: Path, size: int, error: str) -> str:
+    """Why torch.load failed, judged from the file's first bytes, with torch's own first line."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    error = error.strip().splitlines()[0][:200] if error.strip() else "no message"
+    if head == b"PK\x03\x04" and zipfile.is_zipfile(path):  # torch.save's zip format, intact
+        return f"{path}: cannot load the checkpoint: {error}"
+    if head == b"PK\x03\x04":
+        what = "truncated or corrupt checkpoint (a zip archive without its end: was the write cut short?)"
+    elif head[:1] == b"\x80":  # a pickle: torch's legacy format
+        what = "truncated or corrupt checkpoint (legacy pickle format)"
+    else:
+        what = "corrupt or not a PyTorch file"
+    return f"{path}: {what} ({size} bytes; {error}); use an earlier checkpoint or start a new run"
+
+
+def _neighbours(path: Path) -> str:
+    if not path.parent.is_dir():
+        return f" (the folder {path.parent} does not exist)"
+    others = sorted(p.name for p in path.parent.glob("*.pt"))[:5]
+    return f" (the folder holds {', '.join(others)})" if others else ""
+
+
+# ---------------------------------------------------------------- does it fit the model?
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+
+
+def check_model_state(model_state: dict[str, torch.Tensor], model: torch.nn.Module,
+                      path: str | os.PathLike = "") -> None:
+    """Raise CheckpointError when a checkpoint's weights do not belong to `model`.
+
+    Lists missing keys, unexpected keys and shape mismatches (the first 3 of each, and how many),
+    so the mismatch is explained before load_state_dict is attempted.
+    """
+    where = f"{path}: " if path else ""
+    if not isinstance(model_state, dict):
+        raise CheckpointError(f"{where}the checkpoint's 'model' entry is a {type(model_state).__name__}, "
+                              "not a state_dict")
     own = model.state_dict()
     missing = [k for k in own if k not in model_state]
     unexpected = [k for k in model_state if k not in own]
     shapes = [f"{k} {tuple(model_state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in model_state and hasattr(model_state[k], "shape") and tuple(model_state[k].shape) != tuple(v.shape)]
+              if k in model_state and hasattr(model_state[k], "shape") and hasattr(v, "shape")
+              and tuple(model_state[k].shape) != tuple(v.shape)]
     if not (missing or unexpected or shapes):
         return
     parts = []
     if missing:
-        parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:3])}")
+        parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
     if unexpected:
-        parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:3])}")
+        parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:3])}"
+                     f"{' ...' if len(unexpected) > 3 else ''}")
     if shapes:
-        parts.append(f"{len(shapes)} shape mismatch(es) (checkpoint vs model): {'; '.join(shapes[:3])}")
-    where = f"{path}: " if path else ""
-    raise CheckpointError(f"{where}the checkpoint belongs to another model: {'; '.join(parts)}")
+        parts.append(f"{len(shapes)} shape mismatch(es) (checkpoint vs model): {'; '.join(shapes[:3])}"
+                     f"{' ...' if len(shapes) > 3 else ''}")
+    hint = ""
+    for prefix in _WRAPPER_PREFIXES:
+        if unexpected and all(k.startswith(prefix) for k in unexpected) and \
+                {k[len(prefix):] for k in unexpected} >= set(missing):
+            hint = (f" (every checkpoint key starts with {prefix!r}: it was saved from a wrapped model; "
+                    "save the inner module's state_dict)")
+        elif missing and all(k.startswith(prefix) for k in missing) and \
+                {k[len(prefix):] for k in missing} >= set(unexpected):
+            hint = f" (the model's keys start with {prefix!r}: load into the inner module)"
+    raise CheckpointError(f"{where}the checkpoint belongs to another model: {'; '.join(parts)}{hint}")
 
 
-def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """Every random-number state a run draws from, in weights_only-loadable form."""
-    np_state = np.random.get_state()
-    py_state = random.getstate()
+# ---------------------------------------------------------------- random-number state
+
+def capture_rng_state(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Every global random-number state a run draws from, in weights_only-loadable form.
+
+    Returns {"torch": uint8 tensor, "numpy": {...}, "python": {...}} plus "cuda" (that device's
+    generator) or "mps". torch.Generator objects a loader shuffles with are not global: save their
+    get_state() separately.
+    """
+    device = torch.device(device) if device is not None else None
+    name, keys, pos, has_gauss, cached_gauss = np.random.get_state(legacy=True)
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gauss": float(np_state[4])},
-        "python": {"version": py_state[0], "state": list(py_state[1]),
-                   "gauss": py_state[2]},
+        # The Mersenne Twister keys are 624 uint32; stored widened to int64 (uint32 tensors have
+        # few kernels in older PyTorch), narrowed back on restore.
+        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gauss": float(cached_gauss)},
+        "python": {"version": int(version), "state": [int(x) for x in internal], "gauss": gauss},
     }
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device is not None and device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gauss"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+def restore_rng_state(state: dict[str, Any], device: torch.device | str | None = None) -> None:
+    """Set the generators `capture_rng_state` read. A device state of another kind is skipped
+    (a CUDA run resumed on the CPU draws its CPU numbers exactly, its CUDA ones cannot apply)."""
+    device = torch.device(device) if device is not None else None
+    try:
+        torch.set_rng_state(state["torch"].cpu())
+        n = state["numpy"]
+        np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), int(n["pos"]),
+                             int(n["has_gauss"]), float(n["cached_gauss"])))
+        p = state["python"]
+        random.setstate((int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss"]))
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"the checkpoint's random-number state is malformed ({type(exc).__name__}: {exc})") from None
     if device is not None and device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    elif device is not None and device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"].cpu())

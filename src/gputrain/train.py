@@ -282,7 +282,8 @@ class Trainer:
         self._announce()
         from gputrain.reporting import MetricsLog, TrainProgress
 
-        metrics = MetricsLog(self.run_dir) if (self.run_dir and self.is_main) else None
+        # A resumed run drops rows logged after its checkpoint (they are logged again).
+        metrics = MetricsLog(self.run_dir, truncate_after_step=self.step) if (self.run_dir and self.is_main) else None
         progress = TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
                                  description=self._label())
         self.model.train()
@@ -444,7 +445,7 @@ class Trainer:
             log.info("no checkpoint at %s: starting a new run", path)
             return
         state = load_checkpoint(path)
-        check_model_state(state["model"], self.module)
+        check_model_state(state["model"], self.module, path=str(path))
         saved_cfg = state.get("config", {})
         # The data order depends on the seed and the global batch (per-process batch x accumulation
         # x processes), so a run may resume with another process count if the global batch is kept.
