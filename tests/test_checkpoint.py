@@ -218,3 +218,28 @@ def test_cuda_rng_state_round_trip(tmp_path):
     torch.rand(5, device=device)
     restore_rng_state(load_checkpoint(tmp_path / "rng.pt")["rng"], device)
     assert torch.equal(first, torch.rand(3, device=device))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "onecycle"])
+def test_lr_schedule_matches_lambdalr_and_loads_its_state(schedule):
+    """gputrain's LRSchedule gives LambdaLR's lrs step for step and resumes from a LambdaLR state."""
+    from gputrain.optim import make_schedule
+
+    def opt():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    fn = make_schedule(schedule, total_steps=20, warmup_steps=3)
+    ours_opt, ref_opt = opt(), opt()
+    ours, ref = make_scheduler(ours_opt, schedule, total_steps=20, warmup_steps=3), \
+        torch.optim.lr_scheduler.LambdaLR(ref_opt, fn)
+    for _ in range(20):
+        assert ours_opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"], abs=1e-12)
+        assert ours.get_last_lr()[0] == pytest.approx(ref.get_last_lr()[0], abs=1e-12)
+        ours_opt.step(), ref_opt.step()
+        ours.step(), ref.step()
+    resumed_opt = opt()
+    resumed = make_scheduler(resumed_opt, schedule, total_steps=20, warmup_steps=3)
+    resumed.load_state_dict(ref.state_dict())  # a checkpoint written before LRSchedule existed
+    assert resumed.last_epoch == 20
+    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"], abs=1e-12)
+

@@ -354,7 +354,7 @@ class Trainer:
             "step": self.step,
             "epoch": round(self.samples_seen / max(1, self.train_loader.num_samples * self.dist.world_size), 4),
             "loss": loss,
-            "lr": _lr_value(self.optimizer),
+            "lr": self.scheduler.get_last_lr()[0],  # host value: no device read
             "samples_per_s": (self.samples_seen - samples_at_log) / max(1e-9, now - t_log),
             "peak_memory_bytes": _peak_memory(self.device),
         }
@@ -566,11 +566,6 @@ def _unpack_splits(train_data, eval_data, transform: BatchTransform | None):
             eval_data = splits.test
         train_data = splits.train
     return transform or BatchTransform(), train_data, eval_data
-
-
-def _lr_value(optimizer: torch.optim.Optimizer) -> float:
-    lr = optimizer.param_groups[0]["lr"]
-    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def _peak_memory(device: torch.device) -> int | None:
