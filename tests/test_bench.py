@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import time
 
 import pytest
@@ -320,20 +321,26 @@ def test_gpu_shaped_results_render_plot_and_index(bench_all, tmp_path, capsys):
 def test_gpu_matmul_bf16_8192_agrees_with_triton_do_bench():
     triton_testing = pytest.importorskip("triton.testing")
     n = 8192
-    r = run_matmul(device="cuda", sizes=[n], dtypes=["bf16"], cpu_max_size=1)
-    ours = next(x for x in r["rows"] if x["device"].startswith("cuda") and x["status"] == "measured")
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    ms = triton_testing.do_bench(lambda: torch.mm(a, b, out=c), warmup=100, rep=500, return_mode="median")
-    theirs = 2 * n**3 / (ms / 1e3) / 1e12
-    assert ours["tflops"] == pytest.approx(theirs, rel=0.05)
+
+    def theirs_ms():
+        return triton_testing.do_bench(lambda: torch.mm(a, b, out=c), warmup=100, rep=500, return_mode="median")
+
+    # do_bench before and after ours: the clock of a power-limited GPU drifts between runs.
+    before = theirs_ms()
+    r = run_matmul(device="cuda", sizes=[n], dtypes=["bf16"], cpu_max_size=1)
+    after = theirs_ms()
+    ours = next(x for x in r["rows"] if x["device"].startswith("cuda") and x["status"] == "measured")
+    theirs = 2 * n**3 / (statistics.mean([before, after]) / 1e3) / 1e12
+    assert ours["tflops"] == pytest.approx(theirs, rel=0.05), (ours["tflops"], before, after)
     assert ours["pct_of_peak"] is None or 0 < ours["pct_of_peak"] < 110
 
 
 @pytest.mark.gpu
 def test_gpu_matmul_all_dtypes_measured_with_speedup():
-    r = run_matmul(device="cuda", quick=True, sizes=[1024])
+    r = run_matmul(device="cuda", quick=True, sizes=[1024], cpu_max_size=1024)  # quick caps the CPU at 256
     gpu_rows = [x for x in r["rows"] if x["device"].startswith("cuda")]
     major, _ = torch.cuda.get_device_capability()
     expected = {"fp32", "fp16"} | ({"tf32", "bf16"} if major >= 8 else set())
@@ -376,7 +383,10 @@ def test_gpu_precision_reports_peak_memory_and_ratios():
     rows = {x["precision"]: x for x in r["rows"]}
     assert rows["fp32"]["status"] == "measured" and rows["fp16"]["status"] == "measured"
     assert all(_finite_positive(x["peak_memory_bytes"]) for x in rows.values() if x["status"] == "measured")
-    assert rows["fp16"]["peak_memory_bytes"] < rows["fp32"]["peak_memory_bytes"]
+    # fp16 halves what autograd saves; the peak also holds cuDNN workspaces, which differ by
+    # algorithm and can outweigh a small model's activations, so the peak is not compared.
+    # (Not exactly half: max-pool indices stay int64.) Seen on an H100: 53.8 MB vs 84.0 MB.
+    assert rows["fp16"]["saved_activation_bytes"] < 0.8 * rows["fp32"]["saved_activation_bytes"]
 
 
 @pytest.mark.gpu

@@ -334,7 +334,7 @@ def test_find_max_batch_is_within_10_percent_of_the_real_limit_on_synthetic_cifa
     from gputrain.data import BatchTransform
     from gputrain.workloads import get_workload
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction API needs an index
     w = get_workload("synthetic-cifar", n=2048)
     data = w.make_data()
     x_all, y_all = data.train[0].to(device), data.train[1].to(device)

@@ -451,6 +451,21 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
 
     per_sample, fixed = _linear_fit(n, full, half_n, half if half_n >= 1 else None)
     activation_bytes = int(round(fixed + per_sample * batch))
+    # On CUDA the real step also holds what the saved tensors miss: gradients of activations during
+    # backward and cuDNN/cuBLAS workspaces, which for GEMM-based convolutions grow with the batch
+    # (an im2col buffer: 0.8 MB/sample for the CIFAR CNN's second conv in fp32, more than all its
+    # saved tensors). Two measured steps give the slope the largest-batch prediction uses.
+    # The probe batches are the sample tiled to STEP_PROBE_BATCH and half of it: at a handful of
+    # samples cuDNN's heuristics pick other (workspace-free) algorithms than at real batch sizes.
+    step_fit = None
+    if device.type == "cuda" and half_n >= 1 and isinstance(x, torch.Tensor):
+        big = max(n, STEP_PROBE_BATCH)
+        xb, yb = _tile(x, big), (_tile(y, big) if isinstance(y, torch.Tensor) else y)
+        with _side_effect_free(model, device):
+            peak_big = measure_step_memory(model, (xb, yb), loss_fn, precision, opt)["peak_bytes"]
+            peak_half = measure_step_memory(model, (_slice(xb, big // 2), _slice(yb, big // 2)), loss_fn,
+                                            precision, opt)["peak_bytes"]
+        step_fit = _linear_fit(big, peak_big, big // 2, peak_half)
     blocks = []
     for unit in units:
         u_per, _ = _linear_fit(n, full_units.get(unit.name, 0), half_n,
@@ -487,11 +502,23 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
         "measured_activation_bytes": [full] + ([half] if half_n >= 1 else []),
         "bf16_activation_bytes_per_sample": None if bf16_fit is None else bf16_fit[0],
         "bf16_activation_bytes_fixed": None if bf16_fit is None else bf16_fit[1],
+        # CUDA only: the measured peak of a whole step as fixed + per_sample * batch (None elsewhere)
+        "step_peak_bytes_per_sample": None if step_fit is None else step_fit[0],
+        "step_peak_bytes_fixed": None if step_fit is None else step_fit[1],
         "blocks": blocks,
         "total_bytes": total,
         "arithmetic": arithmetic,
         "not_counted": "op temporaries, cuDNN/cuBLAS workspaces, allocator fragmentation, the data set",
     }
+
+
+STEP_PROBE_BATCH = 256  # samples in the larger of the two measured CUDA steps
+
+
+def _tile(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` repeated along dim 0 to exactly `rows` rows."""
+    reps = -(-rows // t.shape[0])
+    return t.repeat(reps, *([1] * (t.dim() - 1)))[:rows]
 
 
 def _linear_fit(n: int, at_n: int, half_n: int, at_half: int | None) -> tuple[float, float]:
@@ -528,9 +555,17 @@ def fixed_bytes(estimate: dict[str, Any]) -> int:
 
 
 def max_batch_from_estimate(estimate: dict[str, Any], budget_bytes: int) -> int:
-    """The largest batch whose estimated total fits in `budget_bytes` (0 when none does)."""
+    """The largest batch whose estimated total fits in `budget_bytes` (0 when none does).
+
+    On CUDA the measured step peaks (workspaces and backward temporaries included) set the slope
+    when they grow faster than the saved tensors; elsewhere the saved-tensor estimate does.
+    """
     room = budget_bytes - fixed_bytes(estimate) - estimate["activation_bytes_fixed"]
     per = estimate["activation_bytes_per_sample"]
+    step_per = estimate.get("step_peak_bytes_per_sample")
+    if step_per is not None and step_per > per:
+        room = budget_bytes - estimate["step_peak_bytes_fixed"]
+        per = step_per
     if room <= 0:
         return 0
     return int(room // per) if per > 0 else 2**31
@@ -594,12 +629,25 @@ def measure_step_memory(model: nn.Module, batch, loss_fn: Callable | None = None
                 "method": "estimate: parameters + gradients + optimizer state + tensors saved for backward at this batch"}
     step = _probe_step(model, loss_fn, precision, optimizer_name)
     torch.cuda.synchronize(device)
+    # The allocator counts every live tensor of the process; what is neither the model nor the
+    # batch (another model, a data set kept on the GPU, a caller's tensors) is not this step's.
+    own = sum(_device_bytes(t, device) for t in (*model.parameters(), *model.buffers(), x, y))
+    own += sum(_device_bytes(p.grad, device) for p in model.parameters())
+    others = max(0, torch.cuda.memory_allocated(device) - own)
     torch.cuda.reset_peak_memory_stats(device)
     for _ in range(2):
         step(x, y)
     torch.cuda.synchronize(device)
-    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "measured": True, "batch_size": n,
-            "method": "torch.cuda.max_memory_allocated over two training steps (the model, batch and workspaces included)"}
+    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)) - others, "measured": True, "batch_size": n,
+            "method": "torch.cuda.max_memory_allocated over two training steps, less the process's other "
+                      "tensors (the model, batch and workspaces included)"}
+
+
+def _device_bytes(t, device: torch.device) -> int:
+    """Bytes of tensor `t` held on `device` (0 for None, non-tensors and tensors elsewhere)."""
+    if not isinstance(t, torch.Tensor) or t.device != device:
+        return 0
+    return t.untyped_storage().nbytes()
 
 
 def _probe_step(model: nn.Module, loss_fn, precision, optimizer_name: str) -> Callable:
