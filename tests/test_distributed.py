@@ -4,6 +4,8 @@ Every distributed run happens in subprocesses (each in its own session, killed w
 timeout), so no process group, env var or stray worker leaks out of a test.
 """
 
+import copy
+import importlib.util
 import json
 import os
 import signal
@@ -16,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gputrain import distributed as D
 from gputrain.checkpoint import load_checkpoint
+from gputrain.errors import ConfigError, DeviceError
 
-SCRIPT = str(Path(__file__).parent / "dist_scripts" / "train_small.py")
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+SCRIPT = str(SCRIPTS / "train_small.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -27,6 +32,9 @@ def _env(**extra):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("TORCHELASTIC_")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    # The subprocesses import the gputrain under test (a relative PYTHONPATH=src would not survive cwd=tmp_path).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(D.__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
     return env
 
 
@@ -41,13 +49,46 @@ def _start(cmd, **kwargs) -> subprocess.Popen:
                             start_new_session=True, env=kwargs.pop("env", None) or _env(), **kwargs)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc; [] elsewhere)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for proc; on a timeout kill its whole session (torchrun and its workers) and fail."""
+    """Wait for proc; on a timeout kill it and everything below it, and fail.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session is not
+    enough: the orphaned workers would keep running, and keep stdout/stderr open, so that
+    communicate() would wait for them however long they hang.
+    """
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        below = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(output unavailable: something below the job still holds its pipes)"
         pytest.fail(f"{proc.args[:6]}... still running after {timeout} s (a hang):\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -83,6 +124,98 @@ def _initial_first_weight():
         return torch.nn.Linear(8, 16).weight.detach().clone()
 
 
+# ---------------------------------------------------------------- the primitives, in a hand-written loop
+
+
+def _load_primitives():
+    spec = importlib.util.spec_from_file_location("gputrain_test_primitives", SCRIPTS / "primitives.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+P = _load_primitives()
+
+
+@pytest.fixture(scope="module")
+def primitives(tmp_path_factory):
+    """One 2-process torchrun of dist_scripts/primitives.py; what it observed and saved."""
+    out = tmp_path_factory.mktemp("primitives")
+    proc = _torchrun([str(SCRIPTS / "primitives.py"), str(out)], timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "checks.json").read_text()), out
+
+
+def _saved(out, name):
+    return torch.load(out / name, weights_only=True)
+
+
+def test_collectives_and_rank_helpers_under_torchrun(primitives):
+    checks, _ = primitives
+    for rank, seen in enumerate(checks):
+        assert seen["info"] == [True, rank, rank, 2, "gloo", True]
+        assert seen["again"] == [True, rank, 2, False]  # a second init joins the group, does not own it
+        assert seen["device"] == "cpu"
+        assert seen["is_main_process"] == (rank == 0)
+        assert seen["rank_zero_only"] == ("ran" if rank == 0 else None)
+        assert seen["mean"] == [1.5, 5.0] and seen["sum"] == [3.0]
+        assert seen["broadcast"] == {"from": 0}
+        assert seen["second_group"] == [True, 2.0]  # after cleanup, a new group works (fit called twice)
+
+
+def test_ddp_hand_loop_with_accumulation_matches_one_process(primitives):
+    checks, out = primitives
+    ref, _ = P.reference(P.STEPS)
+    _assert_same(_saved(out, "ddp.pt")["model"], ref.state_dict())
+    for seen in checks:
+        assert seen["ddp"]["wrapper"] == "DistributedDataParallel" and seen["ddp"]["unwrapped"] == "Sequential"
+        # One all-reduce per optimizer step, not per micro-step: no_sync skipped the first of 2.
+        assert seen["ddp"]["allreduces"] == P.STEPS
+    assert checks[1]["ddp"]["non_main_state_empty"] and not checks[0]["ddp"]["non_main_state_empty"]
+
+
+def test_fsdp2_hand_loop_matches_one_process_and_defers_the_reduce_scatter(primitives):
+    checks, out = primitives
+    ref, _ = P.reference(P.STEPS)
+    saved = _saved(out, "fsdp.pt")
+    assert list(saved["model"]) == list(ref.state_dict())  # plain names, full tensors
+    assert all(type(v) is torch.Tensor for v in saved["model"].values())
+    _assert_same(saved["model"], ref.state_dict())
+    for seen in checks:
+        fsdp = seen["fsdp"]
+        assert fsdp["wrapper"] == "FSDPSequential" and fsdp["unwrapped_is_model"] and fsdp["dtensor_params"]
+        # No sharded gradient after a no_sync micro-step; all of them after the last micro-step.
+        assert fsdp["grads_after"] == {"no_sync": [0] * P.STEPS, "sync": [fsdp["n_params"]] * P.STEPS}
+    assert checks[1]["fsdp"]["non_main_state_empty"]
+
+
+def test_fsdp2_full_state_continues_in_one_plain_process(primitives):
+    _, out = primitives
+    saved = _saved(out, "fsdp.pt")  # optimizer state keyed by parameter name
+    assert list(saved["optimizer"]["state"]) == [name for name, _ in P.make_model().named_parameters()]
+    model = P.make_model(seed=7)
+    optimizer = P.make_optimizer(model)
+    D.load_model_state_dict(model, saved["model"], D.SINGLE)
+    D.load_optimizer_state_dict(model, optimizer, saved["optimizer"], D.SINGLE)
+    P.train(model, optimizer, P.MORE, start=P.STEPS)
+    ref, _ = P.reference(P.STEPS + P.MORE)  # momentum carried over exactly, or this differs
+    _assert_same(model.state_dict(), ref.state_dict())
+
+
+def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
+    checks, out = primitives
+    ref, ref_opt = P.reference(P.STEPS + P.MORE)
+    for name in ("ddp_resumed.pt", "fsdp_resumed.pt"):
+        saved = _saved(out, name)
+        _assert_same(saved["model"], ref.state_dict())
+    assert all(seen["ddp_resumed_replica_equal"] for seen in checks)
+    momentum = _saved(out, "fsdp_resumed.pt")["optimizer"]["state"]["0.weight"]["momentum_buffer"]
+    assert torch.allclose(momentum, ref_opt.state[ref.get_parameter("0.weight")]["momentum_buffer"], atol=1e-6)
+
+
+# ---------------------------------------------------------------- through gputrain.fit
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate):
     steps = 8
@@ -103,22 +236,23 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate
 
 def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     fsdp, one = tmp_path / "fsdp", tmp_path / "one"
-    proc = _torchrun([SCRIPT, str(fsdp), "16", "1", "1", "6"])
+    proc = _torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _result(fsdp)["wrapper"].startswith("FSDP")  # fully_shard swaps in an FSDP<Model> class
     state = load_checkpoint(fsdp / "checkpoint.pt")
     assert state["step"] == 6 and state["world_size"] == 2
     # Full tensors, not DTensor shards: loadable without a process group.
-    assert all(isinstance(v, torch.Tensor) and not hasattr(v, "placements") for v in state["model"].values())
-    ref = _single([SCRIPT, str(one), "32", "1", "0", "6"])
+    assert all(type(v) is torch.Tensor for v in state["model"].values())
+    assert state["optimizer"]["state"], "the momentum buffers are missing from the checkpoint"
+    ref = _single([SCRIPT, str(one), "32", "2", "0", "10"])  # global batch 64 = 2 processes x 16 x 2
     assert ref.returncode == 0, ref.stderr[-2000:]
-    _assert_same(_params(one), state["model"])  # FSDP2 on 2 processes = one process, same global batch
-    # The FSDP run directory, continued to step 10 by a single process (global batch 32 = 2 x 16).
-    cont = _single([SCRIPT, str(fsdp), "32", "1", "0", "10"])
+    # The FSDP run directory, continued to step 10 by a single process: the same parameters as
+    # one process all along, so the sharded run and its momentum were exact.
+    cont = _single([SCRIPT, str(fsdp), "32", "2", "0", "10"])
     assert cont.returncode == 0, cont.stderr[-2000:]
     assert "resumed from" in cont.stderr and "at step 6" in cont.stderr
     assert _result(fsdp)["summary"]["steps"] == 10 and _result(fsdp)["summary"]["world_size"] == 1
-    assert load_checkpoint(fsdp / "checkpoint.pt")["step"] == 10
+    _assert_same(_params(one), _params(fsdp))
 
 
 def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
@@ -130,6 +264,28 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert elapsed < 60, f"torchrun took {elapsed:.0f} s to stop after a rank failed"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_hung_job_is_killed_whole_on_timeout(tmp_path):
+    # The harness itself: a timeout must fail the test promptly and leave no worker behind.
+    script = tmp_path / "hang.py"
+    script.write_text("import os, pathlib, sys, time\n"
+                      "pathlib.Path(sys.argv[1], 'pid-' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="still running after 15 s"):
+        _torchrun([str(script), str(tmp_path)], timeout=15)
+    assert time.monotonic() - start < 60
+    pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in (0, 1)]
+    time.sleep(0.5)
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state in ("Z", "X"), f"worker {pid} still running (state {state})"  # a zombie awaits init
+
+
 def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     run = tmp_path / "restart"
     proc = _torchrun([SCRIPT, str(run), "16", "1", "0", "12", "kill-once"], extra=["--max-restarts=1"], timeout=240)
@@ -139,6 +295,10 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     # Killed inside step 7; checkpoints every 2 steps, so the second attempt starts after step 6.
     assert "resumed from" in proc.stderr and "at step 6" in proc.stderr, proc.stderr[-3000:]
     assert load_checkpoint(run / "checkpoint.pt")["step"] == 12
+    # The interrupted job ends where an uninterrupted one (here: one process, same global batch) does.
+    ref = _single([SCRIPT, str(tmp_path / "one"), "32", "1", "0", "12"])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    _assert_same(_params(tmp_path / "one"), _params(run))
 
 
 def test_two_nodes_rendezvous_on_loopback(tmp_path):
@@ -163,18 +323,24 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["effective_batch"] == 32
 
 
-def test_fit_nproc_runs_torchrun_end_to_end(tmp_path, cache_dir):
-    proc = _finish(_start([sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--nproc", "2", "--device", "cpu",
-                           "--steps", "20", "--no-save", "--json"],
-                          env=_env(GPUTRAIN_CACHE=str(cache_dir)), cwd=tmp_path), 180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache_dir):
+    def gputrain_fit(*args, timeout=180):
+        cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--steps", "20", "--json",
+               *args]
+        return _finish(_start(cmd, env=_env(GPUTRAIN_CACHE=str(cache_dir)), cwd=tmp_path), timeout)
+
+    one = gputrain_fit("--batch-size", "64", "--run-dir", "one")  # also builds the cached data set
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = gputrain_fit("--nproc", "2", "--batch-size", "32", "--run-dir", "two")
+    assert two.returncode == 0, two.stderr[-3000:]
     # Only rank 0 prints: exactly one JSON document on stdout.
-    doc, end = json.JSONDecoder().raw_decode(proc.stdout, proc.stdout.index("{"))
-    assert proc.stdout[end:].strip() == ""
+    doc, end = json.JSONDecoder().raw_decode(two.stdout, two.stdout.index("{"))
+    assert two.stdout[end:].strip() == ""
     summary = doc["summary"]
     assert summary["world_size"] == 2 and summary["steps"] == 20
-    assert summary["effective_batch"] == summary["batch_size"] * summary["accumulate"] * 2
-    assert not (tmp_path / "runs").exists()  # --no-save
+    single = json.loads(one.stdout)["summary"]
+    assert summary["effective_batch"] == 32 * summary["accumulate"] * 2 == single["effective_batch"]
+    _assert_same(_params(tmp_path / "one"), _params(tmp_path / "two"))
 
 
 def test_data_parallel_is_unwrapped_with_a_warning():
@@ -184,3 +350,117 @@ def test_data_parallel_is_unwrapped_with_a_warning():
     with pytest.warns(UserWarning, match="nn.DataParallel"):
         fit(model, (torch.randn(16, 4), torch.randint(0, 2, (16,))), loss_fn=torch.nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=2))
+
+
+# ---------------------------------------------------------------- one process, no torchrun
+
+
+def test_single_process_is_a_no_op_everywhere():
+    info, device = D.init_distributed("cpu")
+    assert info == D.SINGLE and not info.enabled and info.is_main and device == torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    assert D.wrap_model(model, info, device) is model and D.unwrap(model) is model
+    with D.no_sync(model, sync=False):
+        model(torch.randn(2, 4)).sum().backward()
+    t = torch.tensor([2.0])
+    assert D.all_reduce_mean(t, info) is t and D.all_reduce_sum(t, info) is t and t.item() == 2.0
+    assert D.broadcast_object({"a": 1}, info) == {"a": 1}
+    D.barrier(info)
+    D.cleanup(info)
+    state = D.model_state_dict(model, info)
+    assert list(state) == ["0.weight", "0.bias"] and state["0.weight"] is not model[0].weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    D.load_model_state_dict(other, state, info)
+    D.load_optimizer_state_dict(other, other_opt, copy.deepcopy(D.optimizer_state_dict(model, optimizer, info)), info)
+    _assert_same(other.state_dict(), model.state_dict())
+    momentum = [opt.state[m[0].weight]["momentum_buffer"] for opt, m in ((other_opt, other), (optimizer, model))]
+    assert torch.equal(*momentum)
+
+
+def test_data_parallel_is_unwrapped_by_wrap_model_with_the_reason():
+    inner = torch.nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match=r"nn.DataParallel.*slower than DistributedDataParallel.*model.module"):
+        assert D.wrap_model(torch.nn.DataParallel(inner), D.SINGLE, torch.device("cpu")) is inner
+    assert D.unwrap(torch.nn.DataParallel(inner)) is inner
+
+
+def test_unwrap_sees_through_compile():
+    inner = torch.nn.Linear(4, 2)
+    assert D.unwrap(torch.compile(inner)) is inner
+
+
+def _torchrun_env(monkeypatch, **values):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_incomplete_torchrun_environment_is_an_error_naming_what_is_missing(monkeypatch):
+    _torchrun_env(monkeypatch, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT not set.*torchrun"):
+        D.init_distributed("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_under_torchrun_without_cuda_is_a_device_error(monkeypatch):
+    _torchrun_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    with pytest.raises(DeviceError, match="cuda"):
+        D.init_distributed("cuda")
+    assert not torch.distributed.is_initialized()
+
+
+def test_rank_helpers_read_the_environment_without_a_process_group(monkeypatch):
+    calls = []
+    report = D.rank_zero_only(lambda x: calls.append(x) or "done")
+    monkeypatch.setenv("RANK", "1")
+    assert not D.is_main_process() and report(1) is None
+    monkeypatch.setenv("RANK", "0")
+    assert D.is_main_process() and report(2) == "done"
+    assert calls == [2]
+
+
+def test_launch_torchrun_runs_gputrain_under_torchrun(monkeypatch):
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env):
+            seen["cmd"], seen["env"] = cmd, env
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
+    assert D.launch_torchrun(2, ["fit", "mnist1d-mlp", "--steps", "5"], max_restarts=1) == 0
+    cmd = seen["cmd"]
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--max-restarts=1" in cmd
+    assert cmd[-6:] == ["-m", "gputrain", "fit", "mnist1d-mlp", "--steps", "5"]
+    assert int(seen["env"]["OMP_NUM_THREADS"]) >= 1
+
+
+def test_an_existing_process_group_is_joined_and_no_sync_reaches_ddp_through_compile(tmp_path):
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        info, device = D.init_distributed("cpu")
+        assert (info.rank, info.world_size, info.backend, info.owns_group) == (0, 1, "gloo", False)
+        D.cleanup(info)
+        assert dist.is_initialized()  # not ours to destroy
+        inner = torch.nn.Linear(4, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(inner)
+        compiled = torch.compile(ddp)
+        with D.no_sync(compiled, sync=False):
+            assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync
+        assert D.unwrap(compiled) is inner
+    finally:
+        ddp = compiled = None
+        gc.collect()
+        dist.destroy_process_group()

@@ -3,12 +3,13 @@
 gputrain has no launcher or communication layer of its own: `torchrun` (torch.distributed.run)
 starts the processes and sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; this
 module reads them, initializes the process group (NCCL on GPUs, gloo on the CPU), wraps the model
-in DDP (or FSDP2's fully_shard with --shard), and gives the trainer the few collectives it needs,
-used only at log points and checkpoints. A single process gets no-ops.
+in DDP (or FSDP2's fully_shard with shard=True), and gives the trainer the few collectives it needs,
+used only at log points and checkpoints. A single process gets no-ops, so the training loop has no
+`if distributed` branches.
 
 Why not nn.DataParallel: it is one process driving all GPUs, copying the model to each GPU on every
 step and gathering outputs on GPU 0; the GIL and the copies make it slower than DDP even on one
-machine, and PyTorch recommends DDP instead.
+machine, it cannot span machines, and PyTorch recommends DDP instead.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import datetime
 import functools
 import gc
 import os
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -30,6 +33,9 @@ from torch import nn
 from gputrain.errors import ConfigError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# torchrun's store, and the process groups init_distributed made on it in this process (see there).
+_store = None
+_groups_made = 0
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     backend: str | None = None
-    owns_group: bool = False  # we initialized the process group (and so destroy it)
+    owns_group: bool = False  # we initialized the process group (and so cleanup() destroys it)
 
     @property
     def is_main(self) -> bool:
@@ -50,11 +56,15 @@ SINGLE = DistInfo(enabled=False)
 
 
 def is_main_process() -> bool:
-    """Rank 0 (or a single process), from the environment, without initializing anything."""
+    """Rank 0 (or a single process): from the process group when there is one, else from the
+    environment torchrun set, without initializing anything."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def rank_zero_only(fn):
+    """Decorator: `fn` runs on rank 0 only; other ranks get None."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if is_main_process():
@@ -63,13 +73,49 @@ def rank_zero_only(fn):
     return wrapper
 
 
-def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple[DistInfo, torch.device]:
-    """Join the process group torchrun set up, or run as a single process.
+# ---------------------------------------------------------------- setup
 
-    Returns (DistInfo, device). Under torchrun the device is cuda:LOCAL_RANK when CUDA is available
-    and the spec allows it, else the CPU. Raises ConfigError when the environment is incomplete.
+
+def _rank_device(device_spec: str, local_rank: int) -> torch.device:
+    """One process per GPU: cuda:LOCAL_RANK when CUDA is wanted and present, else the CPU."""
+    from gputrain.devices import pick_device
+
+    spec = str(device_spec).strip().lower()
+    if spec.startswith("cuda"):
+        pick_device("cuda")  # raises DeviceError with the usual explanation when CUDA is unusable
+    elif spec != "auto" or not torch.cuda.is_available():
+        if spec not in ("auto", "cpu"):
+            warnings.warn(f"device {device_spec!r} is not supported with several processes: using the CPU "
+                          "(gloo); use 'cuda' (NCCL, one GPU per process) or 'cpu'", stacklevel=3)
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {count} visible "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                          f"start at most {count} processes per node (--nproc-per-node / --nproc)")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes, or run as a single process.
+
+    Returns (DistInfo, device). Without torchrun's environment (WORLD_SIZE unset or 1): a disabled
+    DistInfo and `pick_device(device_spec)`. Under torchrun: cuda:LOCAL_RANK with NCCL when CUDA is
+    available and the spec allows it ("auto" or "cuda..."), else the CPU with gloo. Collectives
+    time out after `timeout_s` seconds instead of hanging on a lost peer. A process group that
+    already exists is reused (and left for its owner to destroy).
+    Raises ConfigError when WORLD_SIZE > 1 but torchrun's variables are incomplete, or when a
+    local rank has no GPU; DeviceError when "cuda" is asked for and unusable.
     """
     from gputrain.devices import pick_device
+
+    if dist.is_available() and dist.is_initialized():  # someone (a test, mp.spawn, the user) set it up
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = _rank_device(device_spec, local_rank)
+        return DistInfo(world > 1, rank, local_rank, world, dist.get_backend(), owns_group=False), device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -78,76 +124,121 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
     if missing:
         raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the job with torchrun "
                           "(torchrun --nproc-per-node N -m gputrain fit ...) or gputrain fit --nproc N")
+    if not dist.is_available():
+        raise ConfigError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    spec = str(device_spec).lower()
-    use_cuda = torch.cuda.is_available() and spec in ("auto", "cuda") or spec.startswith("cuda")
-    if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
-                              "start at most that many processes per node")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = pick_device("cpu")
-        backend = "gloo"
-    owns = False
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        kwargs = {"backend": backend, "timeout": timeout}
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is not None:
-            # After a torchrun restart the rendezvous store still holds the dead attempt's peer
-            # addresses; a per-attempt key prefix keeps the new process group from dialling them.
+    device = _rank_device(device_spec, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {"backend": backend, "timeout": timeout}
+    if backend == "nccl":
+        kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # torchrun's c10d rendezvous keeps one store server for the whole job, so a process group
+        # made after a restart, or after an earlier group in this process was destroyed (fit called
+        # twice), would find the old group's peer addresses under the same keys and dial dead ports
+        # ("Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt and per
+        # group keeps them apart; every rank makes its groups in the same order.
+        global _store, _groups_made
+        if _store is None:  # one connection per process, kept for later groups
             use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=(rank == 0 and not use_agent), timeout=timeout)
-            kwargs.update(store=dist.PrefixStore(f"gputrain/attempt-{restart}", store), rank=rank, world_size=world)
-        dist.init_process_group(**kwargs)
-        owns = True
-    return DistInfo(True, rank, local_rank, world, dist.get_backend(), owns), device
+            _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                   is_master=(rank == 0 and not use_agent), timeout=timeout)
+        _groups_made += 1
+        # torch names the default group "0" again after destroy_process_group, so without the
+        # group number a second group reads the first one's stale gloo addresses and hangs.
+        prefix = f"gputrain/attempt-{restart}/group-{_groups_made}"
+        kwargs.update(store=dist.PrefixStore(prefix, _store), rank=rank, world_size=world)
+    dist.init_process_group(**kwargs)
+    return DistInfo(True, rank, local_rank, world, dist.get_backend(), owns_group=True), device
+
+
+def cleanup(info: DistInfo) -> None:
+    """Destroy the process group init_distributed created. Drop your references to the wrapped
+    model first.
+
+    A DDP wrapper sits in reference cycles, so it outlives the trainer until the cycle collector
+    runs; when that is interpreter shutdown, freeing it aborts the process ("terminate called
+    without an active exception", SIGABRT, about 1 run in 4 with gloo on torch 2.13), which torchrun
+    reports as a failed job. Collect it here instead.
+    """
+    if info.enabled and info.owns_group and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- wrapping
 
 
 def warn_data_parallel(model: nn.Module) -> None:
     warnings.warn(
         "the model is wrapped in nn.DataParallel: one process copying the model to every GPU each step is "
-        "slower than DistributedDataParallel even on one machine. gputrain uses model.module and runs DDP "
+        "slower than DistributedDataParallel even on one machine, and cannot span machines. gputrain trains "
+        "model.module instead (pass the plain model to avoid this warning) and runs DDP, one process per GPU, "
         "when started with torchrun or `gputrain fit --nproc N`", stacklevel=3)
 
 
 def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, shard: bool = False) -> nn.Module:
-    """DDP (default) or FSDP2 fully_shard (shard=True) across processes; the model itself otherwise."""
+    """The model ready for several processes; the model itself for one.
+
+    DDP by default (gradients all-reduced in buckets during backward). shard=True: FSDP2 —
+    fully_shard on each direct child that holds parameters, then on the root, so parameters,
+    gradients and optimizer state are split across ranks (the model class becomes FSDP<Class>,
+    it is not wrapped). The model must already be on `device`. An nn.DataParallel is unwrapped
+    with a warning.
+    """
     if isinstance(model, nn.DataParallel):
         warn_data_parallel(model)
         model = model.module
     if not info.enabled:
         return model
     if shard:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        # Shard each direct child that holds parameters, then the root (FSDP2's usual pattern).
+        # An explicit mesh: FSDP2's default picks CUDA whenever it exists, even for a gloo/CPU job.
+        mesh = init_device_mesh(device.type, (info.world_size,))
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child)
-        fully_shard(model)
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if device.type == "cuda":
-        return DDP(model, device_ids=[device.index])
+        return DDP(model, device_ids=[device.index], output_device=device.index)
     return DDP(model)
 
 
+def _peel_compile(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+
+
 def _is_fsdp(model: nn.Module) -> bool:
-    return hasattr(model, "set_requires_gradient_sync")
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module: without torch.compile, DDP or DataParallel wrappers (FSDP2 is the module)."""
+    while True:
+        inner = _peel_compile(model)
+        if isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = inner.module
+        if inner is model:
+            return model
+        model = inner
 
 
 def no_sync(model: nn.Module, sync: bool):
-    """Skip gradient sync on non-final micro-steps (sync=False); a no-op single-process."""
+    """Context for one micro-step's backward: sync=False skips the gradient all-reduce (DDP) or
+    reduce-scatter (FSDP2) and keeps the gradients local, for the non-final micro-steps of gradient
+    accumulation. sync=True, or a single process: does nothing."""
     if sync:
         return contextlib.nullcontext()
+    model = _peel_compile(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     if _is_fsdp(model):
@@ -164,55 +255,143 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile
-    if isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        inner = inner.module
-    return inner
+# ---------------------------------------------------------------- state (checkpoints)
+#
+# Checkpoints hold full, unsharded CPU tensors under the plain model's names, so a run saved by N
+# processes (DDP or FSDP2) resumes in one and the other way round. Every function here is a
+# collective when info.enabled: all ranks must call it.
+
+
+def _fsdp_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
 
 
 def model_state_dict(model: nn.Module, info: DistInfo) -> dict:
-    """The full model state (CPU tensors, plain key names). Collective: every rank must call it."""
+    """The full model state: CPU tensors, the plain model's key names (no "module." prefix).
+
+    Rank 0 (and a single process) gets the dict; other ranks get {} (under FSDP2 the full tensors
+    are gathered to rank 0 only).
+    """
     inner = unwrap(model)
     if info.enabled and _is_fsdp(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(inner, options=_fsdp_options(cpu_offload=True))
+        return state if info.is_main else {}
+    if info.enabled and not info.is_main:
+        return {}
     return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
 
 
 def load_model_state_dict(model: nn.Module, state: dict, info: DistInfo) -> None:
-    inner = unwrap(model)
-    if info.enabled and _is_fsdp(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """Load a full state (as model_state_dict returns it) into the model, wrapped or not.
 
-        set_model_state_dict(inner, state, options=StateDictOptions(full_state_dict=True))
+    Rank 0's `state` is what every rank ends up with: other ranks may pass {} (or the same dict).
+    Raises the usual load_state_dict errors for missing or unexpected keys.
+    """
+    inner = unwrap(model)
+    if not info.enabled:
+        inner.load_state_dict(state)
         return
-    inner.load_state_dict(state)
+    if _is_fsdp(inner):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        # A copy: torch writes this rank's sharded tensors into the dict it is given.
+        set_model_state_dict(inner, dict(state), options=_fsdp_options(broadcast_from_rank0=True))
+        return
+    if state:
+        inner.load_state_dict(state)
+    with torch.no_grad():  # DDP: make every replica rank 0's, whatever the other ranks were given
+        for tensor in inner.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in unwrap(model).named_parameters()}
+
+
+def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """An optimizer.state_dict() (parameters numbered 0..n-1 in param-group order) re-keyed by
+    parameter name, the form torch.distributed.checkpoint loads into a sharded model."""
+    groups = state.get("param_groups", [])
+    if not any(isinstance(i, int) for g in groups for i in g["params"]):
+        return state
+    names = _param_names(model)
+    number_to_name = {}
+    for saved, live in zip(groups, optimizer.param_groups):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(f"the saved optimizer state has a group of {len(saved['params'])} parameters where "
+                             f"this optimizer has {len(live['params'])}")
+        for number, p in zip(saved["params"], live["params"]):
+            number_to_name[number] = names[id(p)]
+    return {
+        "state": {number_to_name[k]: v for k, v in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [number_to_name[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def _copy_structure(state: dict) -> dict:
+    """New dicts and lists around the same tensors (torch's loaders rewrite what they are given)."""
+    if isinstance(state, dict):
+        return {k: _copy_structure(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_structure(v) for v in state]
+    return state
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
-    """Full optimizer state, portable between 1 and N processes. Collective under FSDP2."""
+    """The full optimizer state on the CPU, portable between 1 and N processes.
+
+    DDP and one process: optimizer.state_dict() (every rank holds the full state). FSDP2: the
+    shards gathered into full tensors keyed by parameter name. Rank 0 gets the dict; other ranks {}.
+    """
     inner = unwrap(model)
     if info.enabled and _is_fsdp(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(inner, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_optimizer_state_dict(inner, optimizer, options=_fsdp_options(cpu_offload=True))
+        return state if info.is_main else {}
+    if info.enabled and not info.is_main:
+        return {}
     return optimizer.state_dict()
 
 
-def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo) -> None:
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                              info: DistInfo) -> None:
+    """Load a full optimizer state written by any process count (DDP, FSDP2 or one process).
+
+    Rank 0's `state` is what every rank ends up with; other ranks may pass {} (or the same dict).
+    Optimizer state tensors stay on the CPU for DDP and one process (move them after loading).
+    """
     inner = unwrap(model)
     if info.enabled and _is_fsdp(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(inner, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        state = _keyed_by_name(inner, optimizer, state) if info.is_main else {}
+        set_optimizer_state_dict(inner, optimizer, _copy_structure(state),
+                                 options=_fsdp_options(broadcast_from_rank0=True))
         return
+    if info.enabled:
+        # Broadcast (pickled) only when some rank was not given the state.
+        have = torch.tensor([1.0 if state else 0.0], device=_collective_device(info))
+        if all_reduce_sum(have, info).item() < info.world_size:
+            state = broadcast_object(state if info.is_main else None, info)
     optimizer.load_state_dict(state)
 
 
+# ---------------------------------------------------------------- collectives (log points only)
+
+
+def _collective_device(info: DistInfo) -> torch.device:
+    if info.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_mean(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean of `t` over ranks (in place where possible; use the result). Single process: `t`."""
     if not info.enabled:
         return t
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -220,16 +399,18 @@ def all_reduce_mean(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum of `t` over ranks, in place. Single process: `t`."""
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def broadcast_object(obj, info: DistInfo):
+    """Rank 0's picklable `obj` on every rank. Single process: `obj`."""
     if not info.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=_collective_device(info))
     return box[0]
 
 
@@ -238,25 +419,38 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def cleanup(info: DistInfo) -> None:
-    """Destroy the process group we created. Drop your references to the wrapped model first.
-
-    A DDP wrapper sits in reference cycles, so it outlives the trainer until the cycle collector
-    runs; when that is interpreter shutdown, freeing it aborts the process ("terminate called
-    without an active exception", SIGABRT, about 1 run in 4 with gloo on torch 2.13), which torchrun
-    reports as a failed job. Collect it here instead.
-    """
-    if info.enabled and info.owns_group and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+# ---------------------------------------------------------------- launching
 
 
 def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run `gputrain <argv>` in `nproc` processes on this machine through torchrun; its exit code."""
+    """Run `python -m gputrain <argv>` (argv starts with the subcommand, e.g. ["fit", ...]) in
+    `nproc` processes on this machine through torchrun; returns torchrun's exit code.
+
+    Ctrl-C and SIGTERM reach torchrun, which stops its workers; this waits for it to finish.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     cmd += ["-m", "gputrain", *argv]
     env = dict(os.environ)
+    # torchrun would set 1 (with a warning); share the cores between the processes instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    if in_main_thread:
+        previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
+    try:
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # From a terminal torchrun got the same SIGINT and is stopping its workers: give it
+            # time; a SIGINT sent to this process alone is passed on as SIGTERM.
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                code = proc.wait()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N

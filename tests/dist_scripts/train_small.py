@@ -65,10 +65,11 @@ g = torch.Generator().manual_seed(0)
 x = torch.randn(256, 8, generator=g)
 y = (x[:, :3].sum(1) > 0).long()
 torch.manual_seed(0)  # the same initial weights in every process and every run
+# SGD with momentum: optimizer state that a resume must carry over exactly.
 model = Planted()
 cfg = TrainConfig(device="cpu", batch_size=batch, accumulate=accumulate, steps=steps, log_every=2, seed=1,
                   shard=shard, run_dir=run_dir, resume=True, checkpoint_every=2 if fail == "kill-once" else None)
-h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), config=cfg)
 if rank == 0:
     with open(os.path.join(run_dir, "result.json"), "w") as f:
         json.dump({"summary": h.summary, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), **seen}, f,
