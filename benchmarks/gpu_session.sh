@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# Everything a session with the GPU machine runs, in one command, results under $OUT (or ./gpu-out).
-# The GPU machine has torch with CUDA and most dependencies but no network: bring the mnist1d wheel
-# (pure Python) in .whl/ and install it first, e.g.
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# Everything a session with the GPU machine runs, results under $OUT (or ./gpu-out). One device
+# command may run 10 minutes, so the work is split: `gpu_session.sh tests|speed|iris|bench`
+# (each fits one command; `all` runs them in a row where there is no such limit).
+# The GPU machine has torch with CUDA, Lightning, Accelerate and most dependencies but no network:
+# bring the mnist1d wheel (pure Python) in .whl/, e.g.
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl mnist1d
+# and carry .whl; this script installs it into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD/src:/tmp/site:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-$PY -m gputrain info --json > "$OUT/info.json"
-$PY -m gputrain doctor --json > "$OUT/doctor.json"
-$PY -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
-$PY benchmarks/train_speed.py --json "$OUT/train_speed.json" 2>&1 | tee "$OUT/train_speed.log"
-$PY -m gputrain bench all --out "$OUT/bench" 2>&1 | tail -40 > "$OUT/bench.log"
-for p in fp32 bf16 fp16; do
-  $PY -m gputrain fit mnist1d-cnn --precision $p --no-save --json --quiet > "$OUT/mnist1d_$p.json"
-done
+part=${1:-all}
+if [[ $part == tests || $part == all ]]; then   # ~45 s on an H100
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfEs > "$OUT/pytest_gpu.log" 2>&1
+  tail -5 "$OUT/pytest_gpu.log"
+fi
+if [[ $part == speed || $part == all ]]; then   # ~130 s: four cases, 10 contenders, 3 repeats
+  $PY benchmarks/train_speed.py --workloads synthetic-cifar@64,digits-cnn@64,mnist1d-cnn@64,synthetic-cifar@512 \
+      --repeats 3 --json "$OUT/train_speed.json" > "$OUT/train_speed.log" 2>&1
+  tail -8 "$OUT/train_speed.log"
+fi
+if [[ $part == iris || $part == all ]]; then    # ~490 s: 20000 epochs, 8 contenders, 2 repeats
+  $PY benchmarks/train_speed.py --workloads iris-mlp --repeats 2 --json "$OUT/train_speed-iris.json" \
+      > "$OUT/train_speed-iris.log" 2>&1
+  tail -4 "$OUT/train_speed-iris.log"
+fi
+if [[ $part == bench || $part == all ]]; then
+  $PY -m gputrain bench all --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  tar -C "$OUT" -czf "$OUT/bench.tgz" bench && rm -rf "$OUT/bench"
+  tail -30 "$OUT/bench.log"
+fi

@@ -8,14 +8,23 @@ loop. Contenders:
                         per batch, loss.item() every step
   hand                  a minimal loop over tensors already on the device (randperm + slices)
   gputrain-default      gputrain.fit with its defaults
-  gputrain-fast         gputrain.fit with its fastest switches (CUDA graphs; on the GPU also
-                        channels_last etc. as the defaults decide)
-  lightning, accelerate on a GPU machine where they are installed, with their documented defaults
+  gputrain-fast         gputrain.fit with its fastest switches (CUDA graphs forced, a loss read
+                        every 1000 steps instead of 50)
+  gputrain-fp32         (GPU) gputrain defaults at fp32, the precision of the plain loops
+  lightning, accelerate (GPU, where installed) with their documented defaults (fp32)
+  lightning-bf16,       (GPU) their best documented settings: bf16 mixed precision and TF32
+  accelerate-bf16       matmuls; not on iris, where a 4-10-3 MLP has nothing for bf16 to speed up
+
+Every contender is timed the same way: from the call that gets the model and the data to the end
+of its last step (synchronized), so each tool's setup (data to the device, DataLoader, Trainer,
+capture) is inside its time. Precision: the plain loops, Lightning and Accelerate run fp32 unless
+named -bf16; gputrain-default and -fast run gputrain's automatic choice (bf16 on the GPU).
 
 Usage:
   python benchmarks/train_speed.py                 # all workloads, CPU (and GPU if present)
   python benchmarks/train_speed.py --quick         # a short run for smoke testing
   python benchmarks/train_speed.py --workloads digits-cnn,mnist1d-cnn --json out.json
+  python benchmarks/train_speed.py --iris-epochs 2000  # a shorter iris run (the seed's is 20000)
 
 A GPU run writes benchmarks/results/train_speed_<device>_<date>.json (see shared BENCHMARKS.md).
 """
@@ -23,6 +32,7 @@ A GPU run writes benchmarks/results/train_speed_<device>_<date>.json (see shared
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime as dt
 import json
 import os
@@ -51,12 +61,12 @@ class Case:
     epochs: int
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(quick: bool, iris_epochs: int = 20000) -> list[Case]:
     if quick:
         return [Case("iris-mlp", "iris-mlp", None, 200), Case("digits-cnn@64", "digits-cnn", 64, 1),
                 Case("mnist1d-cnn@64", "mnist1d-cnn", 64, 1)]
     return [
-        Case("iris-mlp", "iris-mlp", None, 20000),
+        Case("iris-mlp", "iris-mlp", None, iris_epochs),
         Case("digits-cnn@64", "digits-cnn", 64, 5),
         Case("mnist1d-cnn@64", "mnist1d-cnn", 64, 5),
         Case("synthetic-cifar@64", "synthetic-cifar", 64, 1),
@@ -65,19 +75,17 @@ def cases(quick: bool) -> list[Case]:
 
 
 # ---------------------------------------------------------------- contenders
-# Each returns seconds for `epochs` epochs over (x, y); inputs are float and already normalized for
-# the plain loops (the tutorials normalize up front); gputrain gets the workload's own data.
+# Each trains `epochs` epochs over (x, y) and returns; `timed` times the whole call. The plain loops
+# get float inputs normalized once up front (as the tutorials do); gputrain gets the workload's own
+# data (uint8 images stay uint8 and are normalized per batch on the device).
 
 
-def seed_loop(model, x, y, loss_fn, batch, epochs, device) -> float:
+def seed_loop(model, x, y, loss_fn, batch, epochs, device) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sync = synchronizer(device)
-    sync()
-    t0 = time.perf_counter()
     for _ in range(epochs):
         for xb, yb in loader:
             xb, yb = xb.to(device), yb.to(device)
@@ -86,18 +94,13 @@ def seed_loop(model, x, y, loss_fn, batch, epochs, device) -> float:
             loss.backward()
             opt.step()
             _ = loss.item()  # the tutorials record the loss every step
-    sync()
-    return time.perf_counter() - t0
 
 
-def hand_loop(model, x, y, loss_fn, batch, epochs, device) -> float:
+def hand_loop(model, x, y, loss_fn, batch, epochs, device) -> None:
     model.to(device)
     x, y = x.to(device), y.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     n = x.shape[0]
-    sync = synchronizer(device)
-    sync()
-    t0 = time.perf_counter()
     for _ in range(epochs):
         perm = torch.randperm(n, device=device)
         for lo in range(0, n, batch):
@@ -106,16 +109,12 @@ def hand_loop(model, x, y, loss_fn, batch, epochs, device) -> float:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-    sync()
-    return time.perf_counter() - t0
 
 
 def gputrain_run(extra: dict) -> Callable:
-    def run(model, splits, loss_fn, batch, epochs, device) -> float:
+    def run(model, splits, loss_fn, batch, epochs, device) -> None:
         cfg = TrainConfig(device=str(device), batch_size=batch, epochs=epochs, lr=LR, **extra)
-        h = fit(model, splits.train, loss_fn=loss_fn, config=cfg) if splits.mean is None else \
-            fit(model, _no_test(splits), loss_fn=loss_fn, config=cfg)
-        return h.summary["time_s"]
+        fit(model, _no_test(splits), loss_fn=loss_fn, config=cfg)
     return run
 
 
@@ -125,7 +124,7 @@ def _no_test(splits):
     return dataclasses.replace(splits, test=None, augment=None)
 
 
-def lightning_run(model, x, y, loss_fn, batch, epochs, device) -> float:
+def lightning_run(model, x, y, loss_fn, batch, epochs, device, precision: str = "32-true") -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -143,35 +142,31 @@ def lightning_run(model, x, y, loss_fn, batch, epochs, device) -> float:
 
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
     trainer = pl.Trainer(max_epochs=epochs, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    sync = synchronizer(device)
-    sync()
-    t0 = time.perf_counter()
     trainer.fit(Module(), loader)
-    sync()
-    return time.perf_counter() - t0
 
 
-def accelerate_run(model, x, y, loss_fn, batch, epochs, device) -> float:
+def accelerate_run(model, x, y, loss_fn, batch, epochs, device, mixed_precision: str = "no") -> None:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    acc = Accelerator(cpu=device.type == "cpu")
+    from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate keeps one process-wide state and refuses another precision in the same process;
+    # reset it (as its own test suite does) so fp32 and bf16 runs can alternate.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt, loader = acc.prepare(model, opt, loader)
-    sync = synchronizer(device)
-    sync()
-    t0 = time.perf_counter()
     for _ in range(epochs):
         for xb, yb in loader:
             opt.zero_grad()
             loss = loss_fn(model(xb), yb)
             acc.backward(loss)
             opt.step()
-    sync()
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- driver
@@ -186,29 +181,45 @@ def normalized_float(splits) -> tuple[torch.Tensor, torch.Tensor]:
     return x.float().contiguous(), y
 
 
-def contenders(device: torch.device) -> dict[str, tuple[str, Callable]]:
+# contender -> the precision it trains in (recorded in the results)
+PRECISION = {"seed-cpu": "fp32", "seed-gpu": "fp32", "hand": "fp32", "gputrain-default": "auto",
+             "gputrain-fast": "auto", "gputrain-fp32": "fp32", "lightning": "fp32 (32-true)",
+             "lightning-bf16": "bf16-mixed", "accelerate": "fp32 (no)", "accelerate-bf16": "bf16"}
+
+
+def contenders(device: torch.device, case: Case) -> dict[str, tuple[str, Callable]]:
     """name -> (kind, fn); kind says which data the fn takes ("plain" float tensors or "splits")."""
     out: dict[str, tuple[str, Callable]] = {}
+    cuda = device.type == "cuda"
     out["seed-cpu"] = ("plain-cpu", seed_loop)
     if device.type != "cpu":
         out["seed-gpu"] = ("plain", seed_loop)
     out["hand"] = ("plain", hand_loop)
     out["gputrain-default"] = ("splits", gputrain_run({"log_every": 50}))
     fast = {"log_every": 1000}
-    if device.type == "cuda":
+    if cuda:
         fast["cuda_graphs"] = True  # forced: a capture failure is logged as a warning
     out["gputrain-fast"] = ("splits", gputrain_run(fast))
-    if device.type == "cuda":
+    if cuda:
+        out["gputrain-fp32"] = ("splits", gputrain_run({"log_every": 50, "precision": "fp32"}))
+    # bf16 cannot speed up iris's 4-10-3 MLP; skipping the -bf16 peers there keeps the 20000-epoch
+    # case (minutes per Lightning run) inside one device session.
+    best_peers = cuda and case.workload != "iris-mlp"
+    if cuda:
         try:
             import lightning.pytorch  # noqa: F401
 
             out["lightning"] = ("plain", lightning_run)
+            if best_peers:
+                out["lightning-bf16"] = ("plain", functools.partial(lightning_run, precision="bf16-mixed"))
         except Exception:
             pass
         try:
             import accelerate  # noqa: F401
 
             out["accelerate"] = ("plain", accelerate_run)
+            if best_peers:
+                out["accelerate-bf16"] = ("plain", functools.partial(accelerate_run, mixed_precision="bf16"))
         except Exception:
             pass
     return out
@@ -221,7 +232,7 @@ def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | No
     n = x.shape[0]
     batch = case.batch_size or n
     epochs = case.epochs
-    who = {k: v for k, v in contenders(device).items() if only is None or k in only}
+    who = {k: v for k, v in contenders(device, case).items() if only is None or k in only}
     times: dict[str, list[float]] = {k: [] for k in who}
     # Warm-up round (allocator, cuDNN autotuning, lazy init): one short run each, not timed.
     for name, (kind, fn) in who.items():
@@ -233,25 +244,30 @@ def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | No
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows[name] = {"median_s": med, "min_s": min(ts), "max_s": max(ts), "n": len(ts),
-                      "samples_per_s": samples / med}
+        rows[name] = {"precision": PRECISION.get(name), "median_s": med, "min_s": min(ts), "max_s": max(ts),
+                      "n": len(ts), "times_s": ts, "samples_per_s": samples / med}
     base = rows.get("seed-gpu", rows.get("seed-cpu"))
     for name, r in rows.items():
         r["x_vs_seed_same_device"] = r["samples_per_s"] / base["samples_per_s"] if base else None
         r["x_vs_seed_cpu"] = r["samples_per_s"] / rows["seed-cpu"]["samples_per_s"] if "seed-cpu" in rows else None
         r["x_vs_hand"] = r["samples_per_s"] / rows["hand"]["samples_per_s"] if "hand" in rows else None
+        r["x_vs"] = {other: r["samples_per_s"] / o["samples_per_s"] for other, o in rows.items() if other != name}
     return {"case": case.name, "workload": case.workload, "batch_size": batch, "epochs": epochs,
             "samples": samples, "results": rows}
 
 
 def _call(fn, kind, wl, splits, x, y, batch, epochs, device) -> float:
+    """Seconds for one whole run of a contender, its setup included (synchronized at both ends)."""
     torch.manual_seed(0)
     model = wl.make_model()
-    if kind == "plain-cpu":
-        return fn(model, x, y, wl.loss_fn, batch, epochs, torch.device("cpu"))
-    if kind == "plain":
-        return fn(model, x, y, wl.loss_fn, batch, epochs, device)
-    return fn(model, splits, wl.loss_fn, batch, epochs, device)
+    target = torch.device("cpu") if kind == "plain-cpu" else device
+    data = (x, y) if kind.startswith("plain") else (splits,)
+    sync = synchronizer(device)
+    sync()
+    t0 = time.perf_counter()
+    fn(model, *data, wl.loss_fn, batch, epochs, target)
+    sync()
+    return time.perf_counter() - t0
 
 
 def environment(device: torch.device) -> dict:
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default=None, help="comma-separated case or workload names")
     ap.add_argument("--only", default=None, help="comma-separated contenders")
+    ap.add_argument("--iris-epochs", type=int, default=20000, help="iris-mlp run length (the seed's: 20000)")
     ap.add_argument("--json", default=None, help="write results here (a GPU run defaults to benchmarks/results/)")
     args = ap.parse_args(argv)
     import logging
@@ -285,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     from gputrain.devices import pick_device
 
     device = pick_device(args.device)
-    chosen = cases(args.quick)
+    chosen = cases(args.quick, args.iris_epochs)
     if args.workloads:
         want = set(args.workloads.split(","))
         chosen = [c for c in chosen if c.name in want or c.workload in want]
@@ -297,12 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         _print_case(r)
     out = {"benchmark": "train_speed", "environment": environment(device),
            "config": {"lr": LR, "optimizer": "AdamW", "repeats": args.repeats, "quick": args.quick,
-                      "precision": "each tool's default (gputrain: auto)"},
-           "cases": results}
+                      "iris_epochs": args.iris_epochs, "precision": "per contender, see each row",
+                      "timing": "whole run including each tool's setup, synchronized, median of repeats"},
+           "cases": results, "bars": bars(results, device)}
+    _print_bars(out["bars"])
     path = args.json
     if path is None and device.type == "cuda":
-        name = torch.cuda.get_device_name(device).replace(" ", "-")
-        path = f"benchmarks/results/train_speed_{name}_{dt.date.today().isoformat()}.json"
+        from gputrain.bench.common import device_slug
+
+        path = f"benchmarks/results/train_speed_{device_slug(device)}_{dt.date.today().isoformat()}.json"
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(out, indent=2))
@@ -310,14 +330,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# The issue's bars: (case, contender, against, at least). gputrain-default is what a user gets.
+CPU_BARS = [("digits-cnn@64", "gputrain-default", "seed-cpu", 1.2), ("mnist1d-cnn@64", "gputrain-default", "seed-cpu", 1.2),
+            ("digits-cnn@64", "gputrain-default", "hand", 0.95), ("mnist1d-cnn@64", "gputrain-default", "hand", 0.95)]
+GPU_BARS = [("iris-mlp", "gputrain-default", "seed-cpu", 2.0), ("iris-mlp", "gputrain-default", "seed-gpu", 5.0),
+            ("synthetic-cifar@64", "gputrain-default", "seed-gpu", 5.0),
+            ("synthetic-cifar@64", "gputrain-default", "lightning", 1.5),
+            ("synthetic-cifar@64", "gputrain-default", "accelerate", 1.5)]
+
+
+def bars(results: list[dict], device: torch.device) -> list[dict]:
+    """Each bar with the measured ratio (samples/s over samples/s) and whether it is met."""
+    by_case = {r["case"]: r["results"] for r in results}
+    out = []
+    for case, who, against, need in (GPU_BARS if device.type == "cuda" else CPU_BARS):
+        rows = by_case.get(case, {})
+        if who in rows and against in rows:
+            ratio = rows[who]["x_vs"][against]
+            out.append({"case": case, "contender": who, "against": against, "bar": need,
+                        "ratio": ratio, "met": ratio >= need})
+    return out
+
+
+def _print_bars(rows: list[dict]) -> None:
+    if rows:
+        print("\nbars (samples/s ratio)")
+    for b in rows:
+        print(f"  {b['case']:20s} {b['contender']} vs {b['against']:12s} {b['ratio']:6.2f}x  "
+              f"(bar {b['bar']}x: {'met' if b['met'] else 'NOT met'})")
+
+
 def _print_case(r: dict) -> None:
     print(f"\n{r['case']}: batch {r['batch_size']}, {r['epochs']} epochs, {r['samples']} samples")
-    print(f"  {'contender':18s} {'median s':>9s} {'spread s':>9s} {'samples/s':>11s} {'x seed':>7s} {'x seed-cpu':>10s} {'x hand':>7s}")
+    peers = [p for p in ("lightning", "accelerate") if p in r["results"]]
+    head = "".join(f" {'x ' + p[:5]:>8s}" for p in peers)
+    print(f"  {'contender':18s} {'precision':>14s} {'median s':>9s} {'spread s':>9s} {'samples/s':>11s} "
+          f"{'x seed':>7s} {'x seed-cpu':>10s} {'x hand':>7s}{head}")
+    fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     for name, row in r["results"].items():
         spread = row["max_s"] - row["min_s"]
-        fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"  {name:18s} {row['median_s']:9.3f} {spread:9.3f} {row['samples_per_s']:11.0f} "
-              f"{fmt(row['x_vs_seed_same_device']):>7s} {fmt(row['x_vs_seed_cpu']):>10s} {fmt(row['x_vs_hand']):>7s}")
+        extra = "".join(f" {fmt(row['x_vs'].get(p)):>8s}" for p in peers)
+        print(f"  {name:18s} {row['precision'] or '-':>14s} {row['median_s']:9.3f} {spread:9.3f} "
+              f"{row['samples_per_s']:11.0f} {fmt(row['x_vs_seed_same_device']):>7s} "
+              f"{fmt(row['x_vs_seed_cpu']):>10s} {fmt(row['x_vs_hand']):>7s}{extra}")
 
 
 if __name__ == "__main__":
