@@ -9,7 +9,8 @@ cProfile's top host functions for one graphed run.
 Usage (needs CUDA):
   python benchmarks/step_probe.py [--steps 3000] [--workloads iris-mlp,synthetic-cifar] [--profile]
 
-Figures include each run's warm-up (cuDNN autotuning, capture): use enough steps.
+A short warm-up run per workload keeps cuDNN's algorithm search out of the figures; each
+run's own warm-up steps and capture stay in, so use enough steps.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.steps} steps per run")
     dev = torch.device("cuda")
     for name in args.workloads.split(","):
+        trainer_for(name, 50)[0].run()  # warm-up: cuDNN's algorithm search for this workload's shapes
         for graphs in (True, False):
             trainer, wl, splits = trainer_for(name, args.steps, cuda_graphs=graphs)
             torch.cuda.synchronize()

@@ -308,3 +308,15 @@ def test_fit_accepts_a_dataset_and_a_dataloader():
              config=TrainConfig(device="cpu", epochs=2))
     assert h2.summary["data"] == "user-dataloader" and h2.summary["steps"] == 6
     assert h1.records[-1]["eval_accuracy"] > 0
+
+
+@pytest.mark.gpu
+def test_fit_gives_back_cudnn_benchmark():
+    """fit switches cudnn.benchmark for its run only (an MLP: off) and restores the caller's value."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cuda", steps=2))
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = before

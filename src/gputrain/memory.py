@@ -614,8 +614,8 @@ def measure_step_memory(model: nn.Module, batch, loss_fn: Callable | None = None
                         optimizer_name: str = "adamw") -> dict[str, Any]:
     """The memory a training step of `model` on `batch` takes.
 
-    CUDA: the allocator's peak (max_memory_allocated) over two full steps (forward, backward,
-    optimizer with lr=0 so the weights do not change); `measured` is True.
+    CUDA: the allocator's peak (max_memory_allocated) over two full steps after a warm-up one
+    (forward, backward, optimizer with lr=0 so the weights do not change); `measured` is True.
     Elsewhere nothing bounds the memory the same way, so this is an estimate: parameters,
     gradients and optimizer state plus the bytes saved for backward, measured at this batch
     (`measured` False). Returns {"peak_bytes", "measured", "method", "batch_size"}.
@@ -628,6 +628,9 @@ def measure_step_memory(model: nn.Module, batch, loss_fn: Callable | None = None
                 "measured": False, "batch_size": n,
                 "method": "estimate: parameters + gradients + optimizer state + tensors saved for backward at this batch"}
     step = _probe_step(model, loss_fn, precision, optimizer_name)
+    # One step first: with cudnn.benchmark on, a new shape tries several algorithms, each with its
+    # own workspace; the steady step that follows is the one to measure.
+    step(x, y)
     torch.cuda.synchronize(device)
     # The allocator counts every live tensor of the process; what is neither the model nor the
     # batch (another model, a data set kept on the GPU, a caller's tensors) is not this step's.

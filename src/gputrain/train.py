@@ -127,6 +127,8 @@ class Trainer:
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
+        # Process-wide; restored by close() so that code run after fit keeps its own setting.
+        self._cudnn_benchmark_before = torch.backends.cudnn.benchmark
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = self.speed.cudnn_benchmark
         self.checkpointed: list[str] = []
@@ -361,6 +363,10 @@ class Trainer:
         if self.eval_loader is not None and self._eval_due():
             record.update(self.evaluate())
         return record
+
+    def close(self) -> None:
+        """Give back the process-wide settings the run changed (cudnn.benchmark)."""
+        torch.backends.cudnn.benchmark = self._cudnn_benchmark_before
 
     def _eval_due(self) -> bool:
         every = self.config.eval_every
@@ -610,6 +616,7 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable, optimizer=None, conf
     try:
         return trainer.run()
     finally:
+        trainer.close()
         del trainer  # cleanup() frees the DDP wrapper before the process group goes (see there)
         distributed.cleanup(info)
 
