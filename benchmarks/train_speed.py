@@ -12,8 +12,8 @@ loop. Contenders:
                         every 1000 steps instead of 50)
   gputrain-fp32         (GPU) gputrain defaults at fp32, the precision of the plain loops
   lightning, accelerate (GPU, where installed) with their documented defaults (fp32)
-  lightning-bf16,       (GPU) their best documented settings: bf16 mixed precision and TF32
-  accelerate-bf16       matmuls; not on iris, where a 4-10-3 MLP has nothing for bf16 to speed up
+  lightning-bf16,       (GPU) their best documented setting: bf16 mixed precision; not on
+  accelerate-bf16       iris, where a 4-10-3 MLP has nothing for bf16 to speed up
 
 Every contender is timed the same way: from the call that gets the model and the data to the end
 of its last step (synchronized), so each tool's setup (data to the device, DataLoader, Trainer,
@@ -32,8 +32,8 @@ A GPU run writes benchmarks/results/train_speed_<device>_<date>.json (see shared
 from __future__ import annotations
 
 import argparse
-import functools
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -75,7 +75,7 @@ def cases(quick: bool, iris_epochs: int = 20000) -> list[Case]:
 
 
 # ---------------------------------------------------------------- contenders
-# Each trains `epochs` epochs over (x, y) and returns; `timed` times the whole call. The plain loops
+# Each trains `epochs` epochs over (x, y) and returns; `_call` times the whole call. The plain loops
 # get float inputs normalized once up front (as the tutorials do); gputrain gets the workload's own
 # data (uint8 images stay uint8 and are normalized per batch on the device).
 
@@ -149,9 +149,8 @@ def lightning_run(model, x, y, loss_fn, batch, epochs, device, precision: str = 
 
 def accelerate_run(model, x, y, loss_fn, batch, epochs, device, mixed_precision: str = "no") -> None:
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader, TensorDataset
-
     from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
 
     # Accelerate keeps one process-wide state and refuses another precision in the same process;
     # reset it (as its own test suite does) so fp32 and bf16 runs can alternate.

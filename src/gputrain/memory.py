@@ -627,17 +627,19 @@ def measure_step_memory(model: nn.Module, batch, loss_fn: Callable | None = None
         return {"peak_bytes": _state_bytes(model, optimizer_name) + _saved_bytes_at(model, batch, loss_fn, precision),
                 "measured": False, "batch_size": n,
                 "method": "estimate: parameters + gradients + optimizer state + tensors saved for backward at this batch"}
-    step = _probe_step(model, loss_fn, precision, optimizer_name)
-    # One step first: with cudnn.benchmark on, a new shape tries several algorithms, each with its
-    # own workspace; the steady step that follows is the one to measure.
-    step(x, y)
     torch.cuda.synchronize(device)
     # The allocator counts every live tensor of the process; what is neither the model nor the
     # batch (another model, a data set kept on the GPU, a caller's tensors) is not this step's.
+    # Counted before the first step, which creates the optimizer state (the step's own memory).
     own = sum(_device_bytes(t, device) for t in (*model.parameters(), *model.buffers(), x, y))
     own += sum(_device_bytes(p.grad, device) for p in model.parameters())
     others = max(0, torch.cuda.memory_allocated(device) - own)
-    torch.cuda.reset_peak_memory_stats(device)
+    step = _probe_step(model, loss_fn, precision, optimizer_name)
+    # One step first: with cudnn.benchmark on, a new shape tries several algorithms, each with its
+    # own workspace; the steady steps that follow are the ones to measure.
+    step(x, y)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the peak restarts at what is allocated now
     for _ in range(2):
         step(x, y)
     torch.cuda.synchronize(device)
