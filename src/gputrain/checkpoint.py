@@ -159,7 +159,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                 "gputrain checkpoints hold only tensors and plain data, so this file was not written by "
                 "gputrain.save_checkpoint") from None
         raise CheckpointError(_explain(path, size, msg)) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001
+        # Damaged bytes can make the unpickler fail in any way (EOFError, BadZipFile, also
+        # IndexError or KeyError from its stack and memo); all of them mean the same to the user.
         raise CheckpointError(_explain(path, size, str(exc) or type(exc).__name__)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: a PyTorch file but not a gputrain checkpoint (no format={FORMAT!r} "
