@@ -7,7 +7,7 @@ evaluation) and pass/fail against the bars below, which must hold on a 2-core CP
 Two training loops:
   trainer    gputrain's own trainer (`gputrain.train.fit_workload`, what `gputrain fit` runs)
   reference  a small loop here with the trainer's semantics: AdamW(lr, weight_decay), the schedule
-             from gputrain.optim (linear warm-up; cosine to 0; onecycle), a seeded reshuffle each
+             from gputrain.train.optim (linear warm-up; cosine to 0; onecycle), a seeded reshuffle each
              epoch, the last partial batch kept, uint8 images normalized per batch
 --loop auto (the default) takes the trainer when it imports and the reference loop otherwise.
 
@@ -66,7 +66,7 @@ TIME_LIMIT_S = 120.0
 def trainer_loop():
     """gputrain's trainer, or None (with the reason) when it cannot be imported yet."""
     try:
-        from gputrain.train import fit_workload
+        from gputrain.train.trainer import fit_workload
     except Exception as exc:  # the trainer is optional for this script
         return None, f"{type(exc).__name__}: {exc}"
     return fit_workload, ""
@@ -81,8 +81,8 @@ def run_with_trainer(fit_workload, workload, config: TrainConfig) -> dict[str, A
 
 def run_reference(workload, config: TrainConfig) -> dict[str, Any]:
     """The trainer's semantics in a few lines, on the CPU in fp32."""
-    from gputrain.data import BatchTransform, epoch_seed
-    from gputrain.optim import make_scheduler
+    from gputrain.data.loading import BatchTransform, epoch_seed
+    from gputrain.train.optim import make_scheduler
 
     torch.manual_seed(config.seed)
     data = workload.make_data()
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f" (bar {row['bar']})" if row.get("bar") else ""), flush=True)
 
     if args.json:
-        from gputrain.devices import cpu_model_name
+        from gputrain.runtime.devices import cpu_model_name
 
         report = {
             "benchmark": "accuracy",

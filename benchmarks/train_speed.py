@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from gputrain import TrainConfig, fit
-from gputrain.devices import cpu_model_name, synchronizer
+from gputrain.runtime.devices import cpu_model_name, synchronizer
 from gputrain.workloads import get_workload
 
 LR = 1e-3
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("gputrain").setLevel(logging.WARNING)
-    from gputrain.devices import pick_device
+    from gputrain.runtime.devices import pick_device
 
     device = pick_device(args.device)
     chosen = cases(args.quick, args.iris_epochs)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from gputrain.checkpoint import (FORMAT, VERSION, capture_rng_state, check_model_state, load_checkpoint,
+from gputrain.io.checkpoint import (FORMAT, VERSION, capture_rng_state, check_model_state, load_checkpoint,
                                  restore_rng_state, save_checkpoint)
 from gputrain.config import TrainConfig
 from gputrain.errors import CheckpointError
-from gputrain.optim import make_optimizer, make_scheduler
+from gputrain.train.optim import make_optimizer, make_scheduler
 
 
 def _state(value=1.0, schedule="cosine"):
@@ -113,7 +113,7 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     save_checkpoint(path, _state(1.0))
     script = textwrap.dedent(f"""
         import io, os, signal, torch
-        from gputrain import checkpoint
+        from gputrain.io import checkpoint
         real = torch.save
         def killed_half_way(obj, f, *a, **k):
             buf = io.BytesIO()
@@ -224,7 +224,7 @@ def test_cuda_rng_state_round_trip(tmp_path):
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "onecycle"])
 def test_lr_schedule_matches_lambdalr_and_loads_its_state(schedule):
     """gputrain's LRSchedule gives LambdaLR's lrs step for step and resumes from a LambdaLR state."""
-    from gputrain.optim import make_schedule
+    from gputrain.train.optim import make_schedule
 
     def opt():
         return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)

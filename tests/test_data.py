@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gputrain.data import (BatchStream, BatchTransform, LoaderBatches, TensorBatches, _TensorsByIndex,
+from gputrain.data.loading import (BatchStream, BatchTransform, LoaderBatches, TensorBatches, _TensorsByIndex,
                            choose_device_resident, make_loader, random_crop_flip)
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gputrain import DeviceError, pick_device
-from gputrain import devices
+from gputrain.runtime import devices
 
 
 def _fake_cuda(monkeypatch, names, built=True, available=True):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain import distributed as D
-from gputrain.checkpoint import load_checkpoint
+from gputrain.runtime import distributed as D
+from gputrain.io.checkpoint import load_checkpoint
 from gputrain.errors import ConfigError, DeviceError
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from gputrain import devices
-from gputrain import doctor as doc
+from gputrain.runtime import devices
+from gputrain.diagnostics import doctor as doc
 from gputrain.cli import main
 from test_info import fake_pynvml
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain import info, telemetry
+from gputrain.diagnostics import info, telemetry
 from gputrain.cli import main
 
 GIB = 2**30

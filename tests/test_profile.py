@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gputrain.config import TrainConfig
-from gputrain.profiling import PHASES, count_host_reads, detect_syncs, profile_workload, trace_summary
-from gputrain.verdict import VERDICTS, diagnose
+from gputrain.diagnostics.profiling import PHASES, count_host_reads, detect_syncs, profile_workload, trace_summary
+from gputrain.diagnostics.verdict import VERDICTS, diagnose
 from gputrain.workloads.base import DataSplits, Workload
 
 

@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from gputrain.errors import GputrainError
-from gputrain.history import History
-from gputrain.reporting import (CSV_COLUMNS, MetricsLog, TrainProgress, format_bytes, format_duration,
+from gputrain.io.history import History
+from gputrain.report.reporting import (CSV_COLUMNS, MetricsLog, TrainProgress, format_bytes, format_duration,
                                 plot_history, render_summary, summary_table)
 
 RECORDS = [{"step": 10, "epoch": 0.5, "loss": 1.2, "lr": 1e-3, "samples_per_s": 900.0, "peak_memory_bytes": None,

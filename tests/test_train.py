@@ -6,7 +6,7 @@ from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError, GputrainError
-from gputrain.precision import resolve_precision
+from gputrain.runtime.precision import resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -211,7 +211,7 @@ def test_cuda_graphs_fall_back_on_cpu_with_a_reason():
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_graphed_step_matches_eager_on_gpu(schedule):
     """Graphs (one per batch shape: 50 and the last, partial 6) end where eager steps end."""
-    from gputrain.train import Trainer
+    from gputrain.train.trainer import Trainer
 
     x, y = _data(256)
     runs = {}
@@ -236,9 +236,9 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
 @pytest.mark.gpu
 def test_graph_input_copies_are_skipped_only_for_unchanged_batches():
     """Full-batch training passes the same tensor each step: no copy; an in-place change is seen."""
-    from gputrain.cuda_graphs import GraphedTrainStep
-    from gputrain.optim import make_optimizer
-    from gputrain.precision import resolve_precision
+    from gputrain.train.graphs import GraphedTrainStep
+    from gputrain.train.optim import make_optimizer
+    from gputrain.runtime.precision import resolve_precision
 
     dev = torch.device("cuda")
     x, y = (t.to(dev) for t in _data(64))

@@ -4,21 +4,21 @@ The public API is re-exported here; each name lives in a small module named for 
 """
 
 from gputrain.errors import GputrainError, DeviceError, ConfigError, CheckpointError, DataError
-from gputrain.devices import pick_device, describe_devices
-from gputrain.moving import move, move_optimizer_state, check_devices
+from gputrain.runtime.devices import pick_device, describe_devices
+from gputrain.batch import move, move_optimizer_state, check_devices
 
 __version__ = "0.1.0"
 
 # The trainer and the tools built on it import more of torch; load them on first use so that
 # `import gputrain` and `gputrain info` stay fast.
 _LAZY = {
-    "fit": "gputrain.train",
+    "fit": "gputrain.train.trainer",
     "TrainConfig": "gputrain.config",
-    "History": "gputrain.history",
+    "History": "gputrain.io.history",
     "Workload": "gputrain.workloads",
     "get_workload": "gputrain.workloads",
-    "memory_stats": "gputrain.memory",
-    "DeviceLoader": "gputrain.data",
+    "memory_stats": "gputrain.diagnostics.memory",
+    "DeviceLoader": "gputrain.data.loading",
 }
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputrain.errors import ConfigError
-from gputrain.precision import CHOICES as PRECISIONS
+from gputrain.runtime.precision import CHOICES as PRECISIONS
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""gputrain.distributed's primitives in a hand-written training loop; launched by tests/test_distributed.py.
+"""gputrain.runtime.distributed's primitives in a hand-written training loop; launched by tests/test_distributed.py.
 
 usage (under torchrun, 2 processes, gloo): primitives.py OUT_DIR
 
@@ -69,7 +69,7 @@ def reference(steps):
 def main(out_dir):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from gputrain import distributed as D
+    from gputrain.runtime import distributed as D
 
     info, device = D.init_distributed("cpu")
     again, _ = D.init_distributed("cpu")

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from gputrain.devices import cpu_model_name, pick_device, synchronizer, torch_build
-from gputrain.precision import apply_matmul_settings
+from gputrain.runtime.devices import cpu_model_name, pick_device, synchronizer, torch_build
+from gputrain.runtime.precision import apply_matmul_settings
 
 NO_GPU = "no GPU"  # what a GPU cell says when there is no GPU to measure
 
@@ -162,11 +162,11 @@ def saved_tensor_bytes(step: Callable[[], Any], exclude: list[torch.Tensor] | tu
     frees it. Storages shared with `exclude` (pass the model's parameters) are not counted, so
     weights are not mistaken for activations. With activation checkpointing, only each region's
     inputs are saved (what is computed inside is recomputed in backward): the figure shows the saving.
-    Uses gputrain.memory.SavedTensorMeter (views of one storage counted once).
+    Uses gputrain.diagnostics.memory.SavedTensorMeter (views of one storage counted once).
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     try:
-        from gputrain.memory import SavedTensorMeter
+        from gputrain.diagnostics.memory import SavedTensorMeter
     except ImportError:  # a minimal stand-in: one count per storage
         return _saved_storage_bytes(step, skip)
     meter = SavedTensorMeter(skip_storages=skip)

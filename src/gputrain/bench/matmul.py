@@ -14,8 +14,8 @@ import torch
 from gputrain.bench.common import (accelerators, device_name, free_device_memory, matmul_precision,
                                    measure, new_result)
 from gputrain.errors import ConfigError
-from gputrain.peaks import peak_tflops
-from gputrain.precision import resolve_precision
+from gputrain.diagnostics.peaks import peak_tflops
+from gputrain.runtime.precision import resolve_precision
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 STORAGE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -124,7 +124,7 @@ def run_matmul(device: str = "auto", quick: bool = False, sizes: list[int] | Non
         "FLOPs per product: 2*n^3; TFLOP/s from the median time (tflops_best from the fastest sample).",
         f"CPU: fp32 and bf16 only; sizes above {cfg['cpu_max_size']} are skipped to keep the run short.",
         "Speed-up: CPU time / GPU time at the same size and dtype, measured side by side in this run.",
-        "% of peak uses gputrain.peaks (dense tensor-core figures); an unknown device gets none.",
+        "% of peak uses gputrain.diagnostics.peaks (dense tensor-core figures); an unknown device gets none.",
     ]
     if not gpus:
         result["notes"].append(f"GPU columns: {no_gpu}.")

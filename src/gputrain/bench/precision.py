@@ -2,7 +2,7 @@
 
 Each precision trains a fresh copy of the model from the same initial weights, on the same batches
 (device-resident, visited in the same order), with the same optimizer (AdamW, lr 1e-3), using
-gputrain.precision's autocast and GradScaler: what `gputrain fit --precision P` does. Precisions the
+gputrain.runtime.precision's autocast and GradScaler: what `gputrain fit --precision P` does. Precisions the
 device cannot run are listed with resolve_precision's reason instead of numbers.
 
 Figures: samples/s from the median of timed chunks of steps (warm-up steps excluded); peak memory
@@ -21,7 +21,7 @@ from gputrain.bench.cases import CASES, get_case
 from gputrain.bench.common import (accelerators, clock, device_name, free_device_memory, matmul_precision,
                                    new_result, saved_tensor_bytes, summarize)
 from gputrain.errors import ConfigError
-from gputrain.precision import autocast, make_scaler, resolve_precision
+from gputrain.runtime.precision import autocast, make_scaler, resolve_precision
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 LR = 1e-3

@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from gputrain.doctor import doctor
+    from gputrain.diagnostics.doctor import doctor
 
     report = doctor(run_measurements=not args.no_measure)
     if args.json:

@@ -180,12 +180,12 @@ def run(args) -> int:
     if args.list:
         return _list(args.json)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from gputrain.distributed import launch_torchrun
+        from gputrain.runtime.distributed import launch_torchrun
 
         argv = _argv_without(sys.argv[1:], ("--nproc", "--max-restarts"))
         return launch_torchrun(args.nproc, argv, max_restarts=args.max_restarts)
 
-    from gputrain.distributed import is_main_process
+    from gputrain.runtime.distributed import is_main_process
 
     is_main = is_main_process()
     _setup_logging(args.quiet or args.json, is_main)
@@ -205,7 +205,7 @@ def run(args) -> int:
         config = _auto_batch_size(workload, config)
         full_batch = False
 
-    from gputrain.train import fit_workload
+    from gputrain.train.trainer import fit_workload
 
     history, _model = fit_workload(workload, config, full_batch=full_batch)
     if not is_main:
@@ -220,7 +220,7 @@ def run(args) -> int:
     else:
         from rich.console import Console
 
-        from gputrain.reporting import render_summary
+        from gputrain.report.reporting import render_summary
 
         render_summary(summary, Console())
     return 0
@@ -229,7 +229,7 @@ def run(args) -> int:
 def _auto_batch_size(workload, config):
     """The largest micro-batch that fits on the GPU (a search that survives OOM)."""
     log = logging.getLogger("gputrain")
-    from gputrain.devices import pick_device
+    from gputrain.runtime.devices import pick_device
 
     device = pick_device(config.device)
     if device.type != "cuda":
@@ -238,9 +238,9 @@ def _auto_batch_size(workload, config):
         return config
     import torch
 
-    from gputrain.data import BatchTransform
-    from gputrain.memory import batch_trial, find_max_batch
-    from gputrain.precision import resolve_precision
+    from gputrain.data.loading import BatchTransform
+    from gputrain.diagnostics.memory import batch_trial, find_max_batch
+    from gputrain.runtime.precision import resolve_precision
 
     data = workload.make_data()
     model = workload.make_model().to(device)

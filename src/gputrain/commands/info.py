@@ -18,7 +18,7 @@ def _unit(value, unit: str, fmt: str = "") -> str:
 
 
 def run(args) -> int:
-    from gputrain.info import collect_info
+    from gputrain.diagnostics.info import collect_info
 
     info = collect_info()
     if args.json:

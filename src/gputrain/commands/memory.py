@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 from gputrain.commands.argtypes import positive_int as _positive_int
-from gputrain.reporting import format_bytes as fmt_bytes
+from gputrain.report.reporting import format_bytes as fmt_bytes
 
 SAMPLE = 16  # samples in the measured batch (the estimate fits a line through it and its half)
 DEFAULT_MAX_BATCH = 2**20  # the search stops here unless --max-batch says otherwise
@@ -51,11 +51,11 @@ def memory_report(args) -> dict[str, Any]:
     """Everything `gputrain memory` shows, as data."""
     import torch
 
-    from gputrain.data import BatchTransform
-    from gputrain.devices import pick_device
-    from gputrain.memory import (batch_trial, estimate_memory, find_max_batch, free_after_oom, is_oom,
+    from gputrain.data.loading import BatchTransform
+    from gputrain.runtime.devices import pick_device
+    from gputrain.diagnostics.memory import (batch_trial, estimate_memory, find_max_batch, free_after_oom, is_oom,
                                  max_batch_from_estimate, measure_step_memory, memory_stats, recommendations)
-    from gputrain.precision import resolve_precision
+    from gputrain.runtime.precision import resolve_precision
     from gputrain.workloads import resolve_workload
 
     workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))

@@ -10,8 +10,8 @@ import platform
 import sys
 from typing import Any
 
-from gputrain.devices import describe_devices, torch_build
-from gputrain.telemetry import host_memory, nvml_snapshot
+from gputrain.runtime.devices import describe_devices, torch_build
+from gputrain.diagnostics.telemetry import host_memory, nvml_snapshot
 
 SCHEMA_KEYS = ("gputrain", "python", "torch", "devices", "nvml", "frameworks")
 

@@ -4,7 +4,7 @@
   the step-time breakdown (data, host-to-device, forward, backward, optimizer, logging), the top ops
   of a torch.profiler run (device time on a GPU, CPU time on the CPU), a Chrome trace, GPU
   utilization sampled from NVML, MFU where the device's peak is known, the host syncs and a verdict
-  (`gputrain.verdict.diagnose`).
+  (`gputrain.diagnostics.verdict.diagnose`).
 - `detect_syncs(step_fn, steps)`: every call that makes the host wait for the GPU, with the file
   and line that made it (CUDA's sync debug mode).
 - `count_host_reads(step_fn, steps)`: the same question on any device: the calls that read a tensor
@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gputrain.config import TrainConfig
-from gputrain.verdict import diagnose
+from gputrain.diagnostics.verdict import diagnose
 
 PHASES = ("data", "h2d", "forward", "backward", "optimizer", "logging")
 BURN_IN_STEPS = 3  # first steps: lazy init, cuDNN autotuning, optimizer state creation
@@ -338,9 +338,9 @@ class _StepRunner:
     """
 
     def __init__(self, workload, config: TrainConfig, device: torch.device, precision):
-        from gputrain.data import BatchTransform
-        from gputrain.optim import make_optimizer
-        from gputrain.precision import apply_matmul_settings, make_scaler
+        from gputrain.data.loading import BatchTransform
+        from gputrain.train.optim import make_optimizer
+        from gputrain.runtime.precision import apply_matmul_settings, make_scaler
 
         self.device, self.precision, self.config = device, precision, config
         torch.manual_seed(config.seed)
@@ -361,7 +361,7 @@ class _StepRunner:
         self.model = workload.make_model().to(device)
         self.checkpointed: list[str] = []
         if config.checkpointing:
-            from gputrain.memory import apply_activation_checkpointing
+            from gputrain.diagnostics.memory import apply_activation_checkpointing
 
             targets = None if config.checkpointing is True else list(config.checkpointing)
             self.checkpointed = apply_activation_checkpointing(self.model, targets)
@@ -383,7 +383,7 @@ class _StepRunner:
         return self.x[start:start + B], self.y[start:start + B]
 
     def _forward_loss(self, x, y):
-        from gputrain.precision import autocast
+        from gputrain.runtime.precision import autocast
 
         with autocast(self.precision, self.device):
             return self.loss_fn(self.model(x), y)
@@ -523,7 +523,7 @@ def _top_ops(prof, device: torch.device, limit: int, active: int) -> list[dict[s
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from gputrain.devices import cpu_model_name
+    from gputrain.runtime.devices import cpu_model_name
 
     return cpu_model_name() if device.type == "cpu" else str(device)
 
@@ -555,9 +555,9 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
     (detect_syncs; unsupported off CUDA), host_reads (count_host_reads), verdict (diagnose) and
     the files written. Raises ConfigError/DeviceError for an impossible config.
     """
-    from gputrain.devices import pick_device, synchronizer
-    from gputrain.peaks import peak_tflops
-    from gputrain.precision import resolve_precision
+    from gputrain.runtime.devices import pick_device, synchronizer
+    from gputrain.diagnostics.peaks import peak_tflops
+    from gputrain.runtime.precision import resolve_precision
 
     from gputrain.errors import ConfigError
 

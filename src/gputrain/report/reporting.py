@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gputrain.history import json_default
+from gputrain.io.history import json_default
 
 # The CSV's first columns, always present and in this order so that a reader can rely on them.
 # A record with another key (a new metric, say) widens the CSV: the file is rewritten once, atomically,
@@ -116,7 +116,7 @@ class MetricsLog:
 
     def _widen(self, new_keys: list[str]) -> None:
         """Rewrite the CSV with `new_keys` as extra columns (rare: the first time a metric appears)."""
-        from gputrain.checkpoint import atomic_file
+        from gputrain.io.checkpoint import atomic_file
 
         self._csv_file.close()
         rows = self._read_csv_rows()
@@ -129,7 +129,7 @@ class MetricsLog:
         self._open_csv(write_header=False)
 
     def _truncate(self, after_step: int) -> None:
-        from gputrain.checkpoint import atomic_file
+        from gputrain.io.checkpoint import atomic_file
 
         def keep(step) -> bool:
             try:
@@ -184,7 +184,7 @@ def plot_history(history, path: str | Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from gputrain.checkpoint import atomic_file
+    from gputrain.io.checkpoint import atomic_file
 
     def series(key: str) -> tuple[list, list]:
         points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from gputrain.precision import Precision
+from gputrain.runtime.precision import Precision
 
 log = logging.getLogger("gputrain")
 

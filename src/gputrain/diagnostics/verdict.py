@@ -1,6 +1,6 @@
 """What bounds a training step, decided from recorded numbers (a pure function, no device needed).
 
-`diagnose(metrics)` takes the figures `gputrain.profiling.profile_workload` records (or ones read
+`diagnose(metrics)` takes the figures `gputrain.diagnostics.profiling.profile_workload` records (or ones read
 from an old summary JSON) and returns one verdict with the evidence behind it and what to try:
 
 - input-bound: getting the batch (data wait + host-to-device copy) takes a large share of the step.

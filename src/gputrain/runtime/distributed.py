@@ -78,7 +78,7 @@ def rank_zero_only(fn):
 
 def _rank_device(device_spec: str, local_rank: int) -> torch.device:
     """One process per GPU: cuda:LOCAL_RANK when CUDA is wanted and present, else the CPU."""
-    from gputrain.devices import pick_device
+    from gputrain.runtime.devices import pick_device
 
     spec = str(device_spec).strip().lower()
     if spec.startswith("cuda"):
@@ -109,7 +109,7 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
     Raises ConfigError when WORLD_SIZE > 1 but torchrun's variables are incomplete, or when a
     local rank has no GPU; DeviceError when "cuda" is asked for and unusable.
     """
-    from gputrain.devices import pick_device
+    from gputrain.runtime.devices import pick_device
 
     if dist.is_available() and dist.is_initialized():  # someone (a test, mp.spawn, the user) set it up
         rank, world = dist.get_rank(), dist.get_world_size()

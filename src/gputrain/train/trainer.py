@@ -22,15 +22,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gputrain import distributed
+from gputrain.runtime import distributed
 from gputrain.config import TrainConfig
-from gputrain.cuda_graphs import GraphedTrainStep, graph_blockers
-from gputrain.data import BatchStream, BatchTransform, make_loader, split_batch
+from gputrain.train.graphs import GraphedTrainStep, graph_blockers
+from gputrain.data.loading import BatchStream, BatchTransform, make_loader, split_batch
 from gputrain.errors import CheckpointError, GputrainError
-from gputrain.history import History
-from gputrain.moving import move, move_optimizer_state
-from gputrain.optim import make_optimizer, make_scheduler
-from gputrain.precision import Precision, apply_matmul_settings, autocast, make_scaler, resolve_precision
+from gputrain.io.history import History
+from gputrain.batch import move, move_optimizer_state
+from gputrain.train.optim import make_optimizer, make_scheduler
+from gputrain.runtime.precision import Precision, apply_matmul_settings, autocast, make_scaler, resolve_precision
 
 log = logging.getLogger("gputrain")
 
@@ -133,7 +133,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = self.speed.cudnn_benchmark
         self.checkpointed: list[str] = []
         if config.checkpointing:
-            from gputrain.memory import apply_activation_checkpointing
+            from gputrain.diagnostics.memory import apply_activation_checkpointing
 
             targets = None if config.checkpointing is True else list(config.checkpointing)
             self.checkpointed = apply_activation_checkpointing(self.module, targets)
@@ -257,7 +257,7 @@ class Trainer:
                 self._optimizer_step()
                 return
             except Exception as exc:  # only OOM is handled; everything else propagates
-                from gputrain.memory import free_after_oom, is_oom
+                from gputrain.diagnostics.memory import free_after_oom, is_oom
 
                 if not (self.config.oom_recovery and is_oom(exc)):
                     raise
@@ -282,7 +282,7 @@ class Trainer:
     def run(self) -> History:
         cfg = self.config
         self._announce()
-        from gputrain.reporting import MetricsLog, TrainProgress
+        from gputrain.report.reporting import MetricsLog, TrainProgress
 
         # A resumed run drops rows logged after its checkpoint (they are logged again).
         metrics = MetricsLog(self.run_dir, truncate_after_step=self.step) if (self.run_dir and self.is_main) else None
@@ -339,7 +339,7 @@ class Trainer:
         self._summarize(elapsed, peak, stopped=self.step < self.total_steps)
         if self.run_dir and self.is_main:
             self.history.save(self.run_dir / "history.json")
-            from gputrain.reporting import plot_history
+            from gputrain.report.reporting import plot_history
 
             plot_history(self.history, self.run_dir / "curves.png")
         return self.history
@@ -407,7 +407,7 @@ class Trainer:
         return self.run_dir / CHECKPOINT_NAME
 
     def state_dict(self) -> dict[str, Any]:
-        from gputrain.checkpoint import capture_rng_state
+        from gputrain.io.checkpoint import capture_rng_state
 
         if self.dist.enabled:
             model_state = distributed.model_state_dict(self.model, self.dist)
@@ -434,7 +434,7 @@ class Trainer:
         }
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
-        from gputrain.checkpoint import save_checkpoint
+        from gputrain.io.checkpoint import save_checkpoint
 
         state = self.state_dict()  # collective under DDP/FSDP: every rank takes part
         path = path or (self.run_dir / CHECKPOINT_NAME)
@@ -444,7 +444,7 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
-        from gputrain.checkpoint import check_model_state, load_checkpoint, restore_rng_state
+        from gputrain.io.checkpoint import check_model_state, load_checkpoint, restore_rng_state
 
         path = self.checkpoint_path()
         if not path.exists() and self.config.resume is True:
@@ -588,14 +588,14 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
-        from gputrain.devices import cpu_model_name
+        from gputrain.runtime.devices import cpu_model_name
 
         return f"cpu ({cpu_model_name()}, {torch.get_num_threads()} threads)"
     return str(device)
 
 
 def _synchronizer(device: torch.device):
-    from gputrain.devices import synchronizer
+    from gputrain.runtime.devices import synchronizer
 
     return synchronizer(device)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gputrain import peaks
+from gputrain.diagnostics import peaks
 
 GiB = 2**30
 
@@ -70,7 +70,8 @@ def tf32_matmul_enabled() -> bool:
 
 def gather_probe() -> Probe:
     """Every fact the checks need, read once from this machine (tests build a Probe by hand)."""
-    from gputrain import devices, telemetry
+    from gputrain.runtime import devices
+    from gputrain.diagnostics import telemetry
 
     nvml, nvml_reason = telemetry.nvml_telemetry()
     gpus, cuda_error = [], None
