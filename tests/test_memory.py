@@ -9,18 +9,12 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError, GputrainError
-from gputrain.diagnostics.memory import (
-    apply_activation_checkpointing,
-    batch_trial,
-    estimate_memory,
-    find_max_batch,
-    free_after_oom,
-    is_oom,
-    max_batch_from_estimate,
-    measure_step_memory,
-    memory_stats,
-    recommendations,
-)
+from gputrain.diagnostics.advice import recommendations
+from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
+from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate, measure_step_memory
+from gputrain.diagnostics.memory_stats import memory_stats
+from gputrain.runtime.oom import free_after_oom, is_oom
+from gputrain.train.activation_checkpointing import apply_activation_checkpointing
 
 
 @pytest.fixture(autouse=True)

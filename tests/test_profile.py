@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from gputrain.config import TrainConfig
-from gputrain.diagnostics.profiling import PHASES, count_host_reads, detect_syncs, profile_workload, trace_summary
+from gputrain.diagnostics.profile import PHASES, profile_workload
+from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
+from gputrain.diagnostics.trace import trace_summary
 from gputrain.diagnostics.verdict import VERDICTS, diagnose
 from gputrain.workloads.base import DataSplits, Workload
 
@@ -71,7 +73,7 @@ def test_profile_finds_the_per_step_loss_read(tmp_path):
     s = profile_workload(tiny_workload(), config, steps=2, wait=0, warmup=1, active=1, out_dir=tmp_path)
     (site,) = s["host_reads"]["sites"]
     assert site["what"] == ".item()" and site["per_step"] == 1
-    assert site["file"].endswith("profiling.py") and ".item()" in site["code"]
+    assert site["file"].endswith("profile.py") and ".item()" in site["code"]
 
 
 # ---------------------------------------------------------------- host reads and syncs

@@ -17,7 +17,7 @@ _LAZY = {
     "History": "gputrain.io.history",
     "Workload": "gputrain.workloads",
     "get_workload": "gputrain.workloads",
-    "memory_stats": "gputrain.diagnostics.memory",
+    "memory_stats": "gputrain.diagnostics.memory_stats",
     "DeviceLoader": "gputrain.data.loading",
 }
 

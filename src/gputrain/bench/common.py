@@ -162,11 +162,11 @@ def saved_tensor_bytes(step: Callable[[], Any], exclude: list[torch.Tensor] | tu
     frees it. Storages shared with `exclude` (pass the model's parameters) are not counted, so
     weights are not mistaken for activations. With activation checkpointing, only each region's
     inputs are saved (what is computed inside is recomputed in backward): the figure shows the saving.
-    Uses gputrain.diagnostics.memory.SavedTensorMeter (views of one storage counted once).
+    Uses gputrain.diagnostics.estimate.SavedTensorMeter (views of one storage counted once).
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     try:
-        from gputrain.diagnostics.memory import SavedTensorMeter
+        from gputrain.diagnostics.estimate import SavedTensorMeter
     except ImportError:  # a minimal stand-in: one count per storage
         return _saved_storage_bytes(step, skip)
     meter = SavedTensorMeter(skip_storages=skip)

@@ -43,9 +43,9 @@ def config_for(quick: bool, device: torch.device, workload: str, batch_sizes: li
 
 
 def _checkpointer():
-    """gputrain.diagnostics.memory.apply_activation_checkpointing, or None where that module lacks it."""
+    """gputrain.train.activation_checkpointing.apply_activation_checkpointing, or None where that module lacks it."""
     try:
-        from gputrain.diagnostics.memory import apply_activation_checkpointing
+        from gputrain.train.activation_checkpointing import apply_activation_checkpointing
     except ImportError:
         return None
     return apply_activation_checkpointing
@@ -53,7 +53,7 @@ def _checkpointer():
 
 def _is_oom(exc: BaseException) -> bool:
     try:
-        from gputrain.diagnostics.memory import is_oom
+        from gputrain.runtime.oom import is_oom
     except ImportError:
         return isinstance(exc, torch.cuda.OutOfMemoryError)
     return is_oom(exc)
@@ -77,8 +77,8 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
     apply_ckpt = _checkpointer()
     modes = [False] + ([True] if apply_ckpt is not None else [])
     if apply_ckpt is None:
-        result["notes"].append("Activation checkpointing: not measured (gputrain.diagnostics.memory has no "
-                               "apply_activation_checkpointing).")
+        result["notes"].append("Activation checkpointing: not measured (gputrain.train.activation_checkpointing has "
+                               "no apply_activation_checkpointing).")
     largest: dict[str, Any] = {}
     for ckpt in modes:
         label = "checkpointing" if ckpt else "plain"

@@ -239,7 +239,7 @@ def _auto_batch_size(workload, config):
     import torch
 
     from gputrain.data.loading import BatchTransform
-    from gputrain.diagnostics.memory import batch_trial, find_max_batch
+    from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
     from gputrain.runtime.precision import resolve_precision
 
     data = workload.make_data()

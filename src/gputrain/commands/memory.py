@@ -53,8 +53,11 @@ def memory_report(args) -> dict[str, Any]:
 
     from gputrain.data.loading import BatchTransform
     from gputrain.runtime.devices import pick_device
-    from gputrain.diagnostics.memory import (batch_trial, estimate_memory, find_max_batch, free_after_oom, is_oom,
-                                 max_batch_from_estimate, measure_step_memory, memory_stats, recommendations)
+    from gputrain.diagnostics.advice import recommendations
+    from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
+    from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate, measure_step_memory
+    from gputrain.diagnostics.memory_stats import memory_stats
+    from gputrain.runtime.oom import free_after_oom, is_oom
     from gputrain.runtime.precision import resolve_precision
     from gputrain.workloads import resolve_workload
 

@@ -118,7 +118,7 @@ def render(s: dict[str, Any], console) -> None:
 
 
 def run(args) -> int:
-    from gputrain.diagnostics.profiling import default_config, profile_workload
+    from gputrain.diagnostics.profile import default_config, profile_workload
     from gputrain.workloads import resolve_workload
 
     workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
