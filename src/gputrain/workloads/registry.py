@@ -197,6 +197,113 @@ def mnist_cnn(data_dir: str | None = None) -> Workload:
     )
 
 
+# ---------------------------------------------------------------- real models (issue 14: fast on real models)
+
+# AdamW (the trainer's optimizer), not the papers' SGD: lr 2e-3 with a one-cycle schedule and
+# decoupled weight decay 0.05 is the usual AdamW recipe for ResNets on CIFAR.
+_RESNET_DEFAULTS = {"batch_size": 256, "epochs": 30, "lr": 2e-3, "weight_decay": 0.05, "schedule": "onecycle",
+                    "log_every": 50}
+
+
+def resnet18_cifar(data_dir: str | None = None, augment: bool = True, n: int = 50000, n_test: int | None = None,
+                   width: int = 64) -> Workload:
+    """ResNet-18 (CIFAR stem). data_dir: real CIFAR-10 (crop-flip augmentation unless augment=false);
+    without it, synthetic CIFAR-shaped noise of n / n_test samples. width: first-stage channels
+    (64 = the real ResNet-18; smaller for tests)."""
+    from gputrain.workloads.real_models import ResNet18Cifar
+
+    augment = _as_bool("augment", augment)
+    width = _as_int("width", width)
+    if data_dir:
+        make_data = partial(datasets.load_cifar10, data_dir=data_dir, augment=augment)
+        summary = _summary("CIFAR-10 from local files" + (", crop-flip" if augment else ""), 50000, 10000,
+                           (3, 32, 32), "uint8")
+    else:
+        n = _as_int("n", n)
+        n_test = _as_int("n_test", n_test) if n_test is not None else min(10000, max(1, n // 5))
+        make_data = partial(datasets.make_synthetic_cifar, n=n, n_test=n_test)
+        summary = _summary("random noise, seeded (give data_dir for CIFAR-10)", n, n_test, (3, 32, 32), "uint8")
+    return Workload(
+        name="resnet18-cifar",
+        description="ResNet-18 (3x3 stem, no max-pool) on CIFAR-10 or CIFAR-shaped noise",
+        make_data=make_data,
+        make_model=partial(ResNet18Cifar, num_classes=10, width=width),
+        loss_fn=nn.CrossEntropyLoss(),
+        defaults=dict(_RESNET_DEFAULTS),
+        data_summary=summary,
+    )
+
+
+# nanoGPT's shakespeare-char recipe (lr 1e-3, batch 64 x 256, warm-up 100, weight decay 0.1) with
+# the trainer's AdamW; 20 epochs of tiny Shakespeare's 3.9k windows are about 1,100 steps.
+_GPT_DEFAULTS = {"batch_size": 64, "epochs": 20, "lr": 1e-3, "weight_decay": 0.1, "schedule": "cosine",
+                 "warmup_steps": 100, "log_every": 50}
+
+
+def gpt_mini(text: str | None = None, data_dir: str | None = None, n_tokens: int = 2**20, n_layer: int = 6,
+             n_embd: int = 384, n_head: int = 6, block_size: int = 256, dropout: float = 0.1,
+             data_seed: int = 0) -> Workload:
+    """A 6-layer GPT on characters. text (or data_dir): a local UTF-8 text file (or a folder with
+    input.txt); without it, n_tokens from a random Markov chain over 65 symbols (seeded by data_seed).
+    n_layer, n_embd, n_head, block_size, dropout: the model's size (small ones for tests)."""
+    from gputrain.workloads import text as textdata
+    from gputrain.workloads.real_models import GPTMini, next_token_loss
+
+    if text and data_dir and str(text) != str(data_dir):
+        raise ConfigError(f"gpt-mini: give the text file once (text={text!r} and data_dir={data_dir!r})")
+    path = text or data_dir
+    n_layer, n_embd, n_head = _as_int("n_layer", n_layer), _as_int("n_embd", n_embd), _as_int("n_head", n_head)
+    block_size = _as_int("block_size", block_size)
+    try:
+        data_seed = int(data_seed)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option data_seed must be an integer, got {data_seed!r}") from None
+    try:
+        dropout = float(dropout)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option dropout must be a number, got {dropout!r}") from None
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"option dropout must be in [0, 1), got {dropout!r}")
+    if n_embd % n_head:
+        raise ConfigError(f"option n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
+
+    # The vocabulary (the model's size) comes from the data: read the corpus once, on first use by
+    # make_data or make_model, and share it between them.
+    cache: dict = {}
+
+    def corpus():
+        if "corpus" not in cache:
+            if path:
+                cache["corpus"] = textdata.load_char_corpus(path, block_size)
+            else:
+                cache["corpus"], _ = textdata.synthetic_corpus(_as_int("n_tokens", n_tokens), seed=data_seed)
+        return cache["corpus"]
+
+    def make_model() -> nn.Module:
+        vocab = corpus().vocab_size if path else textdata.SYNTHETIC_VOCAB
+        return GPTMini(vocab, block_size=block_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                       dropout=dropout)
+
+    if path:
+        summary = f"characters of {path} (vocabulary from the file), windows of {block_size}, int64"
+    else:
+        summary = (f"synthetic Markov chain over {textdata.SYNTHETIC_VOCAB} symbols (entropy rate "
+                   f"{textdata.entropy_rate(textdata.markov_chain(textdata.SYNTHETIC_VOCAB, textdata.SYNTHETIC_BRANCHING, data_seed)):.3f} "
+                   "nats/token), "
+                   f"{textdata.tokens_summary(_as_int('n_tokens', n_tokens), block_size)}")
+    return Workload(
+        name="gpt-mini",
+        description=f"GPT {n_layer} layers x {n_embd} wide, {n_head} heads, context {block_size}, on characters",
+        make_data=lambda: textdata.corpus_splits(corpus(), block_size),
+        make_model=make_model,
+        loss_fn=next_token_loss,
+        # Loss only: the trainer's accuracy (argmax over dim 1) does not apply to (B, T, V) logits.
+        task="regression",
+        defaults=dict(_GPT_DEFAULTS),
+        data_summary=summary,
+    )
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "iris-mlp": iris_mlp,
     "digits-cnn": digits_cnn,
@@ -208,6 +315,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "cifar10-cnn": cifar10_cnn,
     "mnist-cnn": mnist_cnn,
     "synthetic-cifar": synthetic_cifar,
+    "resnet18-cifar": resnet18_cifar,
+    "gpt-mini": gpt_mini,
 }
 
 
