@@ -66,7 +66,7 @@ TIME_LIMIT_S = 120.0
 def trainer_loop():
     """gputrain's trainer, or None (with the reason) when it cannot be imported yet."""
     try:
-        from gputrain.train.trainer import fit_workload
+        from gputrain.train import fit_workload
     except Exception as exc:  # the trainer is optional for this script
         return None, f"{type(exc).__name__}: {exc}"
     return fit_workload, ""
@@ -81,7 +81,7 @@ def run_with_trainer(fit_workload, workload, config: TrainConfig) -> dict[str, A
 
 def run_reference(workload, config: TrainConfig) -> dict[str, Any]:
     """The trainer's semantics in a few lines, on the CPU in fp32."""
-    from gputrain.data.loading import BatchTransform, epoch_seed
+    from gputrain.data import BatchTransform, epoch_seed
     from gputrain.train.optim import make_scheduler
 
     torch.manual_seed(config.seed)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from gputrain.data.loading import (BatchStream, BatchTransform, LoaderBatches, TensorBatches, _TensorsByIndex,
-                           choose_device_resident, make_loader, random_crop_flip)
+from gputrain.data import (BatchStream, BatchTransform, LoaderBatches, TensorBatches, choose_device_resident,
+                           make_loader, random_crop_flip)
+from gputrain.data.loader import ColumnsByIndex
 
 CPU = torch.device("cpu")
 
@@ -16,8 +17,8 @@ def _ids(loader, epoch, start=0):
 def test_every_sample_once_per_epoch_and_partial_last_batch():
     x = torch.arange(103).float()[:, None]
     y = torch.arange(103)
-    loader = TensorBatches(x, y, 10, device=CPU, shuffle=True, seed=1)
-    assert len(loader) == 11 and loader.batch_sizes()[-1] == 3
+    loader = TensorBatches((x, y), 10, device=CPU, shuffle=True, seed=1)
+    assert len(loader) == 11 and [len(yb) for _, yb in loader.iter_epoch(0)][-1] == 3
     for epoch in range(3):
         seen = _ids(loader, epoch)
         assert sorted(seen) == list(range(103))
@@ -28,9 +29,9 @@ def test_every_sample_once_per_epoch_and_partial_last_batch():
 
 def test_shuffles_differ_across_epochs_and_repeat_for_a_seed():
     x, y = torch.randn(64, 3), torch.arange(64)
-    a = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=7)
-    b = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=7)
-    c = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=8)
+    a = TensorBatches((x, y), 8, device=CPU, shuffle=True, seed=7)
+    b = TensorBatches((x, y), 8, device=CPU, shuffle=True, seed=7)
+    c = TensorBatches((x, y), 8, device=CPU, shuffle=True, seed=8)
     assert _ids(a, 0) == _ids(b, 0)
     assert _ids(a, 0) != _ids(a, 1)
     assert _ids(a, 0) != _ids(c, 0)
@@ -38,14 +39,14 @@ def test_shuffles_differ_across_epochs_and_repeat_for_a_seed():
 
 def test_resume_mid_epoch_yields_the_rest_of_the_same_epoch():
     x, y = torch.randn(50, 2), torch.arange(50)
-    loader = TensorBatches(x, y, 8, device=CPU, shuffle=True, seed=3)
+    loader = TensorBatches((x, y), 8, device=CPU, shuffle=True, seed=3)
     full = _ids(loader, 2)
     assert _ids(loader, 2, start=3) == full[24:]
 
 
 def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
     x, y = torch.randn(41, 2), torch.arange(41)
-    shards = [TensorBatches(x, y, 5, device=CPU, shuffle=True, seed=0, rank=r, world_size=2) for r in range(2)]
+    shards = [TensorBatches((x, y), 5, device=CPU, shuffle=True, seed=0, rank=r, world_size=2) for r in range(2)]
     ids = [_ids(s, 0) for s in shards]
     assert len(ids[0]) == len(ids[1]) == 20
     assert not set(ids[0]) & set(ids[1])
@@ -55,8 +56,8 @@ def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_path_matches_the_same_permutation_and_resumes(workers):
     x, y = torch.randn(37, 2), torch.arange(37)
-    slices = TensorBatches(x, y, 6, device=CPU, shuffle=True, seed=5)
-    loader = LoaderBatches(_TensorsByIndex(x, y), 6, device=CPU, shuffle=True, seed=5, num_workers=workers,
+    slices = TensorBatches((x, y), 6, device=CPU, shuffle=True, seed=5)
+    loader = LoaderBatches(ColumnsByIndex((x, y), 37), 6, device=CPU, shuffle=True, seed=5, num_workers=workers,
                            batched_dataset=True)
     assert _ids(loader, 1) == _ids(slices, 1)
     assert _ids(loader, 1, start=2) == _ids(slices, 1)[12:]
@@ -64,7 +65,7 @@ def test_dataloader_path_matches_the_same_permutation_and_resumes(workers):
 
 def test_batch_stream_crosses_epochs_and_restarts_at_a_position():
     x, y = torch.randn(10, 2), torch.arange(10)
-    loader = TensorBatches(x, y, 4, device=CPU, shuffle=True, seed=0)
+    loader = TensorBatches((x, y), 4, device=CPU, shuffle=True, seed=0)
     s = BatchStream(loader)
     positions = [s.next()[:2] for _ in range(7)]
     assert positions == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
@@ -78,7 +79,7 @@ def test_augmentation_keeps_shapes_labels_and_content():
     x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
     y = torch.arange(16)
     t = BatchTransform(mean=(125.0, 123.0, 114.0), std=(63.0, 62.0, 66.0), augment="crop-flip")
-    loader = TensorBatches(x, y, 16, device=CPU, shuffle=False, transform=t)
+    loader = TensorBatches((x, y), 16, device=CPU, shuffle=False, transform=t)
     loader.shuffle = True  # augment (train) but check order via labels
     xb, yb = next(loader.iter_epoch(0))
     assert xb.shape == (16, 3, 32, 32) and xb.dtype == torch.float32
@@ -122,7 +123,69 @@ def test_cpu_tensors_become_slices_not_a_dataloader():
 def test_bad_data_gets_a_clear_error():
     from gputrain.errors import DataError
 
-    with pytest.raises(DataError, match="inputs have 5 samples but targets have 4"):
-        TensorBatches(torch.randn(5, 2), torch.arange(4), 2, device=CPU)
+    with pytest.raises(DataError, match=r"data\[0\] has 5 samples but data\[1\] has 4"):
+        TensorBatches((torch.randn(5, 2), torch.arange(4)), 2, device=CPU)
     with pytest.raises(DataError, match="cannot train on str"):
         make_loader("not data", 4, device=CPU, train=True)
+
+
+def test_augmentation_changes_training_batches_only_and_is_seeded():
+    """Crop-flip really runs on training batches (and not on eval ones), seeded by (seed, epoch, batch)."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (32, 3, 16, 16), dtype=torch.uint8)
+    y = torch.arange(32)
+    norm = BatchTransform(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    aug = BatchTransform(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), augment="crop-flip")
+    plain = TensorBatches((x, y), 32, device=CPU, shuffle=False, transform=norm)
+    train = TensorBatches((x, y), 32, device=CPU, shuffle=True, seed=3, transform=aug)
+    again = TensorBatches((x, y), 32, device=CPU, shuffle=True, seed=3, transform=aug)
+    xa, ya = next(train.iter_epoch(0))
+    reference = x.float()[ya]  # the same samples, un-augmented
+    changed = [(not torch.equal(xa[i], reference[i])) for i in range(32)]
+    assert sum(changed) >= 16  # 1 in 162 (offset, flip) combinations is the identity
+    assert torch.equal(xa, next(again.iter_epoch(0))[0])  # reproducible
+    x1, y1 = next(train.iter_epoch(1))
+    assert not torch.equal(xa[ya.argsort()], x1[y1.argsort()])  # another epoch, other crops
+    eval_batches = TensorBatches((x, y), 32, device=CPU, shuffle=False, transform=aug.for_eval())
+    assert torch.equal(next(eval_batches.iter_epoch(0))[0], next(plain.iter_epoch(0))[0])
+
+
+def test_dict_columns_are_sliced_together_and_the_named_leaf_is_transformed():
+    n = 20
+    cols = {"pixels": torch.randint(0, 256, (n, 1, 4, 4), dtype=torch.uint8), "ids": torch.arange(n),
+            "mask": torch.ones(n, 3, dtype=torch.bool)}
+    t = BatchTransform(mean=(128.0,), std=(64.0,), key="pixels")
+    loader, placement = make_loader(cols, 6, device=CPU, train=True, seed=2, transform=t)
+    assert placement.kind == "host-slices"
+    seen = []
+    for b in loader.iter_epoch(0):
+        assert set(b) == {"pixels", "ids", "mask"} and b["pixels"].dtype == torch.float32
+        assert torch.allclose(b["pixels"], (cols["pixels"][b["ids"]].float() - 128) / 64)
+        seen += b["ids"].tolist()
+    assert sorted(seen) == list(range(n))
+
+
+def test_columns_of_unequal_length_are_named():
+    from gputrain.errors import DataError
+
+    with pytest.raises(DataError, match=r"data\['a'\] has 4 samples but data\['b'\] has 3"):
+        make_loader({"a": torch.zeros(4), "b": torch.zeros(3)}, 2, device=CPU, train=True)
+
+
+def test_a_dataset_of_dicts_goes_through_the_dataloader_and_resumes():
+    from torch.utils.data import Dataset
+
+    class Dicts(Dataset):
+        def __len__(self):
+            return 23
+
+        def __getitem__(self, i):
+            return {"x": torch.full((2,), float(i)), "label": i, "name": f"s{i}"}
+
+    loader, placement = make_loader(Dicts(), 5, device=CPU, train=True, seed=4, num_workers=0)
+    assert placement.kind == "dataloader"
+    batches = list(loader.iter_epoch(1))
+    assert [len(b["label"]) for b in batches] == [5, 5, 5, 5, 3]
+    assert all(torch.equal(b["x"][:, 0].long(), b["label"]) for b in batches)
+    assert sorted(i for b in batches for i in b["label"].tolist()) == list(range(23))
+    assert [b["label"].tolist() for b in loader.iter_epoch(1, 3)] == [b["label"].tolist() for b in batches[3:]]

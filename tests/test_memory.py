@@ -325,7 +325,7 @@ def test_memory_command_text_on_the_cpu_says_the_search_needs_bounded_memory(cap
 
 @pytest.mark.gpu
 def test_find_max_batch_is_within_10_percent_of_the_real_limit_on_synthetic_cifar():
-    from gputrain.data.loading import BatchTransform
+    from gputrain.data import BatchTransform
     from gputrain.workloads import get_workload
 
     device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction API needs an index

@@ -72,8 +72,8 @@ def test_profile_finds_the_per_step_loss_read(tmp_path):
     config = TrainConfig(device="cpu", precision="fp32", batch_size=32, log_every=1)  # seed 003's habit
     s = profile_workload(tiny_workload(), config, steps=2, wait=0, warmup=1, active=1, out_dir=tmp_path)
     (site,) = s["host_reads"]["sites"]
-    assert site["what"] == ".item()" and site["per_step"] == 1
-    assert site["file"].endswith("profile.py") and ".item()" in site["code"]
+    assert site["what"] == ".tolist()" and site["per_step"] == 1
+    assert site["file"].endswith("trainer.py") and ".tolist()" in site["code"]
 
 
 # ---------------------------------------------------------------- host reads and syncs
@@ -211,7 +211,7 @@ def test_profile_command_on_the_cpu(tmp_path, capsys):
     assert main(["profile", "iris-mlp", "--device", "cpu", "--steps", "3", "--active", "1",
                  "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
-    assert "where a step's time goes" in out and "top ops" in out
+    assert "where an eager step's time goes" in out and "per step as fit runs it" in out and "top ops" in out
     assert "needs a CUDA GPU" in out and "verdict:" in out
     assert (tmp_path / "p" / "trace.json").is_file()
 

@@ -226,7 +226,7 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
     graphed = runs[True][2]
     # 24 steps: 3 warm-up, then the 50-batch graph; the first partial batch runs eagerly once and
     # is captured the next epoch, so the later ones replay too.
-    assert sorted(k[0][0] for k in graphed.graphs) == [6, 50]
+    assert sorted(k[1][0][0][0] for k in graphed.graphs) == [6, 50]  # signature: leaf 0's shape, dim 0
     assert graphed.eager_fallbacks == 1 and graphed.replays == 24 - 3 - 1
     assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4)
     assert [r["loss"] for r in runs[True][1].records] == pytest.approx([r["loss"] for r in runs[False][1].records],
@@ -236,9 +236,11 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
 @pytest.mark.gpu
 def test_graph_input_copies_are_skipped_only_for_unchanged_batches():
     """Full-batch training passes the same tensor each step: no copy; an in-place change is seen."""
-    from gputrain.train.graphs import GraphedTrainStep
+    from gputrain.runtime.precision import RunPrecision, resolve_precision
+    from gputrain.train.graphs import GraphedStep
+    from gputrain.train.loss import LossRule
     from gputrain.train.optim import make_optimizer
-    from gputrain.runtime.precision import resolve_precision
+    from gputrain.train.step import TrainStep
 
     dev = torch.device("cuda")
     x, y = (t.to(dev) for t in _data(64))
@@ -246,17 +248,16 @@ def test_graph_input_copies_are_skipped_only_for_unchanged_batches():
     def run(graphed_steps: bool):
         model = _model().to(dev)
         opt, _ = make_optimizer(None, model.parameters(), lr=1e-2, weight_decay=0.0, device=dev, capturable=True)
-        acc = torch.zeros((), device=dev)
-        prec = resolve_precision("fp32", dev)
-        step = GraphedTrainStep(model, nn.CrossEntropyLoss(), opt, prec, dev, None, eager_step=None)
+        prec = RunPrecision(resolve_precision("fp32", dev), dev)
+        step = GraphedStep(TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt, prec, device=dev), dev)
         data = x.clone()
         for i in range(8):
             if i == 6:
                 data.mul_(-1.0)  # in place: same address, new contents
             if graphed_steps:
-                step.step(data, y, acc)
+                step([(data, y)])
             else:
-                step._side_stream_step(data, y, acc)
+                step._side_stream_step([(data, y)])
         torch.cuda.synchronize()
         return _params(model).cpu(), step
 

@@ -408,7 +408,7 @@ def test_user_workload_errors(tmp_path, monkeypatch):
 
 
 def _train_default(name):
-    train = pytest.importorskip("gputrain.train.trainer", reason="gputrain's trainer is not importable yet")
+    train = pytest.importorskip("gputrain.train", reason="gputrain's trainer is not importable yet")
     w = get_workload(name)
     config = TrainConfig(**w.defaults, device="cpu", precision="fp32")
     history, _ = train.fit_workload(w, config, full_batch=w.full_batch)

@@ -12,13 +12,14 @@ __version__ = "0.1.0"
 # The trainer and the tools built on it import more of torch; load them on first use so that
 # `import gputrain` and `gputrain info` stay fast.
 _LAZY = {
-    "fit": "gputrain.train.trainer",
+    "fit": "gputrain.train",
+    "fit_workload": "gputrain.train",
+    "Trainer": "gputrain.train",
     "TrainConfig": "gputrain.config",
     "History": "gputrain.io.history",
     "Workload": "gputrain.workloads",
     "get_workload": "gputrain.workloads",
     "memory_stats": "gputrain.diagnostics.memory_stats",
-    "DeviceLoader": "gputrain.data.loading",
 }
 
 

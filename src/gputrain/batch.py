@@ -1,4 +1,10 @@
-"""Moving things to a device, and checking that a model and its inputs share one.
+"""Nested batches: move them, count them, split them, flatten them; check their devices.
+
+A batch is any nesting of Mappings (dict, OrderedDict, a Hugging Face `BatchEncoding`), lists,
+tuples, namedtuples and dataclasses whose leaves are tensors or plain values. Everything here walks
+that structure with `torch.utils._pytree`, registering Mapping and dataclass types it has not seen
+(once, process-wide, as torch itself registers its containers), so the trainer, the data loaders,
+the CUDA-graph buffers and OOM splitting all agree on one notion of "a batch".
 
 `move` walks nested containers so that users never write `.to(device)` per field. `check_devices`
 turns PyTorch's "Expected all tensors to be on the same device" into a message naming the tensors.
@@ -6,14 +12,147 @@ turns PyTorch's "Expected all tensors to be on the same device" into a message n
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import dataclasses
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from gputrain.errors import DeviceError
+from gputrain.errors import DataError, DeviceError
+
+_register_lock = threading.Lock()
+
+
+def _register(obj: Any) -> None:
+    """Teach pytree a Mapping or dataclass type it does not know yet (a no-op for known types)."""
+    cls = type(obj)
+    if cls in pytree.SUPPORTED_NODES or isinstance(obj, torch.Tensor):
+        return
+    if isinstance(obj, collections.abc.Mapping):
+        def flatten_mapping(m):
+            keys = list(m.keys())
+            return [m[k] for k in keys], keys
+
+        def unflatten_mapping(values, keys, cls=cls):
+            data = dict(zip(keys, values))
+            try:
+                return cls(data)  # dict subclasses, UserDict, BatchEncoding(data)
+            except Exception:
+                return data
+
+        kind = (flatten_mapping, unflatten_mapping)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj) if f.init]
+
+        def flatten_dc(d, names=names):
+            return [getattr(d, n) for n in names], names
+
+        def unflatten_dc(values, names, cls=cls):
+            return cls(**dict(zip(names, values)))
+
+        kind = (flatten_dc, unflatten_dc)
+    else:
+        return
+    with _register_lock:
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_pytree_node(cls, kind[0], kind[1])
+
+
+def _register_all(obj: Any) -> None:
+    """Register every unknown container type inside `obj` (walks plain Python containers)."""
+    if isinstance(obj, torch.Tensor):
+        return
+    if isinstance(obj, collections.abc.Mapping):
+        _register(obj)
+        for v in obj.values():
+            _register_all(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _register_all(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        _register(obj)
+        for f in dataclasses.fields(obj):
+            _register_all(getattr(obj, f.name))
+
+
+def flatten(batch: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """(leaves, structure) of a nested batch; `unflatten(leaves, structure)` rebuilds it."""
+    _register_all(batch)
+    return pytree.tree_flatten(batch)
+
+
+def unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """The batch with `fn` applied to every tensor leaf; other leaves pass through."""
+    leaves, spec = flatten(batch)
+    return unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: dim 0 of its first tensor leaf that has one (host metadata, no sync)."""
+    for x in flatten(batch)[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise DataError(f"a batch needs at least one tensor with a batch dimension; got {describe(batch)}")
+
+
+def split(batch: Any, parts: int) -> list[Any]:
+    """Split a batch into up to `parts` micro-batches along dim 0 (accumulation, OOM recovery).
+
+    Every tensor leaf whose dim 0 equals the batch size is cut; other leaves (scalars, per-batch
+    constants, plain values) are shared by all parts. Returns fewer parts when the batch is smaller.
+    """
+    n = batch_size(batch)
+    parts = max(1, min(parts, n))
+    if parts == 1:
+        return [batch]
+    leaves, spec = flatten(batch)
+    cut = [x.tensor_split(parts) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else None
+           for x in leaves]
+    return [unflatten([c[i] if c is not None else x for c, x in zip(cut, leaves)], spec) for i in range(parts)]
+
+
+def signature(batch: Any) -> tuple:
+    """A hashable key of a batch's structure and every leaf's shape and dtype (tensors) or value.
+
+    Two batches with equal signatures can be fed to one captured CUDA graph.
+    """
+    leaves, spec = flatten(batch)
+    key = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device))
+        else:
+            try:
+                hash(x)
+                key.append(("value", x))
+            except TypeError:
+                key.append(("object", id(x)))
+    return (str(spec), tuple(key))
+
+
+def describe(batch: Any, limit: int = 6) -> str:
+    """A short description of a batch for error messages, e.g. "dict with keys input_ids, labels"."""
+    if isinstance(batch, torch.Tensor):
+        return f"a tensor of shape {tuple(batch.shape)}"
+    if isinstance(batch, collections.abc.Mapping):
+        keys = list(batch.keys())
+        more = ", ..." if len(keys) > limit else ""
+        return f"{type(batch).__name__} with keys {', '.join(map(str, keys[:limit]))}{more}"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__} of length {len(batch)}"
+    return type(batch).__name__
 
 
 def move(obj: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
@@ -32,13 +171,15 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
         return obj.to(device, non_blocking=non_blocking)
     if isinstance(obj, nn.Module):
         return obj.to(device)
-    if isinstance(obj, dict):
+    if isinstance(obj, collections.abc.Mapping):
         moved = {k: _move(v, device, non_blocking) for k, v in obj.items()}
         if type(obj) is dict:
             return moved
-        out = copy.copy(obj)  # keeps OrderedDict / defaultdict and their extras
-        out.update(moved)
-        return out
+        out = copy.copy(obj)  # keeps OrderedDict / defaultdict / UserDict / BatchEncoding and their extras
+        if isinstance(out, collections.abc.MutableMapping):
+            out.update(moved)
+            return out
+        return moved
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_move(v, device, non_blocking) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -50,6 +191,12 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
             if f.init
         }
         return dataclasses.replace(obj, **changes)
+    to = getattr(obj, "to", None)
+    if callable(to) and not isinstance(obj, type):  # anything else that moves itself (torchmetrics, ...)
+        try:
+            return to(device)
+        except TypeError:
+            return obj
     return obj
 
 
@@ -79,7 +226,7 @@ def iter_tensors(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.T
     """Yield (path, tensor) for every tensor in a nested structure, e.g. ("batch[0]", x)."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, collections.abc.Mapping):
         for k, v in obj.items():
             yield from iter_tensors(v, f"{prefix}[{k!r}]")
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):

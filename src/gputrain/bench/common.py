@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from gputrain.runtime.devices import cpu_model_name, pick_device, synchronizer, torch_build
-from gputrain.runtime.precision import apply_matmul_settings
+from gputrain.runtime.precision import matmul_settings
 
 NO_GPU = "no GPU"  # what a GPU cell says when there is no GPU to measure
 
@@ -311,23 +311,6 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
 def matmul_precision(precision, device: torch.device):
     """Apply a Precision's TF32 setting for CUDA matmuls/convs inside the block, then restore it."""
-    if device.type != "cuda":
-        yield
-        return
-    # Saved through get_float32_matmul_precision: reading the older allow_tf32 flags raises on
-    # recent PyTorch once a program has used the newer fp32_precision settings.
-    saved_matmul = torch.get_float32_matmul_precision()
-    try:
-        saved_cudnn = torch.backends.cudnn.allow_tf32
-    except RuntimeError:
-        saved_cudnn = None
-    apply_matmul_settings(precision, device)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved_matmul)
-        if saved_cudnn is not None:
-            torch.backends.cudnn.allow_tf32 = saved_cudnn
+    return matmul_settings(precision, device)

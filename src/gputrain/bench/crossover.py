@@ -5,12 +5,14 @@ trains slower on an RTX 3080 Ti than on a CPU, because each step is a few dozen 
 launch cost (microseconds each) exceeds their arithmetic. The grid runs from that corner to CIFAR
 size (3072 features, large batches, 4096 wide), where the GPU is tens to hundreds of times faster.
 
-A step is forward + backward + AdamW on one batch already on the device (no host transfer in the
-figure). GPU modes, each against the same CPU step:
-  gpu_eager       the step as written, kernels launched one by one from Python
-  gpu_graph       the whole step captured once in a CUDA graph and replayed (one launch per step;
-                  AdamW(capturable=True)), PyTorch's whole-network capture recipe
-  gpu_eager_sync  the eager step plus loss.item() every step, the seed's loop (a host sync per step)
+A step is gputrain's own training step (TrainStep: forward, backward, fused AdamW, fp32) on one
+batch already on the device (no host transfer in the figure), built by the Trainer as `fit` builds
+it. GPU modes, each against the same CPU step:
+  gpu_eager       the step with CUDA graphs off, kernels launched one by one from Python
+  gpu_graph       the same step captured once in a CUDA graph and replayed (one launch per step),
+                  what `fit` does by default on CUDA
+  gpu_eager_sync  the eager step plus a read of the loss every step: deliberately the seed's loop
+                  (loss.item() per step, a host sync per step), not what fit does
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ QUICK_DATA = (("iris", 4, 3, 150), ("mnist", 784, 10, 256))
 DEFAULT_WIDTHS = (16, 64, 256, 1024, 4096)
 QUICK_WIDTHS = (16, 256)
 GPU_MODES = ("gpu_eager", "gpu_graph", "gpu_eager_sync")
-GRAPH_WARMUP = 3  # eager steps on a side stream before capture (optimizer state, cuBLAS handles)
 
 
 def mlp(features: int, width: int, classes: int) -> nn.Sequential:
@@ -59,54 +60,30 @@ def config_for(quick: bool = False, widths: list[int] | None = None) -> dict[str
     }
 
 
-def _setup(features: int, width: int, classes: int, batch: int, device: torch.device, capturable: bool = False):
+def _trainer(features: int, width: int, classes: int, batch: int, device: torch.device, graphs: bool = False):
+    """A Trainer on one full batch (the same tensors every step), fp32, with CUDA graphs on or off."""
+    from gputrain.config import TrainConfig
+    from gputrain.train import Trainer
+
     torch.manual_seed(0)  # the same initial weights and data on every device
     model = mlp(features, width, classes)
     x = torch.randn(batch, features)
     y = torch.randint(0, classes, (batch,))
-    model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
-    return model, opt, x, y
+    config = TrainConfig(device=str(device), precision="fp32", batch_size=batch, steps=10**9, log_every=10**9,
+                         cuda_graphs=graphs, data_on_device=True, oom_recovery=False, seed=0)
+    return Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=config)
 
 
-def eager_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
-    loss_fn = nn.CrossEntropyLoss()
+def training_step(trainer) -> Callable[[], None]:
+    """The trainer's step as `fit` runs it; when graphed, warmed up and captured before timing."""
+    if trainer.graphed is not None:
+        from gputrain.train.graphs import WARMUP_STEPS
 
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
-
-
-def graphed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """Capture forward + backward + optimizer step into one CUDA graph; returns its replay.
-
-    x and y are the graph's static inputs (a real loop would copy each batch into them).
-    """
-    step = eager_step(model, opt, x, y)
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        for _ in range(GRAPH_WARMUP):
-            step()
-    torch.cuda.current_stream(x.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)  # grads are then allocated from the graph's private pool
-    loss_fn = nn.CrossEntropyLoss()
-    with torch.cuda.graph(graph):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-
-    def replay(_alive=(model, opt, x, y, loss)) -> None:
-        # The graph holds raw addresses: the tensors it reads and writes must outlive it.
-        graph.replay()
-
-    return replay
+        for _ in range(WARMUP_STEPS + 1):  # eager warm-up steps, then the capture
+            trainer.train_one_step()
+        if trainer.graphed.failed:
+            raise RuntimeError(trainer.graphed.failed)
+    return trainer.train_one_step
 
 
 def _time(make: Callable[[], Callable[[], Any]], device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -126,16 +103,21 @@ def _time(make: Callable[[], Callable[[], Any]], device: torch.device, cfg: dict
 
 def _modes(gpu: torch.device | None, shape: tuple[int, int, int, int]) -> dict[str, Callable[[], Callable]]:
     cpu = torch.device("cpu")
-    modes: dict[str, Callable[[], Callable]] = {"cpu": lambda: eager_step(*_setup(*shape, cpu))}
+    modes: dict[str, Callable[[], Callable]] = {"cpu": lambda: training_step(_trainer(*shape, cpu))}
     if gpu is None:
         return modes
-    modes["gpu_eager"] = lambda: eager_step(*_setup(*shape, gpu))
+    modes["gpu_eager"] = lambda: training_step(_trainer(*shape, gpu))
     if gpu.type == "cuda":
-        modes["gpu_graph"] = lambda: graphed_step(*_setup(*shape, gpu, capturable=True))
+        modes["gpu_graph"] = lambda: training_step(_trainer(*shape, gpu, graphs=True))
 
     def with_sync():
-        step = eager_step(*_setup(*shape, gpu))
-        return lambda: step().item()  # the seed's per-step loss read: a host <-> device sync
+        trainer = _trainer(*shape, gpu)
+
+        def step() -> None:
+            trainer.train_one_step()
+            trainer.train_step.loss_sum.item()  # the seed's per-step loss read: a host <-> device sync
+
+        return step
 
     modes["gpu_eager_sync"] = with_sync
     return modes
@@ -175,7 +157,9 @@ def run_crossover(device: str = "auto", quick: bool = False, widths: list[int] |
     if gpu is not None:
         result["summary"]["gpu_name"] = device_name(gpu)
     result["notes"] += [
-        "One step = forward + backward + AdamW on one batch already on the device; fp32 on both sides.",
+        "One step = gputrain's TrainStep (forward + backward + fused AdamW) on one batch already on the device; "
+        "fp32 on both sides.",
+        "gpu_eager_sync deliberately runs the seed's loop (a loss read every step), not what fit does.",
         "Speed-up = CPU step time / GPU step time (medians), measured side by side in this run; > 1: the GPU wins.",
         "gpu_graph: the whole step replayed from one CUDA graph; gpu_eager_sync: eager plus loss.item() per step.",
         f"CPU threads: {torch.get_num_threads()}.",

@@ -1,7 +1,10 @@
 """Memory against batch size, with and without activation checkpointing, and the largest batch that fits.
 
 Seed 004's exercise (memory across batch sizes) and its memory-saving table, measured. Each batch
-size runs real training steps (forward, backward, AdamW) on random data of the workload's shape.
+size runs real training steps on random data of the workload's shape: gputrain's TrainStep built by
+the Trainer as `fit --precision fp32 [--checkpointing]` builds it (fused AdamW, channels_last for
+conv nets), with CUDA graphs off so that every figure is an eager step's (a graph keeps its memory
+pool for the whole run) and OOM recovery off so that running out of memory ends the search.
 
 - CUDA: peak_bytes = torch.cuda.max_memory_allocated during a step (model, gradients, optimizer
   state, inputs, activations, workspaces). Batch sizes double until torch.cuda.OutOfMemoryError;
@@ -42,15 +45,6 @@ def config_for(quick: bool, device: torch.device, workload: str, batch_sizes: li
             "optimizer": f"AdamW lr {LR}", "precision": "fp32", "quick": quick}
 
 
-def _checkpointer():
-    """gputrain.train.activation_checkpointing.apply_activation_checkpointing, or None where that module lacks it."""
-    try:
-        from gputrain.train.activation_checkpointing import apply_activation_checkpointing
-    except ImportError:
-        return None
-    return apply_activation_checkpointing
-
-
 def _is_oom(exc: BaseException) -> bool:
     try:
         from gputrain.runtime.oom import is_oom
@@ -74,29 +68,17 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
     result["config"]["device"] = str(dev)
     result["config"]["device_name"] = device_name(dev)
     case = get_case(workload, mlp_width=cfg["mlp_width"])
-    apply_ckpt = _checkpointer()
-    modes = [False] + ([True] if apply_ckpt is not None else [])
-    if apply_ckpt is None:
-        result["notes"].append("Activation checkpointing: not measured (gputrain.train.activation_checkpointing has "
-                               "no apply_activation_checkpointing).")
+    modes = [False, True]
     largest: dict[str, Any] = {}
     for ckpt in modes:
         label = "checkpointing" if ckpt else "plain"
-        torch.manual_seed(0)
-        model = case.make_model().to(dev)
-        wrapped = apply_ckpt(model) if ckpt else []
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=LR)
-        loss_fn = torch.nn.CrossEntropyLoss()
         fits = None
         for B in cfg["batch_sizes"]:
-            row = {"workload": workload, "device": str(dev), "checkpointing": ckpt, "batch": B,
-                   "checkpointed": list(wrapped) if isinstance(wrapped, (list, tuple)) else None}
-            figures = _one_batch(model, opt, loss_fn, params, case.input_shape, B, dev)
+            row = {"workload": workload, "device": str(dev), "checkpointing": ckpt, "batch": B}
+            figures = _one_batch(case, B, dev, ckpt)
             if figures is None:  # out of memory: the larger sizes will not fit either
-                opt.zero_grad(set_to_none=True)
                 free_device_memory(dev)
-                result["rows"].append({**row, "status": "out of memory"})
+                result["rows"].append({**row, "status": "out of memory", "checkpointed": None})
                 break
             fits = B
             result["rows"].append({**row, "status": "measured", **figures})
@@ -108,7 +90,6 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
         else:
             largest[label] = {"largest_batch": None,
                               "note": f"not measured on {dev.type}: no device-memory limit to hit"}
-        del model, opt, params
         free_device_memory(dev)
     result["summary"]["largest_batch"] = largest
     _add_ratios(result["rows"])
@@ -126,32 +107,43 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
     return result
 
 
-def _one_batch(model, opt, loss_fn, params, shape, B: int, dev: torch.device) -> dict[str, Any] | None:
-    """Figures of one batch size, or None when it ran out of memory."""
+def _one_batch(case, B: int, dev: torch.device, checkpointing: bool) -> dict[str, Any] | None:
+    """Figures of one batch size (a fresh model from seed 0), or None when it ran out of memory."""
+    from gputrain.config import TrainConfig
+    from gputrain.train import Trainer
+
     cuda = dev.type == "cuda"
+    trainer = None
     try:
         free_device_memory(dev)
-        x = torch.randn(B, *shape, device=dev)
-        y = torch.randint(0, 10, (B,), device=dev)
-
-        def step():
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        torch.manual_seed(0)
+        x = torch.randn(B, *case.input_shape)
+        y = torch.randint(0, 10, (B,))
+        config = TrainConfig(device=str(dev), precision="fp32", batch_size=B, steps=10**9, log_every=10**9, lr=LR,
+                             cuda_graphs=False, oom_recovery=False, data_on_device=True, checkpointing=checkpointing,
+                             seed=0)
+        trainer = Trainer(case.make_model(), (x, y), loss_fn=torch.nn.CrossEntropyLoss(), config=config)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-        step()  # the first step at this size: its peak is the figure (also creates AdamW state)
+        trainer.train_one_step()  # the first step at this size: its peak is the figure (also creates AdamW state)
         peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
-        saved = saved_tensor_bytes(lambda: loss_fn(model(x), y), exclude=params)
-        t = measure(step, dev, warmup=0, repeats=3, min_sample_s=0.0, max_inner=1)
+        model, xd, yd = trainer.model, x.to(dev), y.to(dev)
+        if trainer.speed.channels_last:
+            xd = xd.contiguous(memory_format=torch.channels_last)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        saved = saved_tensor_bytes(lambda: loss_fn(model(xd), yd), exclude=list(model.parameters()))
+        t = measure(trainer.train_one_step, dev, warmup=0, repeats=3, min_sample_s=0.0, max_inner=1)
+        checkpointed = list(trainer.checkpointed)
     except (RuntimeError, MemoryError) as exc:
         if _is_oom(exc):
             return None
         raise
+    finally:
+        if trainer is not None:
+            trainer.close()
     return {"peak_bytes": peak, "saved_activation_bytes": saved, "saved_bytes_per_sample": saved / B,
-            "step_s": t["median_s"], "step_min_s": t["min_s"], "step_max_s": t["max_s"], "n": t["n"]}
+            "step_s": t["median_s"], "step_min_s": t["min_s"], "step_max_s": t["max_s"], "n": t["n"],
+            "checkpointed": checkpointed}
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:

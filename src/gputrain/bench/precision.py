@@ -1,9 +1,10 @@
 """The same training run in fp32, tf32, bf16 and fp16: throughput, memory and final loss, vs fp32.
 
 Each precision trains a fresh copy of the model from the same initial weights, on the same batches
-(device-resident, visited in the same order), with the same optimizer (AdamW, lr 1e-3), using
-gputrain.runtime.precision's autocast and GradScaler: what `gputrain fit --precision P` does. Precisions the
-device cannot run are listed with resolve_precision's reason instead of numbers.
+(device-resident, visited in the same seeded order), with the same optimizer (AdamW, lr 1e-3),
+through gputrain's own Trainer and TrainStep with the switches `gputrain fit --precision P` would
+use (CUDA graphs, channels_last, fused AdamW where fit turns them on). Precisions the device cannot
+run are listed with resolve_precision's reason instead of numbers.
 
 Figures: samples/s from the median of timed chunks of steps (warm-up steps excluded); peak memory
 on CUDA = max_memory_allocated during training minus what was allocated before the model was built
@@ -18,10 +19,10 @@ from typing import Any
 import torch
 
 from gputrain.bench.cases import CASES, get_case
-from gputrain.bench.common import (accelerators, clock, device_name, free_device_memory, matmul_precision,
-                                   new_result, saved_tensor_bytes, summarize)
+from gputrain.bench.common import (accelerators, clock, device_name, free_device_memory, new_result,
+                                   saved_tensor_bytes, summarize)
 from gputrain.errors import ConfigError
-from gputrain.runtime.precision import autocast, make_scaler, resolve_precision
+from gputrain.runtime.precision import resolve_precision
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 LR = 1e-3
@@ -45,59 +46,50 @@ def config_for(quick: bool = False, workloads: list[str] | None = None, steps: i
 
 def _train(case, prec, device: torch.device, x: torch.Tensor, y: torch.Tensor, cfg: dict[str, Any]) -> dict[str, Any]:
     """Train `steps` (+ warm-up) steps at one precision; returns this precision's figures."""
+    from gputrain.config import TrainConfig
+    from gputrain.train import Trainer
+
     cuda = device.type == "cuda"
-    B, nb = cfg["batch_size"], cfg["distinct_batches"]
+    B = cfg["batch_size"]
     if cuda:
         free_device_memory(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     torch.manual_seed(0)
-    model = case.make_model().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    scaler = make_scaler(prec, device)
     loss_fn = torch.nn.CrossEntropyLoss()
-    loss_sum = torch.zeros((), device=device)  # summed on the device: no host sync per step
-    state = {"i": 0}
-
-    def step() -> None:
-        i = state["i"] % nb
-        state["i"] += 1
-        xb, yb = x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]
-        with autocast(prec, device):
-            loss = loss_fn(model(xb), yb)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        loss_sum.add_(loss.detach().float())
-
+    config = TrainConfig(device=str(device), precision=prec.name, batch_size=B, steps=10**9, log_every=10**9, lr=LR,
+                         data_on_device=True, seed=0)
+    trainer = Trainer(case.make_model(), (x, y), loss_fn=loss_fn, config=config)
     elapsed = clock(device)
-    with matmul_precision(prec, device):
+    try:
         for _ in range(cfg["warmup_steps"]):
-            step()
-        first_loss = float(loss_sum.item()) / max(1, cfg["warmup_steps"])
+            trainer.train_one_step()
+        first_loss = float(trainer.train_step.take_totals()[0]) / max(1, cfg["warmup_steps"])
         per_chunk = max(1, cfg["steps"] // cfg["chunks"])
         samples = []
         for _ in range(cfg["chunks"]):
-            loss_sum.zero_()
-            samples.append(elapsed(step, per_chunk) / per_chunk)  # seconds per step
-        final_loss = float(loss_sum.item()) / per_chunk  # mean loss over the last chunk
+            trainer.train_step.take_totals()
+            samples.append(elapsed(trainer.train_one_step, per_chunk) / per_chunk)  # seconds per step
+        final_loss = float(trainer.train_step.take_totals()[0]) / per_chunk  # mean loss over the last chunk
         peak = int(torch.cuda.max_memory_allocated(device) - base) if cuda else None
-        model.train()
-        saved = saved_tensor_bytes(lambda: _forward(model, loss_fn, prec, device, x[:B], y[:B]),
+        model = trainer.model
+        saved = saved_tensor_bytes(lambda: _forward(model, loss_fn, trainer.precision, x[:B], y[:B]),
                                    exclude=list(model.parameters()))
+        graphs = trainer.graph_status()
+    finally:
+        trainer.close()
     t = summarize(samples)
     out = {"status": "measured", "precision": prec.name, "reason": prec.reason, **t,
            "steps": per_chunk * cfg["chunks"], "samples_per_s": B / t["median_s"],
            "samples_per_s_best": B / t["min_s"], "first_loss": first_loss, "final_loss": final_loss,
-           "peak_memory_bytes": peak, "saved_activation_bytes": saved}
+           "peak_memory_bytes": peak, "saved_activation_bytes": saved, "cuda_graphs": graphs}
     if not cuda:
         out["peak_memory_note"] = f"not measured on {device.type} (no device allocator counter)"
     return out
 
 
-def _forward(model, loss_fn, prec, device, xb, yb):
-    with autocast(prec, device):
+def _forward(model, loss_fn, run_precision, xb, yb):
+    with run_precision.autocast():
         return loss_fn(model(xb), yb)
 
 
@@ -134,6 +126,7 @@ def run_precision(device: str = "auto", quick: bool = False, workloads: list[str
         free_device_memory(dev)
     result["notes"] += [
         f"Device: {dev} ({device_name(dev)}); each precision trains a fresh model from the same weights on the same batches.",
+        "Each step is gputrain's TrainStep with fit's switches for that precision (cuda_graphs per row).",
         "samples/s from the median seconds per step over timed chunks; warm-up steps are not timed.",
         "Ratios are against fp32 of the same workload, measured in this run.",
         "saved_activation_bytes: tensors saved for backward in one step (saved_tensors_hooks; parameters excluded).",

@@ -205,7 +205,7 @@ def run(args) -> int:
         config = _auto_batch_size(workload, config)
         full_batch = False
 
-    from gputrain.train.trainer import fit_workload
+    from gputrain.train import fit_workload
 
     history, _model = fit_workload(workload, config, full_batch=full_batch)
     if not is_main:
@@ -220,7 +220,7 @@ def run(args) -> int:
     else:
         from rich.console import Console
 
-        from gputrain.report.reporting import render_summary
+        from gputrain.report.summary import render_summary
 
         render_summary(summary, Console())
     return 0
@@ -238,7 +238,7 @@ def _auto_batch_size(workload, config):
         return config
     import torch
 
-    from gputrain.data.loading import BatchTransform
+    from gputrain.data import BatchTransform
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
     from gputrain.runtime.precision import resolve_precision
 

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 from gputrain.commands.argtypes import positive_int as _positive_int
-from gputrain.report.reporting import format_bytes as fmt_bytes
+from gputrain.report.format import format_bytes as fmt_bytes
 
 SAMPLE = 16  # samples in the measured batch (the estimate fits a line through it and its half)
 DEFAULT_MAX_BATCH = 2**20  # the search stops here unless --max-batch says otherwise
@@ -51,7 +51,7 @@ def memory_report(args) -> dict[str, Any]:
     """Everything `gputrain memory` shows, as data."""
     import torch
 
-    from gputrain.data.loading import BatchTransform
+    from gputrain.data import BatchTransform
     from gputrain.runtime.devices import pick_device
     from gputrain.diagnostics.advice import recommendations
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch

@@ -44,11 +44,12 @@ def render(s: dict[str, Any], console) -> None:
 
     console.print(f"[bold]{s['workload']}[/] on {s['device']} ({s['device_name']}), {s['precision']}, "
                   f"batch {s['batch_size']:,}, data {s['data']}")
-    lo, hi = s["step_ms_spread"]
-    console.print(f"step: [bold]{_ms(s['step_ms'])}[/] median of {s['timed_steps']} steps (min {_ms(lo)}, max {_ms(hi)}; "
-                  f"{_ms(s['wall_step_ms'])} mean wall clock), {s['samples_per_s']:,.0f} samples/s")
+    lo, hi = s["phased_step_ms_spread"]
+    console.print(f"step: [bold]{_ms(s['step_ms'])}[/] per step as fit runs it (median of {len(s['step_ms_chunks'])} "
+                  f"timed chunks, CUDA graphs {s['cuda_graphs']}), {s['samples_per_s']:,.0f} samples/s")
+    console.print(f"the same step run eagerly in phases: {_ms(s['phased_step_ms'])} median (min {_ms(lo)}, max {_ms(hi)})")
 
-    t = Table(title=f"where a step's time goes ({s['timing']})")
+    t = Table(title="where an eager step's time goes")
     on_gpu = s["device"].startswith("cuda")
     for col in ("phase", "time", "share", "host time") + (("device time",) if on_gpu else ()):
         t.add_column(col, justify="left" if col == "phase" else "right")

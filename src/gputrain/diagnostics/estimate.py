@@ -197,8 +197,7 @@ def _measure_activations(model: nn.Module, x, y, loss_fn, autocast_dtype: torch.
 
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
-    ctx = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
+    ctx = _autocast(autocast_dtype, device)
     try:
         with torch.enable_grad(), meter.hooks(), ctx:
             out = _call(model, x)
@@ -471,22 +470,39 @@ def _device_bytes(t, device: torch.device) -> int:
     return t.untyped_storage().nbytes()
 
 
+def _autocast(dtype: torch.dtype | None, device: torch.device):
+    """The training step's autocast context for `dtype` (gputrain enters autocast in one place)."""
+    from gputrain.runtime.precision import Precision
+
+    return Precision(str(dtype), dtype, False, False, "").autocast(device)
+
+
 def _probe_step(model: nn.Module, loss_fn, precision, optimizer_name: str) -> Callable:
+    """gputrain's TrainStep on `model` (what fit runs), as a `(x, y) -> None` callable.
+
+    The optimizer has lr=0 so the weights do not change; without a loss_fn the loss is the sum of
+    the outputs (a stand-in for models whose loss is not given).
+    """
+    from gputrain.runtime.precision import Precision, RunPrecision
+    from gputrain.train.loss import LossRule
+    from gputrain.train.step import TrainStep
+
     device = _device_of(model)
     optimizer = _optimizer_for_probe(model, optimizer_name)
-    dtype = _precision_of(precision)[1]
+    if optimizer is None:  # "none": gradients only
+        optimizer = torch.optim.SGD([p for p in _unique_parameters(model) if p.requires_grad], lr=0.0)
+    name, dtype = _precision_of(precision)
+    prec = precision if isinstance(precision, Precision) else Precision(name, dtype, False, False, "")
+    loss = LossRule(compute_loss=lambda m, b: _fallback_loss(m, b, loss_fn))
+    step = TrainStep(model, loss, optimizer, RunPrecision(prec, device), device=device, oom_recovery=False)
 
-    def step(x, y) -> None:
-        x, y = _to(x, device), _to(y, device)
-        ctx = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with ctx:
-            out = _call(model, x)
-            loss = loss_fn(out, y) if loss_fn is not None and y is not None else out.float().sum()
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+    def run(x, y) -> None:
+        step.run([(_to(x, device), _to(y, device))])
 
-    return step
+    return run
+
+
+def _fallback_loss(model: nn.Module, batch, loss_fn):
+    x, y = batch
+    out = _call(model, x)
+    return loss_fn(out, y) if loss_fn is not None and y is not None else out.float().sum()

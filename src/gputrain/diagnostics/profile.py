@@ -1,8 +1,9 @@
 """Where the time of a training step goes, and what bounds it: the profile orchestrator.
 
-`profile_workload(workload, config, ...)` runs a few instrumented training steps and returns the
-step-time breakdown (data, host-to-device, forward, backward, optimizer, logging; `_PhaseClock`
-times the phases of `_StepRunner`'s step), the top ops and figures of a torch.profiler run
+`profile_workload(workload, config, ...)` times the training step `fit` runs (built by the Trainer,
+with the same switches: graphed when fit captures it) and returns that step time, the breakdown of
+the same step body run eagerly with phase marks (data, host-to-device, forward, backward,
+optimizer, logging; `_PhaseClock` times them), the top ops and figures of a torch.profiler run
 (`trace`), a Chrome trace, GPU utilization sampled from NVML (`gpu_util`), MFU where the device's
 peak is known, the host syncs (`syncs`) and a verdict (`gputrain.diagnostics.verdict.diagnose`).
 `default_config(workload)` gives the settings it profiles when none are given.
@@ -94,101 +95,72 @@ class _NullClock:
 
 
 class _StepRunner:
-    """One workload's training step, split into timed phases.
+    """The training step `fit` runs for a workload, built by gputrain's own Trainer.
 
-    The data set lives on the device (uint8 images stay uint8 there) and batches are contiguous
-    slices of a shuffled copy, as gputrain's trainer does; with data_on_device=False on a GPU the
-    slices are cut from pinned host memory and copied per step (the host-to-device phase).
+    `step()` is one step exactly as the training loop runs it (graphed when fit would capture it),
+    plus the loop's log-point read of the loss every `log_every` steps. `phased_step(clock)` runs the
+    same TrainStep body eagerly with phase marks (data, forward, backward, optimizer, logging): a CUDA
+    graph cannot be split into phases, so the breakdown is always of the eager step.
     """
 
-    def __init__(self, workload, config: TrainConfig, device: torch.device, precision):
-        from gputrain.data.loading import BatchTransform
-        from gputrain.train.optim import make_optimizer
-        from gputrain.runtime.precision import apply_matmul_settings, make_scaler
+    def __init__(self, workload, config: TrainConfig):
+        from gputrain.train import Trainer
 
-        self.device, self.precision, self.config = device, precision, config
         torch.manual_seed(config.seed)
-        data = workload.make_data()
-        x, y = data.train
-        n = int(x.shape[0])
-        self.batch_size = min(config.batch_size, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))
-        x, y = x[perm], y[perm]
-        self.on_device = device.type == "cpu" or config.data_on_device is not False
-        if self.on_device:
-            self.x, self.y = x.to(device), y.to(device)
-        else:
-            self.x, self.y = x.pin_memory(), y.pin_memory()
-        self.n = n
-        self.transform = BatchTransform(data.mean, data.std, data.augment)
-        self.gen = torch.Generator(device=device).manual_seed(config.seed)
-        self.model = workload.make_model().to(device)
-        self.checkpointed: list[str] = []
-        if config.checkpointing:
-            from gputrain.train.activation_checkpointing import apply_activation_checkpointing
-
-            targets = None if config.checkpointing is True else list(config.checkpointing)
-            self.checkpointed = apply_activation_checkpointing(self.model, targets)
-        self.model.train()
-        self.loss_fn = workload.loss_fn
-        apply_matmul_settings(precision, device)
-        self.optimizer, self.optimizer_desc = make_optimizer(
-            None, self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, device=device,
-            fused=config.fused_optimizer)
-        self.scaler = make_scaler(precision, device)
-        self.loss_sum = torch.zeros((), device=device)
+        config = config.replace(steps=10**9, run_dir=None, resume=False, progress=False)
+        self.trainer = Trainer(workload.make_model(), workload.make_data(), config=config, task=workload.task,
+                               **workload.loss_kwargs())
+        t = self.trainer
+        self.device, self.precision, self.config = t.device, t.precision, config
+        self.batch_size = config.batch_size
+        self.on_device = t.placement.kind in ("device", "host-slices")
+        self.placement = t.placement
+        self.checkpointed = t.checkpointed
+        self.optimizer_desc = t.optimizer_desc
         self.log_every = config.log_every
         self.logged_loss: float | None = None
         self.i = 0
 
-    def _slice(self) -> tuple[torch.Tensor, torch.Tensor]:
-        B = self.batch_size
-        start = (self.i * B) % max(1, self.n - B + 1)
-        return self.x[start:start + B], self.y[start:start + B]
-
-    def _forward_loss(self, x, y):
-        from gputrain.runtime.precision import autocast
-
-        with autocast(self.precision, self.device):
-            return self.loss_fn(self.model(x), y)
-
-    def step(self, clock=None) -> None:
-        clock = clock or _NullClock()
-        clock.start()
-        x, y = self._slice()
-        clock.mark("data")
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
-        clock.mark("h2d")
-        x = self.transform(x, train=True, generator=self.gen)
-        clock.mark("data")
-        loss = self._forward_loss(x, y)
-        clock.mark("forward")
-        self.scaler.scale(loss).backward()
-        clock.mark("backward")
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        clock.mark("optimizer")
-        self.loss_sum += loss.detach().float()
+    def _log_point(self) -> None:
         self.i += 1
-        if self.i % self.log_every == 0:  # the only host read: once per log_every steps
-            self.logged_loss = self.loss_sum.item() / self.log_every
-            self.loss_sum.zero_()
+        if self.i % self.log_every == 0:  # the loop's only host read: once per log_every steps
+            loss_total, _ = self.trainer._read_step_totals()
+            self.logged_loss = loss_total / self.log_every
+
+    def step(self) -> None:
+        self.trainer.train_one_step()
+        self._log_point()
+
+    def phased_step(self, clock) -> None:
+        t = self.trainer
+        clock.start()
+        batches = t.next_step_batches()
+        clock.mark("data")
+        t.train_step.run(batches, clock=clock)
+        t.scheduler.step()
+        t.state.step += 1
+        self._log_point()
         clock.mark("logging")
 
     def flops(self) -> int:
-        """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged."""
+        """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged.
+
+        The one deliberate backward outside TrainStep: counting must not step the optimizer.
+        """
         from torch.utils.flop_counter import FlopCounterMode
 
-        x, y = self._slice()
-        x = self.transform(x.to(self.device), train=True, generator=self.gen)
-        y = y.to(self.device)
+        t = self.trainer
+        batch = t.next_step_batches()[0]
         counter = FlopCounterMode(display=False)
         with counter:
-            self._forward_loss(x, y).backward()
-        self.optimizer.zero_grad(set_to_none=True)
+            with t.precision.autocast():
+                loss, _ = t.loss(t.model, batch)
+            loss.backward()
+        t.optimizer.zero_grad(set_to_none=True)
         return int(counter.get_total_flops())
+
+    def close(self) -> None:
+        self.trainer.close()
 
 
 # ---------------------------------------------------------------- the whole profile
@@ -216,9 +188,9 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
     """Profile a few training steps of `workload` and say what bounds them.
 
     workload: a Workload or a name (as `gputrain.workloads.resolve_workload` takes).
-    config: device, precision, batch_size, lr, weight_decay, log_every (how often the loss is read on
-        the host), data_on_device, checkpointing, fused_optimizer; None: the workload's defaults. The
-        step is eager: compile, cuda_graphs and channels_last are not applied.
+    config: a TrainConfig (None: the workload's defaults); the profiled step is the one `fit` builds
+        from it, with the same switches (CUDA graphs, channels_last, compile, fused AdamW, data
+        placement); log_every says how often the loss is read on the host.
     steps: timed steps for the breakdown (after BURN_IN_STEPS unmeasured ones); wait/warmup/active:
         torch.profiler's schedule for the traced steps; out_dir: where trace.json and
         profile_summary.json go (None: a new temporary directory).
@@ -249,28 +221,53 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gputrain-profile-"))
     out.mkdir(parents=True, exist_ok=True)
 
-    runner = _StepRunner(workload, config, device, precision)
-    for _ in range(BURN_IN_STEPS):
+    runner = _StepRunner(workload, config)
+    try:
+        return _profile(runner, workload, config, device, precision, sync, out, steps, wait, warmup, active, top,
+                        sync_steps)
+    finally:
+        runner.close()
+
+
+def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precision, sync, out: Path, steps: int,
+             wait: int, warmup: int, active: int, top: int, sync_steps: int) -> dict[str, Any]:
+    from gputrain.diagnostics.peaks import peak_tflops
+
+    for _ in range(BURN_IN_STEPS + 2):  # lazy init, autotuning, and the graph capture when fit captures
         runner.step()
+    graphs_fit_uses = runner.trainer.graph_status()
     flops = runner.flops()
 
-    # 1. Timed steps: the breakdown, the step time, NVML utilization (at least a second of it).
-    clock = _PhaseClock(device, steps)
+    # 1. The step as fit runs it (graphed when fit captures it): the headline step time, and NVML
+    # utilization (at least a second of it).
+    # Timed in chunks of synchronized steps; the median chunk is the figure (a stray slow step, a
+    # collection or a thread wake-up, does not move it).
+    chunk = max(1, steps // 5)
+    chunk_ms = []
     with GpuUtilSampler(device) as sampler:
         sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.step(clock)
-        sync()
-        wall = time.perf_counter() - t0
+        t_all = time.perf_counter()
+        for _ in range(max(1, steps // chunk)):
+            t0 = time.perf_counter()
+            for _ in range(chunk):
+                runner.step()
+            sync()
+            chunk_ms.append(1000 * (time.perf_counter() - t0) / chunk)
+        wall = time.perf_counter() - t_all
         extra_until = time.perf_counter() + (1.0 - wall if device.type == "cuda" else 0.0)
         while time.perf_counter() < extra_until:  # NVML averages over 1/6 s .. 1 s
             runner.step()
         sync()
-    wall_step_ms = 1000 * wall / steps
+    step_ms = statistics.median(chunk_ms)
+    wall_step_ms = 1000 * wall / (chunk * len(chunk_ms))
+
+    # 2. The same step body run eagerly with phase marks: where its time goes.
+    clock = _PhaseClock(device, steps)
+    for _ in range(steps):
+        runner.phased_step(clock)
     host, dev = clock.per_step_ms()
     primary = dev if dev is not None else host  # CUDA events on a GPU: what the device saw
-    step_ms = statistics.median(sum(row) for row in primary)
+    phased_step_ms = statistics.median(sum(row) for row in primary)
     medians = {p: statistics.median(row[i] for row in primary) for i, p in enumerate(PHASES)}
     total_med = sum(medians.values()) or 1.0
     breakdown = []
@@ -331,13 +328,18 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
         "precision_reason": precision.reason,
         "batch_size": runner.batch_size,
         "optimizer": runner.optimizer_desc,
-        "data": "on the device (slices)" if runner.on_device else "pinned host memory, copied per step",
+        "data": runner.placement.reason,
+        "cuda_graphs": graphs_fit_uses,
         "activation_checkpointing": runner.checkpointed,
         "timed_steps": steps,
-        "timing": "CUDA events per phase, median step" if device.type == "cuda"
-                  else "host perf_counter per phase, median step",
+        "timing": (f"step_ms: median over chunks of {chunk} synchronized steps of the step fit runs "
+                   f"(cuda_graphs {graphs_fit_uses}); breakdown: the same step body run eagerly with "
+                   + ("CUDA events per phase" if device.type == "cuda" else "host perf_counter per phase")
+                   + ", median step"),
         "step_ms": step_ms,
-        "step_ms_spread": [min(sum(r) for r in primary), max(sum(r) for r in primary)],
+        "step_ms_chunks": chunk_ms,
+        "phased_step_ms": phased_step_ms,
+        "phased_step_ms_spread": [min(sum(r) for r in primary), max(sum(r) for r in primary)],
         "wall_step_ms": wall_step_ms,
         "samples_per_s": runner.batch_size / (step_ms / 1000) if step_ms > 0 else None,
         "breakdown": breakdown,

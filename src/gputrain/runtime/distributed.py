@@ -171,12 +171,20 @@ def cleanup(info: DistInfo) -> None:
 # ---------------------------------------------------------------- wrapping
 
 
+def unwrap_data_parallel(model: nn.Module) -> nn.Module:
+    """model.module for an nn.DataParallel (with the warning below), else the model itself."""
+    if isinstance(model, nn.DataParallel):
+        warn_data_parallel(model)
+        return model.module
+    return model
+
+
 def warn_data_parallel(model: nn.Module) -> None:
     warnings.warn(
         "the model is wrapped in nn.DataParallel: one process copying the model to every GPU each step is "
         "slower than DistributedDataParallel even on one machine, and cannot span machines. gputrain trains "
         "model.module instead (pass the plain model to avoid this warning) and runs DDP, one process per GPU, "
-        "when started with torchrun or `gputrain fit --nproc N`", stacklevel=3)
+        "when started with torchrun or `gputrain fit --nproc N`", stacklevel=4)
 
 
 def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, shard: bool = False) -> nn.Module:
@@ -188,9 +196,7 @@ def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, shard: bo
     it is not wrapped). The model must already be on `device`. An nn.DataParallel is unwrapped
     with a warning.
     """
-    if isinstance(model, nn.DataParallel):
-        warn_data_parallel(model)
-        model = model.module
+    model = unwrap_data_parallel(model)
     if not info.enabled:
         return model
     if shard:

@@ -2,6 +2,10 @@
 
 "auto" resolves to bf16 on a CUDA GPU with bf16 tensor cores, fp16 (with a GradScaler) on older
 CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError.
+
+`Precision` is the value; `RunPrecision` is the run's one object that owns what follows from it:
+the autocast context (`Precision.autocast` is the only place gputrain enters autocast), the loss
+scaler, and the process-wide TF32 settings, which it gives back when the run ends.
 """
 
 from __future__ import annotations
@@ -24,9 +28,16 @@ class Precision:
     tf32: bool  # allow TF32 tensor cores for fp32 matmuls/convs
     reason: str  # one line for the run log
 
-    @property
-    def label(self) -> str:
-        return self.name
+    def autocast(self, device: torch.device):
+        """The autocast context for a forward pass (a no-op context for fp32/tf32).
+
+        The weight-cast cache is off: the same context is entered in eager steps and inside a CUDA
+        graph capture, where cached casts would go stale, and a training step casts each weight
+        once per forward anyway.
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
 
 def _cuda_bf16(device: torch.device) -> bool:
@@ -79,22 +90,99 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
     return Precision("fp16", torch.float16, True, False, f"fp16 autocast with loss scaling as requested on {dev}")
 
 
-def autocast(precision: Precision, device: torch.device):
-    """The autocast context for a forward pass; a no-op context for fp32/tf32."""
-    if precision.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=precision.autocast_dtype)
-
-
 def make_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler that is enabled only for fp16 (a disabled scaler passes everything through)."""
     return torch.amp.GradScaler(device.type if device.type in ("cuda", "mps") else "cpu",
                                 enabled=precision.use_scaler)
 
 
+def read_matmul_settings() -> dict:
+    """The process-wide TF32 settings, to give back later.
+
+    Read through get_float32_matmul_precision: reading the older allow_tf32 flags raises on recent
+    PyTorch once a program has used the newer fp32_precision settings.
+    """
+    try:
+        cudnn = torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        cudnn = None
+    return {"matmul": torch.get_float32_matmul_precision(), "cudnn": cudnn}
+
+
+def write_matmul_settings(saved: dict) -> None:
+    torch.set_float32_matmul_precision(saved["matmul"])
+    if saved.get("cudnn") is not None:
+        torch.backends.cudnn.allow_tf32 = saved["cudnn"]
+
+
 def apply_matmul_settings(precision: Precision, device: torch.device) -> None:
-    """Set TF32 for matmuls and cuDNN convolutions to match the precision (process-wide)."""
+    """Set TF32 for matmuls and cuDNN convolutions to match the precision (process-wide, CUDA only)."""
     if device.type != "cuda":
         return
-    torch.backends.cuda.matmul.allow_tf32 = precision.tf32
+    torch.set_float32_matmul_precision("high" if precision.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = precision.tf32
+
+
+@contextlib.contextmanager
+def matmul_settings(precision: Precision, device: torch.device):
+    """Apply a Precision's TF32 settings inside the block, then give back what was there."""
+    saved = read_matmul_settings()
+    apply_matmul_settings(precision, device)
+    try:
+        yield
+    finally:
+        write_matmul_settings(saved)
+
+
+class RunPrecision:
+    """A run's precision as one object: autocast, loss scaling, TF32 settings and their restore.
+
+    The training step calls `autocast()`, `backward(loss)`, `unscale_(optimizer)` (before clipping)
+    and `step(optimizer)`; `apply()` sets the process-wide matmul settings once, `restore()` gives
+    back what was there before (fit calls it when the run ends, also after an error).
+    """
+
+    def __init__(self, precision: Precision, device: torch.device):
+        self.precision = precision
+        self.device = device
+        self.scaler = make_scaler(precision, device)
+        self._saved: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return self.precision.name
+
+    @property
+    def reason(self) -> str:
+        return self.precision.reason
+
+    def autocast(self):
+        return self.precision.autocast(self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step() through the scaler (which skips steps with inf/NaN gradients in fp16)."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def apply(self) -> "RunPrecision":
+        if self._saved is None:
+            self._saved = read_matmul_settings()
+        apply_matmul_settings(self.precision, self.device)
+        return self
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            write_matmul_settings(self._saved)
+            self._saved = None
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scaler.load_state_dict(state)

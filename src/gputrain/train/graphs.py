@@ -1,194 +1,188 @@
-"""The whole training step (forward, backward, optimizer) replayed from one CUDA graph.
+"""The whole training step replayed from a CUDA graph: `GraphedStep` wraps a `TrainStep`.
 
 On small models the GPU spends most of a step waiting for the CPU to launch ~10-100 short
-kernels. A CUDA graph launches them all with one call. Recipe (PyTorch's "whole network capture"):
-warm up a few real steps on a side stream, set grads to None, capture forward + backward + clip +
-optimizer.step into a graph reading static input buffers, then per step copy the batch into the
-buffers and replay. The optimizer must be capturable (its step counter and lr live on the device).
+kernels. A CUDA graph launches them all with one call. Recipe (PyTorch's "whole network capture",
+and torchtitan's wrapping of its forward-backward function): warm up a few real steps on a side
+stream, capture `TrainStep.run` (forward, loss, backward, clip, optimizer step, zero_grad, the
+device accumulators) reading static input buffers, then per step copy the batch into the buffers
+and replay. The captured callable is the eager one: nothing here calls back into the trainer.
 
-A graph is fixed to one batch shape, so each shape gets its own graph (at most MAX_GRAPHS, all in
-one memory pool): the last, partial batch of an epoch runs eagerly once (cuDNN picks its kernels
-then) and replays its own graph from the next epoch on. A batch that is the same unchanged tensor as
-the one last copied in (full-batch training) is not copied again. Anything that cannot be captured
-(a host sync inside the model, an unsupported op) falls back to eager steps; a failed first capture
-switches the run to eager for good, with the reason logged.
+Batches are any nesting (batch.py): a graph keeps a static buffer per tensor leaf and is keyed by
+the batch's signature (structure, every leaf's shape and dtype, and the values of non-tensor
+leaves). Each signature gets its own graph (at most MAX_GRAPHS, all in one memory pool): a new one
+(the last, partial batch of an epoch) runs eagerly once, then is captured when it comes again.
+A batch whose tensors are the same unchanged tensors as the ones last copied in (full-batch
+training) is not copied again. When the non-tensor leaves change from step to step with the same
+tensor shapes (Python values the graph would freeze), graphs are switched off with that reason.
+Anything that cannot be captured falls back to eager steps; a failed first capture switches the run
+to eager for good, with the reason logged.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Sequence
 
 import torch
 
-from gputrain.runtime.precision import Precision
+from gputrain import batch as batches
+from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
 
 WARMUP_STEPS = 3  # real training steps run eagerly on a side stream before capture
-
-
-def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, precision: Precision,
-                   compiled: bool, checkpointing: bool, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the step cannot be captured, or None when it can."""
-    if device.type != "cuda":
-        return f"CUDA graphs need a CUDA device (running on {device.type})"
-    if accumulate > 1:
-        return "gradient accumulation (several backward passes per step) is not captured"
-    if world_size > 1:
-        return "distributed gradient sync is not captured"
-    if precision.use_scaler:
-        return "fp16 loss scaling checks for inf on the host every step"
-    if compiled:
-        return "torch.compile is on (use compile mode 'reduce-overhead' for its own graphs)"
-    if checkpointing:
-        return "activation checkpointing recomputes inside backward"
-    if not all(g.get("capturable", False) for g in optimizer.param_groups):
-        return f"the optimizer ({type(optimizer).__name__}) was not created with capturable=True"
-    return None
-
-
-MAX_GRAPHS = 4  # distinct batch shapes captured; more shapes than this run eagerly
+MAX_GRAPHS = 4  # distinct batch signatures captured; more run eagerly
 
 
 class _Graph:
-    """One captured step for one batch shape: the graph and the buffers it reads."""
+    """One captured step for one batch signature: the graph and the buffers it reads."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, static_x: torch.Tensor, static_y: torch.Tensor,
-                 copy_skippable: bool):
+    def __init__(self, graph: torch.cuda.CUDAGraph, static: list[torch.Tensor], copy_skippable: bool):
         self.graph = graph
-        self.static_x, self.static_y = static_x, static_y
+        self.static = static  # one buffer per tensor leaf, in flatten order
         # The graph does not write its own inputs (checked at capture), so a batch identical to the
         # last one copied in need not be copied again.
         self.copy_skippable = copy_skippable
-        self.last: tuple | None = None  # (x, y, their identity) of the last batch copied in
+        self.last: tuple | None = None  # (the tensors last copied in, their identity)
 
     @staticmethod
-    def identity(x: torch.Tensor, y: torch.Tensor) -> tuple:
+    def identity(tensors: list[torch.Tensor]) -> tuple:
         # Same address, layout and version counter (bumped by any in-place write, also through a
         # view) while we hold a reference to the tensors: the same bytes as last time.
-        return (x.data_ptr(), x.stride(), x._version, y.data_ptr(), y.stride(), y._version)
+        return tuple((t.data_ptr(), t.stride(), t._version) for t in tensors)
 
-    def load(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if not self.copy_skippable:
-            self.static_x.copy_(x, non_blocking=True)
-            self.static_y.copy_(y, non_blocking=True)
-            return
-        ident = self.identity(x, y)
-        if self.last is not None and self.last[2] == ident:
-            return
-        self.static_x.copy_(x, non_blocking=True)
-        self.static_y.copy_(y, non_blocking=True)
-        self.last = (x, y, ident)
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        if self.copy_skippable:
+            ident = self.identity(tensors)
+            if self.last is not None and self.last[1] == ident:
+                return
+            self.last = (tensors, ident)
+        for dst, src in zip(self.static, tensors):
+            dst.copy_(src, non_blocking=True)
 
 
-class GraphedTrainStep:
-    """Runs training steps; after WARMUP_STEPS eager ones, replays captured graphs.
+def _tensors(batch: Any) -> tuple[list[torch.Tensor], list[Any], Any]:
+    leaves, spec = batches.flatten(batch)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+    return tensors, others, (leaves, spec)
 
-    step(x, y, loss_acc) adds the step's (detached) loss to loss_acc, a device scalar whose
-    storage must stay the same for the whole run (the graph writes to its address).
+
+class GraphedStep:
+    """Runs training steps through `step`; after WARMUP_STEPS eager ones, replays captured graphs.
+
+    Only single-micro-batch steps are captured (the graph eligibility rules in runtime/speed.py
+    keep accumulation and several processes off this path); anything else runs `step` eagerly.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                 precision: Precision, device: torch.device, max_grad_norm: float | None,
-                 eager_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]):
-        self.model = model
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.precision = precision
+    def __init__(self, step: TrainStep, device: torch.device):
+        self.step = step
         self.device = device
-        self.max_grad_norm = max_grad_norm
-        self.eager_step = eager_step  # (x, y, loss_acc) -> None, includes optimizer step and zero_grad
         self.graphs: dict[tuple, _Graph] = {}
         self.side = torch.cuda.Stream(device)
         self.warm = 0
-        self.failed: str | None = None  # the first capture failed: the whole run is eager
-        self.uncapturable: dict[tuple, str] = {}  # shapes whose capture failed after the first
-        self._seen: set[tuple] = set()  # shapes run eagerly once, to be captured when they come again
+        self.failed: str | None = None  # the first capture failed, or graphs were switched off: eager
+        self.uncapturable: dict[tuple, str] = {}  # signatures whose capture failed after the first
+        self._seen: set[tuple] = set()  # signatures run eagerly once, to be captured when they come again
+        self._last_layout: tuple | None = None  # (tensor shapes, non-tensor leaves) of the last batch
         self.replays = 0
         self.eager_fallbacks = 0
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The first captured graph (the full-batch shape), if any."""
+        """The first captured graph (the full-batch signature), if any."""
         return next(iter(self.graphs.values())).graph if self.graphs else None
 
-    def _body(self, x: torch.Tensor, y: torch.Tensor, loss_acc: torch.Tensor) -> None:
-        # Autocast's weight-cast cache must be off under capture (cached casts would be stale).
-        ctx = (torch.autocast("cuda", dtype=self.precision.autocast_dtype, cache_enabled=False)
-               if self.precision.autocast_dtype is not None else torch.autocast("cuda", enabled=False))
-        with ctx:
-            loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm, foreach=True)
-        self.optimizer.step()
-        loss_acc.add_(loss.detach().float())
+    @property
+    def status(self) -> str:
+        if self.failed is not None:
+            return f"off: {self.failed}"
+        return f"on ({len(self.graphs)} graph{'s' if len(self.graphs) != 1 else ''})" if self.graphs else "on"
 
-    def _side_stream_step(self, x: torch.Tensor, y: torch.Tensor, loss_acc: torch.Tensor) -> None:
+    def _side_stream_step(self, micro_batches: Sequence[Any]) -> None:
         # Eager on a side stream, as capture needs: lazy init (optimizer state, cuBLAS workspaces,
         # cuDNN's algorithm choice for this shape) happens outside the capture, and the step is a
         # real training step.
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._body(x, y, loss_acc)
+            self.step(micro_batches)
         torch.cuda.current_stream(self.device).wait_stream(self.side)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, loss_acc: torch.Tensor) -> None:
-        if self.failed is not None:
-            self.eager_step(x, y, loss_acc)
+    def _values_changed(self, tensors: list[torch.Tensor], others: list[Any]) -> bool:
+        layout = (tuple((tuple(t.shape), t.dtype) for t in tensors), others)
+        last, self._last_layout = self._last_layout, layout
+        if last is None or last[0] != layout[0]:
+            return False
+        try:
+            return bool(last[1] != layout[1])
+        except Exception:  # values that cannot be compared: treat as changing
+            return True
+
+    def __call__(self, micro_batches: Sequence[Any]) -> None:
+        if self.failed is not None or len(micro_batches) != 1:
+            self.step(micro_batches)
             return
-        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+        batch = micro_batches[0]
+        tensors, others, _ = _tensors(batch)
+        if others and self._values_changed(tensors, others):
+            self.failed = ("the batch's non-tensor values change between steps with the same tensor shapes, "
+                           "and a replayed graph would keep the first ones")
+            log.warning("CUDA graphs: %s; training continues eagerly", self.failed)
+            self.step(micro_batches)
+            return
+        key = batches.signature(batch)
         captured = self.graphs.get(key)
         if captured is not None:
-            captured.load(x, y)
+            captured.load(tensors)
             captured.graph.replay()
             self.replays += 1
             return
         if not self.graphs and self.warm < WARMUP_STEPS:
-            self._side_stream_step(x, y, loss_acc)
+            self._side_stream_step(micro_batches)
             self.warm += 1
             return
         if self.graphs:
             if key in self.uncapturable or len(self.graphs) >= MAX_GRAPHS:
                 self.eager_fallbacks += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                self.eager_step(x, y, loss_acc)
+                self.step(micro_batches)
                 return
             if key not in self._seen:
-                # A new shape (the last, partial batch): one eager step first, a graph of its own next time.
+                # A new signature (the last, partial batch): one eager step first, a graph next time.
                 self._seen.add(key)
                 self.eager_fallbacks += 1
-                self._side_stream_step(x, y, loss_acc)
+                self._side_stream_step(micro_batches)
                 return
-        self._capture(key, x, y, loss_acc)
+        self._capture(key, batch)
 
-    def _capture(self, key: tuple, x: torch.Tensor, y: torch.Tensor, loss_acc: torch.Tensor) -> None:
-        static_x, static_y = x.clone(), y.clone()
-        versions = (static_x._version, static_y._version)
+    def _capture(self, key: tuple, batch: Any) -> None:
+        tensors, _, (leaves, spec) = _tensors(batch)
+        static = [t.clone() for t in tensors]
+        it = iter(static)
+        static_batch = batches.unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        versions = [t._version for t in static]
         graph = torch.cuda.CUDAGraph()
-        pool = self.graph.pool() if self.graphs else None  # later shapes share the first graph's memory
-        self.optimizer.zero_grad(set_to_none=True)
+        pool = self.graph.pool() if self.graphs else None  # later signatures share the first graph's memory
+        self.step.optimizer.zero_grad(set_to_none=True)
         try:
             with torch.cuda.graph(graph, pool=pool):
-                self._body(static_x, static_y, loss_acc)
+                self.step.run([static_batch])
         except Exception as exc:  # capture is all-or-nothing
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            reason = f"capture failed ({type(exc).__name__}: {first})"
+            text = str(exc).strip()
+            reason = f"capture failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
             torch.cuda.synchronize(self.device)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.step.optimizer.zero_grad(set_to_none=True)
             if self.graphs:
                 self.uncapturable[key] = reason
-                log.warning("CUDA graphs: batch shape %s: %s; such batches run eagerly", key[0], reason)
+                log.warning("CUDA graphs: batch %s: %s; such batches run eagerly", batches.describe(batch), reason)
             else:
                 self.failed = reason
                 log.warning("CUDA graphs: %s; training continues eagerly", reason)
-            self.eager_step(x, y, loss_acc)
+            self.step([batch])
             return
-        writes_inputs = (static_x._version, static_y._version) != versions  # in-place ops on the batch
-        captured = _Graph(graph, static_x, static_y, copy_skippable=not writes_inputs)
-        captured.last = (x, y, _Graph.identity(x, y))
+        writes_inputs = [t._version for t in static] != versions  # in-place ops on the batch
+        captured = _Graph(graph, static, copy_skippable=not writes_inputs)
+        if captured.copy_skippable:
+            captured.last = (tensors, _Graph.identity(tensors))
         self.graphs[key] = captured
         # Capture records kernels without running them: replay once for this step's batch.
         graph.replay()
@@ -196,4 +190,4 @@ class GraphedTrainStep:
         if len(self.graphs) == 1:
             log.info("CUDA graphs: whole training step captured after %d eager warm-up steps", WARMUP_STEPS)
         else:
-            log.info("CUDA graphs: batch shape %s captured too (%d graphs)", key[0], len(self.graphs))
+            log.info("CUDA graphs: another batch shape captured (%d graphs)", len(self.graphs))

@@ -20,19 +20,24 @@ class DataSplits:
     are float32 and used as they are (mean/std None).
     """
 
-    train: tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
-    test: tuple[torch.Tensor, torch.Tensor] | None = None
+    train: Any  # tensor columns: (inputs, targets), or a dict of equal-length tensors
+    test: Any | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     augment: str | None = None  # "crop-flip": random crop (reflect pad 4) + horizontal flip, images only
+    transform_key: str | int | None = None  # the leaf normalization/augmentation apply to (None: the inputs)
 
     @property
     def num_train(self) -> int:
-        return int(self.train[0].shape[0])
+        from gputrain.data.resident import column_length
+
+        return column_length(self.train)
 
     def nbytes(self) -> int:
         """Bytes the tensors take as stored (what a device-resident copy costs)."""
-        tensors = list(self.train) + (list(self.test) if self.test is not None else [])
+        from gputrain.batch import tensor_leaves
+
+        tensors = tensor_leaves(self.train) + (tensor_leaves(self.test) if self.test is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -42,12 +47,21 @@ class Workload:
     description: str
     make_data: Callable[[], DataSplits]
     make_model: Callable[[], nn.Module]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    task: str = "classification"  # "classification" | "binary" | "regression"
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    task: str | None = "classification"  # "classification" | "binary" | "regression" | None (loss only)
     defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig overrides, e.g. {"epochs": 20}
     full_batch: bool = False  # batch_size defaults to the whole training set
     data_summary: str = ""  # e.g. "4000 train / 1000 test, 40 floats"
+    # For models that are not trained on (inputs, targets) pairs, and for custom metrics (see fit):
+    compute_loss: Callable[[nn.Module, Any], Any] | None = None
+    metrics: dict[str, Any] | None = None
+    num_items: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS} or None, got {self.task!r}")
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """What fit needs besides data and config: loss_fn, compute_loss, metrics, num_items."""
+        return {"loss_fn": self.loss_fn, "compute_loss": self.compute_loss, "metrics": self.metrics,
+                "num_items": self.num_items}

@@ -1,0 +1,189 @@
+"""Host-fed batches: a DataLoader driven epoch by epoch, copied to the GPU by a side-stream prefetcher.
+
+Two kinds: `LoaderBatches` builds the DataLoader itself (pinned memory, workers from the CPU count,
+an epoch batch sampler that can start at any batch, so a resumed run sees the same batches);
+`UserLoaderBatches` uses the user's DataLoader as is. Batches may be any nesting (dicts of tensors
+from a tokenizer, tuples, ...); `CudaPrefetcher` copies every tensor leaf of batch i+1 on a side
+stream while batch i computes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gputrain import batch as batches
+from gputrain.data.stream import epoch_seed
+from gputrain.data.transforms import BatchTransform
+
+
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Index lists for one epoch from a (seed, epoch) permutation, sharded by rank, from a start batch."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int, world_size: int):
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.per_rank = n // world_size if world_size > 1 else n
+        self.epoch, self.start_batch = 0, 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return max(1, self.per_rank // self.batch_size)
+        return -(-self.per_rank // self.batch_size)
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+            perm = torch.randperm(self.n, generator=g)
+        else:
+            perm = torch.arange(self.n)
+        if self.world_size > 1:
+            perm = perm[self.rank :: self.world_size][: self.per_rank]
+        B = self.batch_size
+        stop = len(self) * B if self.drop_last else self.per_rank
+        for lo in range(self.start_batch * B, stop, B):
+            yield perm[lo : min(lo + B, stop)].tolist()
+
+
+class ColumnsByIndex(Dataset):
+    """A dataset whose __getitem__ takes a whole index list: one gather per column per batch."""
+
+    def __init__(self, columns: Any, n: int):
+        self.columns, self.n = columns, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx):
+        idx = torch.as_tensor(idx)
+        return batches.map_tensors(lambda t: t[idx], self.columns)
+
+
+def default_workers() -> int:
+    """DataLoader workers: leave a core for the main process, at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(8, cpus - 1))
+
+
+def _to_device(source: Iterator, device: torch.device) -> Iterator:
+    if device.type == "cuda":
+        return iter(CudaPrefetcher(source, device))
+    if device.type == "cpu":
+        return source
+    return (batches.move(b, device) for b in source)
+
+
+class LoaderBatches:
+    """A DataLoader driven epoch by epoch; batches land on the device (prefetched on CUDA)."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, device: torch.device, shuffle: bool,
+                 drop_last: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 num_workers: int | None = None, transform: BatchTransform | None = None,
+                 batched_dataset: bool = False) -> None:
+        self.device = device
+        self.transform = transform or BatchTransform()
+        self.sampler = EpochBatchSampler(len(dataset), batch_size, shuffle, drop_last, seed, rank, world_size)
+        self.batch_size = batch_size
+        self.train = shuffle
+        self.seed = seed
+        workers = default_workers() if num_workers is None else num_workers
+        pin = device.type == "cuda"
+        if batched_dataset:
+            # The dataset takes an index list: the sampler's lists are the batches, no collation.
+            self.loader = DataLoader(dataset, sampler=self.sampler, batch_size=None, num_workers=workers,
+                                     pin_memory=pin, persistent_workers=workers > 0)
+        else:
+            self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=workers,
+                                     pin_memory=pin, persistent_workers=workers > 0)
+        self.num_workers = workers
+        self._gen = torch.Generator(device=device)
+
+    @property
+    def num_samples(self) -> int:
+        return self.sampler.per_rank
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        self.sampler.set_epoch(epoch, start_batch)
+        for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
+            if self.train and self.transform.augment:
+                self._gen.manual_seed(epoch_seed(self.seed, epoch, salt=1 + start_batch + i))
+            yield self.transform(batch, self.train, self._gen)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iter_epoch(0)
+
+
+class UserLoaderBatches:
+    """A DataLoader the user built: used as is (its own batching and shuffling)."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, transform: BatchTransform | None = None,
+                 train: bool = True):
+        self.loader = loader
+        self.device = device
+        self.transform = transform or BatchTransform()
+        self.train = train
+        self.batch_size = loader.batch_size or 1
+        self._gen = torch.Generator(device=device)
+
+    @property
+    def num_samples(self) -> int:
+        try:
+            return len(self.loader.dataset)
+        except TypeError:
+            return len(self) * self.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
+            if i < start_batch:
+                continue  # a user loader can only be fast-forwarded by reading it
+            yield self.transform(batches.move(batch, self.device), self.train, self._gen)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iter_epoch(0)
+
+
+class CudaPrefetcher:
+    """Copies batch i+1 to the GPU on a side stream while batch i computes.
+
+    The main stream waits for the copy before using a batch, and record_stream tells the caching
+    allocator that the main stream uses the memory, so it is not reused too early.
+    """
+
+    def __init__(self, source: Iterator, device: torch.device):
+        self.source = source
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def _load(self):
+        try:
+            batch = next(self.source)
+        except StopIteration:
+            return None
+        with torch.cuda.stream(self.stream):
+            return (batches.move(batch, self.device, non_blocking=True),)
+
+    def __iter__(self):
+        nxt = self._load()
+        while nxt is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.stream)
+            (batch,) = nxt
+            for t in batches.tensor_leaves(batch):
+                t.record_stream(main)
+            nxt = self._load()
+            yield batch

@@ -1,0 +1,65 @@
+"""`fit`: the one call that trains a model; `fit_workload`: the same for a built-in or user Workload."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from gputrain.config import TrainConfig
+from gputrain.io.history import History
+from gputrain.runtime import distributed
+from gputrain.train.trainer import Trainer
+
+
+def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, compute_loss: Callable | None = None,
+        optimizer=None, config: TrainConfig | None = None, eval_data=None, task: str | None = None,
+        metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None) -> History:
+    """Train `model` and return its History.
+
+    train_data / eval_data: tensor columns ((inputs, targets), or a dict of equal-length tensors such
+        as a tokenizer's output), a Dataset (of pairs, dicts, any nesting), a DataLoader, or a
+        workload's DataSplits (which brings its test split, normalization and augmentation).
+    How a batch becomes a loss, the first that applies: `compute_loss(model, batch)` returning the
+        loss or (loss, outputs); a pair (inputs, targets) with `loss_fn(model(inputs), targets)`; the
+        model called with the batch (`model(**batch)` for a dict) returning a scalar, `.loss` or
+        `["loss"]`.
+    metrics: {"name": torchmetrics Metric or callable (outputs, batch) -> dict of tensors}, reported
+        as eval_<name> at each evaluation. num_items: batch -> count of the items the loss averages
+        over (e.g. non-padding tokens); the step's gradient is then the mean over items.
+    optimizer: an optimizer, a callable params -> optimizer, or None for AdamW(config.lr).
+    config: TrainConfig; None means the defaults. Raises ConfigError / DeviceError / DataError /
+    CheckpointError with a message saying what to change.
+    """
+    trainer = Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
+                      config=config, eval_data=eval_data, task=task, metrics=metrics, num_items=num_items)
+    info = trainer.dist
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        del trainer  # cleanup() frees the DDP wrapper before the process group goes (see there)
+        distributed.cleanup(info)
+
+
+def workload_config(workload, config: TrainConfig | None = None, full_batch: bool | None = None) -> TrainConfig:
+    """The config a workload trains with: `config`, or the workload's defaults; full-batch
+    workloads (unless a config is given) train on the whole training set per step."""
+    if full_batch is None:
+        full_batch = workload.full_batch and config is None
+    config = config or TrainConfig(**workload.defaults)
+    if full_batch:
+        config = config.replace(batch_size=workload.make_data().num_train)
+    return config
+
+
+def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None
+                 ) -> tuple[History, nn.Module]:
+    """Train a Workload with its defaults under `config`; returns (history, trained model)."""
+    config = workload_config(workload, config, full_batch)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
+    data = workload.make_data()
+    model = workload.make_model()
+    history = fit(model, data, config=config, task=workload.task, **workload.loss_kwargs())
+    return history, model
