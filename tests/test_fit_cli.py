@@ -58,6 +58,34 @@ def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     summary = json.loads(out)["summary"]
     assert code == 0 and summary["steps"] == 300 and not summary["stopped_early"]
     assert summary["final_eval_accuracy"] > 0.8
+    # The resumed run continued the stopped one: it ends exactly where an uninterrupted run ends
+    # (a run that ignored --resume would start from fresh weights and log other losses).
+    whole = tmp_path / "whole"
+    code, _, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                       "--run-dir", str(whole), "--json"], capsys)
+    resumed = json.loads((run_dir / "history.json").read_text())["records"]
+    reference = json.loads((whole / "history.json").read_text())["records"]
+    assert code == 0 and [r["step"] for r in resumed] == [100, 200, 300]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
+
+
+def test_fit_option_parsing_reaches_the_workload(capsys):
+    code, out, _ = _run(["fit", "linear-regression", "--device", "cpu", "--option", "n=300", "--epochs", "1",
+                         "--no-save", "--json"], capsys)
+    assert code == 0 and json.loads(out)["summary"]["samples"] == 300
+    with pytest.raises(SystemExit) as exc_info:
+        raise SystemExit(main(["fit", "linear-regression", "--option", "n300", "--no-save"]))
+    assert exc_info.value.code == 2 and "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_fit_batch_size_auto_on_the_cpu_keeps_the_default_and_says_why(capsys):
+    code, out, err = _run(["fit", "mlp-binary", "--device", "cpu", "--batch-size", "auto", "--steps", "3",
+                         "--no-save", "--json"], capsys)
+    from gputrain.workloads import get_workload
+
+    assert code == 0
+    assert json.loads(out)["summary"]["batch_size"] == get_workload("mlp-binary").defaults.get("batch_size", 64)
+    assert "--batch-size auto needs a CUDA device" in err
 
 
 def test_user_workload_module_function(tmp_path, monkeypatch, capsys):

@@ -23,6 +23,10 @@ class BatchStream:
         self.batch_in_epoch = batch_in_epoch  # the next batch to yield
         self._it: Iterator[Any] | None = None
 
+    def rewind(self, epoch: int, batch_in_epoch: int) -> None:
+        """Go back to a position (a step that was interrupted gives its batches back)."""
+        self.epoch, self.batch_in_epoch, self._it = epoch, batch_in_epoch, None
+
     def next(self) -> tuple[int, int, Any]:
         while True:
             if self._it is None:

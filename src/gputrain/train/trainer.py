@@ -149,8 +149,20 @@ class Trainer:
         return micro
 
     def train_one_step(self) -> None:
-        """One optimizer step exactly as the loop runs it (also what profile, memory and bench time)."""
-        self.step_fn(self.next_step_batches())
+        """One optimizer step exactly as the loop runs it (also what profile, memory and bench time).
+
+        A step interrupted before its optimizer update (Ctrl-C, an error in user code) gives its
+        batches back, so that a checkpoint written then resumes with exactly that step.
+        """
+        st, stream = self.state, self.stream
+        position = (stream.epoch, stream.batch_in_epoch, st.samples_seen)
+        try:
+            self.step_fn(self.next_step_batches())
+        except BaseException:
+            stream.rewind(position[0], position[1])
+            st.samples_seen = position[2]
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         self.scheduler.step()
         self.state.step += 1
         self.state.steps_since_log += 1

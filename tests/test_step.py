@@ -1,0 +1,371 @@
+"""The one training step and the run around it: what fit promises, each checked so that it can fail.
+
+Covers the public names, host reads per step, clipping, evaluation cadence, the interrupted-step
+checkpoint, resume refusals and resume from a file, OOM settings, compile and bf16 on the CPU,
+every graph blocker, the binary task's accuracy, schedules, TF32 given back, DataParallel's one
+warning, and a golden run (accumulation + OOM split + stop + resume == the uninterrupted run).
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gputrain
+from gputrain import TrainConfig, fit
+from gputrain.errors import CheckpointError
+
+CPU = torch.device("cpu")
+
+
+def _data(n=96, d=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, classes, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def _model(d=6, classes=3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Linear(16, classes))
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _sgd(lr=0.1):
+    return lambda p: torch.optim.SGD(p, lr=lr)
+
+
+# ---------------------------------------------------------------- the public API
+
+def test_star_import_and_every_name_in_all():
+    namespace: dict = {}
+    exec("from gputrain import *", namespace)
+    for name in gputrain.__all__:
+        assert name in namespace, name
+        assert getattr(gputrain, name) is namespace[name]
+    for name in ("fit", "TrainConfig", "pick_device", "move", "Trainer", "History"):
+        assert name in gputrain.__all__
+
+
+# ---------------------------------------------------------------- host reads
+
+def test_host_reads_happen_only_at_log_points():
+    """Every read of a device value (.item, .tolist, bool(), formatting...) during a run is counted."""
+    from gputrain.diagnostics.syncs import count_host_reads
+
+    x, y = _data(64)
+
+    def run(steps):
+        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=4, steps=steps, log_every=10))
+
+    few, many = count_host_reads(lambda: run(20), steps=1), count_host_reads(lambda: run(60), steps=1)
+    assert few["total"] == 2 and many["total"] == 6, (few["sites"], many["sites"])  # one read per log point
+    assert {s["file"].rsplit("/", 1)[-1] for s in many["sites"]} == {"trainer.py"}
+
+
+# ---------------------------------------------------------------- the update
+
+def test_unequal_micro_batches_weigh_by_samples():
+    """40 samples as micro-batches of 24 and 16 make the update of one batch of 40."""
+    x, y = _data(40)
+    a, b = _model(), _model()
+    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
+        config=TrainConfig(device="cpu", batch_size=24, accumulate=2, steps=1, seed=1))
+    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
+        config=TrainConfig(device="cpu", batch_size=40, steps=1, seed=1))
+    assert torch.allclose(_params(a), _params(b), atol=1e-6)
+    assert not torch.allclose(_params(a), _params(_model()), atol=1e-4)
+
+
+def test_max_grad_norm_clips_the_gradient():
+    x, y = _data(32)
+    ref = _model()
+    loss = nn.CrossEntropyLoss()(ref(x), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in ref.parameters()]
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    max_norm = float(norm) / 10
+    expected = [p.detach() - 1.0 * g * (max_norm / (float(norm) + 1e-6)) for p, g in zip(ref.parameters(), grads)]
+    clipped = _model()
+    fit(clipped, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(1.0),
+        config=TrainConfig(device="cpu", batch_size=32, steps=1, max_grad_norm=max_norm))
+    assert torch.allclose(_params(clipped), torch.cat([e.flatten() for e in expected]), atol=1e-6)
+
+
+def test_eval_every_sets_the_evaluation_cadence():
+    x, y = _data(64)
+    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+            config=TrainConfig(device="cpu", batch_size=8, steps=30, log_every=5, eval_every=10))
+    evaluated = [r["step"] for r in h.records if "eval_loss" in r]
+    assert evaluated == [10, 20, 30]
+    assert [r["step"] for r in h.records] == [5, 10, 15, 20, 25, 30]
+
+
+def test_binary_task_accuracy_is_the_share_of_right_signs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 4, generator=g)
+    y = (x[:, 0] > 0).float()[:, None]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    h = fit(model, (x, y), loss_fn=nn.BCEWithLogitsLoss(), eval_data=(x, y),
+            config=TrainConfig(device="cpu", batch_size=50, steps=60, lr=0.05, log_every=60))
+    with torch.no_grad():
+        manual = ((model(x) > 0).float() == y).float().mean().item()
+    assert h.summary["task"] == "binary"
+    assert h.records[-1]["eval_accuracy"] == pytest.approx(manual) and manual > 0.9
+
+
+# ---------------------------------------------------------------- precision and compile on the CPU
+
+def test_bf16_autocast_through_fit_on_the_cpu():
+    x, y = _data(128)
+    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+            config=TrainConfig(device="cpu", precision="bf16", batch_size=32, epochs=8, lr=1e-2, log_every=8))
+    assert h.summary["precision"] == "bf16"
+    assert h.records[-1]["loss"] < h.records[0]["loss"]
+    assert h.summary["final_eval_accuracy"] > 0.7
+
+
+def test_compile_trains_on_the_cpu():
+    x, y = _data(64)
+    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=64, steps=8, lr=1e-2, log_every=4, compile=True))
+    assert h.summary["compile"] is True
+    assert h.records[-1]["loss"] < h.records[0]["loss"]
+
+
+def test_fit_gives_back_the_matmul_settings(monkeypatch):
+    """The run's TF32 setting is process-wide; fit gives back what was there (forced on the CPU here)."""
+    from gputrain.runtime import precision as P
+
+    monkeypatch.setattr(P, "apply_matmul_settings",
+                        lambda prec, device: torch.set_float32_matmul_precision("high"))
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        seen = []
+        model = _model()
+        model.register_forward_pre_hook(lambda m, a: seen.append(torch.get_float32_matmul_precision()))
+        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=1))
+        assert seen and seen[0] == "high"  # applied during the run
+        assert torch.get_float32_matmul_precision() == "medium"  # given back after it
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_run_precision_applies_and_restores_tf32_for_cuda():
+    from gputrain.runtime.precision import Precision, RunPrecision
+
+    before = torch.get_float32_matmul_precision()
+    cudnn_before = torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        rp = RunPrecision.__new__(RunPrecision)  # no GradScaler: there is no CUDA here
+        rp.precision, rp.device, rp._saved = Precision("tf32", None, False, True, "test"), torch.device("cuda"), None
+        rp.apply()
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32 is True
+        rp.restore()
+        assert torch.get_float32_matmul_precision() == "highest" and torch.backends.cudnn.allow_tf32 is False
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = cudnn_before
+
+
+# ---------------------------------------------------------------- graphs: every blocker has its reason
+
+class _Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.lin.register_forward_hook(lambda m, a, o: None)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("changes,model,optimizer,needle", [
+    ({}, None, None, None),
+    ({"accumulate": 2}, None, None, "gradient accumulation"),
+    ({"compile": True}, None, None, "torch.compile is on"),
+    ({"checkpointing": True}, None, None, "activation checkpointing"),
+    ({}, "hooked", None, "module hooks on lin"),
+    ({}, None, "plain", "was not created with capturable=True"),
+    ({}, None, "factory", "comes from a factory"),
+])
+def test_graph_blockers_each_say_why(changes, model, optimizer, needle):
+    from gputrain.runtime.speed import decide_speed
+
+    net = _Hooked() if model == "hooked" else nn.Linear(4, 2)
+    opt = {"plain": torch.optim.SGD(net.parameters(), lr=0.1), "factory": _sgd(), None: None}[optimizer]
+    speed = decide_speed(TrainConfig(**changes), net, torch.device("cuda"), optimizer=opt)
+    if needle is None:
+        assert speed.cuda_graphs is True
+    else:
+        assert speed.cuda_graphs is False and needle in speed.reasons["cuda_graphs"]
+
+
+def test_graph_blockers_for_processes_fp16_global_hooks_and_the_cpu():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from gputrain.runtime.speed import decide_speed
+
+    net = nn.Linear(4, 2)
+    cuda = torch.device("cuda")
+    assert "distributed gradient sync" in decide_speed(TrainConfig(), net, cuda, world_size=2).reasons["cuda_graphs"]
+    assert "fp16 loss scaling" in decide_speed(TrainConfig(), net, cuda, use_scaler=True).reasons["cuda_graphs"]
+    assert "need a CUDA device" in decide_speed(TrainConfig(), net, CPU).reasons["cuda_graphs"]
+    handle = register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert "global module hooks" in decide_speed(TrainConfig(), net, cuda).reasons["cuda_graphs"]
+    finally:
+        handle.remove()
+    assert decide_speed(TrainConfig(), net, cuda).cuda_graphs is True
+
+
+# ---------------------------------------------------------------- schedules
+
+def test_schedule_values():
+    from gputrain.train.optim import make_schedule
+
+    const = make_schedule("constant", 100, 10)
+    assert [const(s) for s in (0, 4, 9, 10, 99)] == pytest.approx([0.1, 0.5, 1.0, 1.0, 1.0])
+    cos = make_schedule("cosine", 110, 10)
+    assert cos(9) == pytest.approx(1.0) and cos(10) == pytest.approx(1.0)
+    assert cos(60) == pytest.approx(0.5) and cos(110) == pytest.approx(0.0, abs=1e-12)
+    assert cos(35) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
+    one = make_schedule("onecycle", 100, 0)  # up over the first 30 steps, then linear to 0
+    assert one(0) == pytest.approx(0.1 + 0.9 / 30) and one(29) == pytest.approx(1.0)
+    assert one(30) == pytest.approx(1.0) and one(65) == pytest.approx(0.5) and one(100) == pytest.approx(0.0)
+
+
+def test_the_schedule_drives_the_optimizer_lr():
+    x, y = _data(64)
+    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=20, lr=0.1, schedule="cosine", warmup_steps=4,
+                               log_every=1))
+    from gputrain.train.optim import make_schedule
+
+    fn = make_schedule("cosine", 20, 4)
+    assert [r["lr"] for r in h.records] == pytest.approx([0.1 * fn(s) for s in range(1, 21)])
+
+
+# ---------------------------------------------------------------- out of memory settings
+
+class _OOMAbove(nn.Module):
+    def __init__(self, inner, limit):
+        super().__init__()
+        self.inner, self.limit = inner, limit
+
+    def forward(self, x):
+        if self.training and x.shape[0] > self.limit:  # training steps only: evaluation does not split
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
+        return self.inner(x)
+
+
+def test_oom_recovery_off_lets_the_error_through():
+    with pytest.raises(torch.OutOfMemoryError):
+        fit(_OOMAbove(_model(), limit=4), _data(32), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=16, steps=1, oom_recovery=False))
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+def test_resume_refuses_another_seed_or_global_batch(tmp_path):
+    run_dir = str(tmp_path / "run")
+    fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        config=TrainConfig(device="cpu", batch_size=8, steps=3, run_dir=run_dir, seed=1))
+    with pytest.raises(CheckpointError, match="seed=1 but this run has seed=2"):
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=6, run_dir=run_dir, seed=2, resume=True))
+    with pytest.raises(CheckpointError, match="global batch of 8 .* this run has 16"):
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, accumulate=2, steps=6, run_dir=run_dir, seed=1,
+                               resume=True))
+
+
+def test_resume_from_a_checkpoint_file(tmp_path):
+    x, y = _data(64)
+    cfg = dict(device="cpu", batch_size=8, steps=12, log_every=4, seed=5)
+    full = _model()
+    fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
+    first = _model()
+    fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(),
+        config=TrainConfig(**cfg, run_dir=str(tmp_path / "a"), stop_at_step=5))
+    resumed = _model(seed=7)
+    h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(**cfg, resume=str(tmp_path / "a" / "checkpoint.pt")))
+    assert h.summary["steps"] == 12
+    assert torch.equal(_params(resumed), _params(full))
+
+
+class _InterruptAt(nn.Module):
+    """Raises KeyboardInterrupt in the forward of the n-th call (as Ctrl-C mid-step would)."""
+
+    def __init__(self, inner, at):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.inner(x)
+
+
+def test_ctrl_c_mid_step_writes_a_checkpoint_that_resumes_exactly(tmp_path):
+    x, y = _data(80)
+    cfg = dict(device="cpu", batch_size=8, steps=20, log_every=5, seed=4)
+    full = _model()
+    h_full = fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
+    run_dir = str(tmp_path / "run")
+    interrupted = _InterruptAt(_model(), at=12)  # steps 1..11 done, step 12 interrupted in its forward
+    with pytest.raises(KeyboardInterrupt):
+        fit(interrupted, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir))
+    from gputrain.io.checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 11
+    resumed = _InterruptAt(_model(seed=3), at=-1)
+    h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
+    assert torch.equal(_params(resumed.inner), _params(full))
+    assert [r["loss"] for r in h.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
+
+
+def test_golden_run_accumulation_oom_split_stop_and_resume(tmp_path):
+    """A seeded run with accumulation, an OOM split and a stop + resume ends exactly where the
+    uninterrupted run without OOM ends: the same loss history and the same parameters."""
+    x, y = _data(120)
+    cfg = dict(device="cpu", batch_size=12, accumulate=2, steps=16, log_every=4, seed=9, schedule="cosine",
+               warmup_steps=2, eval_every=8)
+    ref = _model()
+    h_ref = fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+                config=TrainConfig(**cfg))
+    run_dir = str(tmp_path / "run")
+    first = _OOMAbove(_model(), limit=8)  # micro-batches of 12 do not fit: cut in 2 (6 + 6)
+    h1 = fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+             config=TrainConfig(**cfg, run_dir=run_dir, stop_at_step=7))
+    assert h1.summary["oom_splits"] == 2 and h1.summary["steps"] == 7
+    second = _OOMAbove(_model(seed=1), limit=8)
+    h2 = fit(second, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+             config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
+    assert torch.allclose(_params(second.inner), _params(ref), atol=1e-6)
+    for a, b in zip(h2.records, h_ref.records, strict=True):
+        assert a["step"] == b["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a.get("eval_loss") == pytest.approx(b.get("eval_loss"), rel=1e-5)
+
+
+# ---------------------------------------------------------------- wrappers
+
+def test_data_parallel_is_unwrapped_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(nn.DataParallel(_model()), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=1))
+    assert sum("nn.DataParallel" in str(w.message) for w in caught) == 1
