@@ -53,6 +53,7 @@ def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     assert summary["steps"] == 200 and summary["stopped_early"]
     for name in ("checkpoint.pt", "metrics.jsonl", "metrics.csv", "history.json", "curves.png"):
         assert (run_dir / name).stat().st_size > 0, name
+    stopped = json.loads((run_dir / "history.json").read_text())["records"]
     code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
                          "--resume", str(run_dir), "--json"], capsys)
     summary = json.loads(out)["summary"]
@@ -66,6 +67,9 @@ def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     resumed = json.loads((run_dir / "history.json").read_text())["records"]
     reference = json.loads((whole / "history.json").read_text())["records"]
     assert code == 0 and [r["step"] for r in resumed] == [100, 200, 300]
+    # The first two records are the stopped run's own, timings included: that run was continued,
+    # not repeated (a fresh run from the same seed would log the same losses but other timings).
+    assert resumed[:2] == stopped
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
 
 
