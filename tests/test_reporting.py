@@ -11,8 +11,11 @@ from rich.console import Console
 
 from gputrain.errors import GputrainError
 from gputrain.io.history import History
-from gputrain.report.reporting import (CSV_COLUMNS, MetricsLog, TrainProgress, format_bytes, format_duration,
-                                plot_history, render_summary, summary_table)
+from gputrain.report.format import format_bytes, format_duration
+from gputrain.report.metrics_log import CSV_COLUMNS, MetricsLog
+from gputrain.report.plots import plot_history
+from gputrain.report.progress import TrainProgress
+from gputrain.report.summary import render_summary, summary_table
 
 RECORDS = [{"step": 10, "epoch": 0.5, "loss": 1.2, "lr": 1e-3, "samples_per_s": 900.0, "peak_memory_bytes": None,
             "wall_time_s": 1.0},
