@@ -10,7 +10,8 @@ Where the data comes from (torch 2.13's dynamo, read only; nothing is switched o
 - `torch._dynamo.utils.get_compilation_metrics()`: one CompilationMetrics per frame compilation,
   kept in a deque of the last 64. A recompilation carries `recompile_reason`, the first guard that
   failed (e.g. "0/0: tensor 'args[0]' size mismatch at index 0. expected 8, actual 3"), and every
-  entry its compile time (`entire_frame_compile_time_s`, seconds).
+  entry its compile time (`duration_us`). A backward graph, compiled at the first backward, has
+  its own entry (is_forward=False) when it is compiled rather than loaded from the compile caches.
 - `torch._dynamo.utils.counters["graph_break"]`: a Counter of graph-break messages (each message
   starts with a one-line title, then "Explanation:" and "Hint:" lines).
 
@@ -96,6 +97,16 @@ def _where(m) -> str | None:
     return f"{name} ({filename}:{getattr(m, 'co_firstlineno', '?')})"
 
 
+def _compile_seconds(m) -> float:
+    """Seconds one CompilationMetrics entry took: `duration_us` covers a forward frame's whole
+    compile and a backward graph's (compiled lazily at the first backward, its own entry with
+    is_forward=False and no entire_frame_compile_time_s); older records have only the latter."""
+    us = getattr(m, "duration_us", None)
+    if us:
+        return us / 1e6
+    return float(getattr(m, "entire_frame_compile_time_s", None) or 0.0)
+
+
 def _graph_break_parts(message: str) -> tuple[str, str, str]:
     """A graph-break counter key -> (title, explanation, first hint)."""
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
@@ -116,7 +127,7 @@ class RecompileWatcher:
 
     events: list[dict[str, Any]] = field(default_factory=list)
     compilations: int = 0  # frame compilations, the first ones included
-    compile_time_s: float = 0.0  # seconds inside dynamo's frame compiles (includes backend codegen)
+    compile_time_s: float = 0.0  # seconds compiling: forward frames (dynamo + backend) and backward graphs
     missed: bool = False  # more than the deque's 64 compiles happened between two polls
     _seen: list = field(default_factory=list, repr=False)  # CompilationMetrics already counted
     _breaks: Counter = field(default_factory=Counter, repr=False)
@@ -176,7 +187,7 @@ class RecompileWatcher:
                 continue  # runtime autotuning records, not compilations
             if getattr(m, "is_forward", None) is not False:  # a backward graph is part of its forward's compile
                 self.compilations += 1
-            self.compile_time_s += float(getattr(m, "entire_frame_compile_time_s", None) or 0.0)
+            self.compile_time_s += _compile_seconds(m)
             reason = getattr(m, "recompile_reason", None)
             fail = getattr(m, "fail_reason", None) or ""
             where = _where(m)
@@ -184,7 +195,7 @@ class RecompileWatcher:
                 short, hint = explain_guard_failure(reason)
                 self.events.append({"kind": "recompile", "compile_id": str(m.compile_id), "function": where,
                                     "reason": reason, "short": short, "hint": hint,
-                                    "compile_time_s": getattr(m, "entire_frame_compile_time_s", None)})
+                                    "compile_time_s": _compile_seconds(m)})
             if "recompile limit" in fail.lower() or "cache_size_limit" in fail:
                 self.events.append({"kind": "recompile_limit", "compile_id": str(m.compile_id), "function": where,
                                     "reason": fail.splitlines()[0] if fail else "", "short": "recompile limit hit",
