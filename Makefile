@@ -10,7 +10,9 @@ setup:
 fit: setup
 	$(BIN)/gputrain fit
 
-test: setup
+# Also installs Debian's chromium (as root, when missing) for the browser test of report.html.
+test:
+	@bash scripts/setup.sh --with-browser
 	$(BIN)/python -m pytest -q
 
 test-gpu: setup

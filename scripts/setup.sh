@@ -29,7 +29,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VPY" -c "import g
         missing=$("$VPY" - <<'PY'
 import importlib.util
 need = {"numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "psutil": "psutil",
-        "sklearn": "scikit-learn", "mnist1d": "mnist1d", "pynvml": "nvidia-ml-py", "pytest": "pytest"}
+        "sklearn": "scikit-learn", "mnist1d": "mnist1d", "pynvml": "nvidia-ml-py", "pytest": "pytest",
+        "tensorboard": "tensorboard"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PY
 )
@@ -38,5 +39,29 @@ PY
         fi
     fi
     touch "$stamp"
+fi
+
+# --with-browser (make test): Chromium for the browser test of report.html. Installed from Debian's
+# apt only when missing and we are root with apt-get; never fails the setup (the test then skips and
+# says why). Fast when Chromium is already there: one `command -v`.
+if [ "${1:-}" = "--with-browser" ]; then
+    if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+            || command -v google-chrome >/dev/null 2>&1 || command -v google-chrome-stable >/dev/null 2>&1 \
+            || [ -n "${GPUTRAIN_CHROMIUM:-}" ]; then
+        :
+    elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Debian's chromium for the browser test of report.html (apt-get, about a minute)"
+        log=$(mktemp)
+        export DEBIAN_FRONTEND=noninteractive
+        if timeout 600 apt-get install -y -qq --no-install-recommends chromium >"$log" 2>&1 \
+                || { timeout 300 apt-get update -qq >>"$log" 2>&1 \
+                     && timeout 600 apt-get install -y -qq --no-install-recommends chromium >>"$log" 2>&1; }; then
+            echo "setup: chromium installed"
+        else
+            echo "setup: could not install chromium (see $log); the browser test will skip"
+        fi
+    else
+        echo "setup: no chromium: the browser test of report.html will skip (install it: sudo apt-get install chromium)"
+    fi
 fi
 "$VPY" -c "import torch, gputrain; print(f'setup: gputrain ready (torch {torch.__version__}) in $VENV')"

@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": "benchmarks: matmul, transfer, crossover, precision, memory",
     "memory": "estimate and measure a workload's memory; find the largest batch",
     "profile": "profile a few training steps and say what bounds them",
+    "report": "write RUN_DIR/report.html: a run's curves, speed decisions, memory and warnings on one page",
 }
 
 

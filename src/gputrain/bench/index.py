@@ -1,4 +1,5 @@
-"""`bench all`: run every benchmark into one folder and write index.md, a page that links them."""
+"""`bench all`: run every benchmark into one folder and write index.md, a page that links them, and
+index.html, the same page self-contained (plots inlined) for a browser."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def headline(result: dict[str, Any]) -> list[str]:
 
 
 def write_index(results: list[dict[str, Any]], out_dir: str | Path, elapsed_s: float | None = None) -> Path:
-    """Write out_dir/index.md linking each result's JSON and plots (all relative to out_dir)."""
+    """Write out_dir/index.md linking each result's JSON and plots (all relative to out_dir), and
+    index.html beside it; returns the index.md path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     first = results[0]["environment"] if results else {}
@@ -91,13 +93,25 @@ def write_index(results: list[dict[str, Any]], out_dir: str | Path, elapsed_s: f
             lines += [f"- {n}" for n in r["notes"]]
         lines.append("")
     path = out / "index.md"
-    path.write_text("\n".join(lines))
+    markdown = "\n".join(lines)
+    path.write_text(markdown)
+    write_index_html(markdown, out)
+    return path
+
+
+def write_index_html(markdown: str, out_dir: str | Path) -> Path:
+    """out_dir/index.html: index.md as one self-contained page (the plots inlined as data URIs)."""
+    from gputrain.report.html import markdown_page
+
+    path = Path(out_dir) / "index.html"
+    path.write_text(markdown_page(markdown, out_dir, "gputrain bench results"), encoding="utf-8")
     return path
 
 
 def run_all(runners: dict[str, Callable[..., dict[str, Any]]], out_dir: str | Path, *, device: str = "auto",
             quick: bool = False, on_result: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], Path]:
-    """Run each benchmark, write its JSON and plots into out_dir, then index.md. Returns (results, index)."""
+    """Run each benchmark, write its JSON and plots into out_dir, then index.md and index.html.
+    Returns (results, index.md path)."""
     import time
 
     from gputrain.bench.plots import plot
