@@ -48,6 +48,12 @@ class TrainConfig:
     # memory
     checkpointing: bool | list[str] = False  # activation checkpointing: True = repeated blocks, or module names
     oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
+    # non-finite values and loss spikes (checked at log points, never per step)
+    on_nan: str = "stop"  # "stop": error naming the steps and the last good checkpoint | "skip": skip such steps
+    spike_ratio: float | None = 4.0  # a log point's loss above ratio x the median of the last window: a spike
+    spike_window: int = 10  # log points in the rolling median
+    spike_patience: int = 3  # consecutive spikes before the action
+    on_spike: str = "warn"  # "warn" | "stop"
     # distributed
     shard: bool = False  # FSDP2 (fully_shard) instead of DDP when world size > 1
 
@@ -80,6 +86,14 @@ class TrainConfig:
             raise ConfigError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction!r}")
         if self.resume and not self.run_dir and not isinstance(self.resume, str):
             raise ConfigError("resume=True needs run_dir (where the checkpoint is); or pass a checkpoint path")
+        if self.on_nan not in ("stop", "skip"):
+            raise ConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+        if self.on_spike not in ("warn", "stop"):
+            raise ConfigError(f"on_spike must be 'warn' or 'stop', got {self.on_spike!r}")
+        if self.spike_ratio is not None and not self.spike_ratio > 1:
+            raise ConfigError(f"spike_ratio must be > 1 (or None to switch spike detection off), got {self.spike_ratio!r}")
+        positive("spike_window")
+        positive("spike_patience")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)
             if value not in ("auto", True, False):

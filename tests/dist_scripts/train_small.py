@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from gputrain import TrainConfig, distributed, fit
+from gputrain import TrainConfig, fit
+from gputrain.runtime import distributed
 
 run_dir, batch, accumulate, shard, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 fail = sys.argv[6] if len(sys.argv) > 6 else ""

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a workload option, e.g. --option n=2000 for synthetic-cifar (repeatable)")
     p.add_argument("--progress", type=_tri, default="auto", metavar="{auto,on,off}",
                    help="progress bar (auto: only on a terminal)")
+    p.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip the gradient norm to this")
+    p.add_argument("--on-nan", choices=["stop", "skip"], default=None,
+                   help="a non-finite loss or gradient: stop with an error (default), or skip such steps")
+    p.add_argument("--on-spike", choices=["warn", "stop"], default=None, help="a loss spike: warn (default) or stop")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no run log")
 
@@ -127,7 +131,8 @@ def build_config(args, workload):
         "log_every": args.log_every, "eval_every": args.eval_every, "seed": args.seed,
         "checkpoint_every": args.checkpoint_every, "stop_at_step": args.stop_at_step,
         "data_on_device": args.data_on_device, "channels_last": args.channels_last, "cuda_graphs": args.cuda_graphs,
-        "compile_mode": args.compile_mode,
+        "compile_mode": args.compile_mode, "max_grad_norm": args.max_grad_norm, "on_nan": args.on_nan,
+        "on_spike": args.on_spike,
     }
     for key, value in flag_map.items():
         if value is not None:

@@ -49,7 +49,8 @@ class TrainStep:
     def __init__(self, model: nn.Module, loss: LossRule, optimizer: torch.optim.Optimizer,
                  precision: RunPrecision, *, device: torch.device, max_grad_norm: float | None = None,
                  num_items: Callable[[Any], Any] | None = None, dist: distributed.DistInfo | None = None,
-                 oom_recovery: bool = True, params: Sequence[nn.Parameter] | None = None):
+                 oom_recovery: bool = True, params: Sequence[nn.Parameter] | None = None,
+                 skip_nonfinite: bool = False):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -60,6 +61,10 @@ class TrainStep:
         self.dist = dist
         self.oom_recovery = oom_recovery
         self.params = list(params if params is not None else model.parameters())
+        # on_nan="skip": a step whose loss or gradient norm is not finite leaves parameters and
+        # optimizer state as they were, decided on the device (fused optimizers read `found_inf` in
+        # their kernel, as GradScaler uses it), so it works inside a captured graph too.
+        self.skip_nonfinite = skip_nonfinite and not precision.precision.use_scaler  # fp16: the scaler skips
         # Device accumulators whose storage never changes (a captured graph writes to their address).
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
@@ -107,6 +112,10 @@ class TrainStep:
             self.precision.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self.device.type == "cuda" or None)
             finite = finite & torch.isfinite(norm)
+        if self.skip_nonfinite:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = (~finite).float()
+            step_loss = torch.where(finite, step_loss, torch.zeros_like(step_loss))  # keep the mean finite
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.loss_sum.add_(step_loss)

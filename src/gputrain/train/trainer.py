@@ -24,13 +24,14 @@ from gputrain import batch as batches
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, make_loader
-from gputrain.errors import CheckpointError
+from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.speed import SpeedSwitches, decide_speed
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.graphs import GraphedStep
+from gputrain.train.guards import NonFiniteGuard, SpikeDetector
 from gputrain.train.loss import LossRule
 from gputrain.train.optim import make_optimizer, make_scheduler
 from gputrain.train.state import RunState
@@ -129,9 +130,20 @@ class Trainer:
 
     def _setup_step(self, num_items: Callable | None) -> None:
         cfg = self.config
+        skip = cfg.on_nan == "skip"
+        if skip and not self.precision.precision.use_scaler and not all(
+                g.get("fused", False) for g in self.optimizer.param_groups):
+            raise ConfigError(
+                f"on_nan='skip' decides on the device whether a step is applied, which needs a fused optimizer "
+                f"(it reads a found_inf flag in its kernel); {self.optimizer_desc} is not fused: use the default "
+                "optimizer (fused AdamW), create yours with fused=True, or use on_nan='stop'")
         self.train_step = TrainStep(self.model, self.loss, self.optimizer, self.precision, device=self.device,
                                     max_grad_norm=cfg.max_grad_norm, num_items=num_items, dist=self.dist,
-                                    oom_recovery=cfg.oom_recovery, params=list(self.module.parameters()))
+                                    oom_recovery=cfg.oom_recovery, params=list(self.module.parameters()),
+                                    skip_nonfinite=skip)
+        self.nonfinite = NonFiniteGuard(cfg.on_nan)
+        self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
+        self.last_checkpoint: str | None = None
         self.graphed = GraphedStep(self.train_step, self.device) if self.speed.cuda_graphs else None
         self.step_fn: Callable = self.graphed if self.graphed is not None else self.train_step
         if cfg.cuda_graphs is True and not self.speed.cuda_graphs:
@@ -233,8 +245,10 @@ class Trainer:
         """Read the device-side loss (one sync), evaluate, and build the record."""
         st = self.state
         loss_total, bad = self._read_step_totals()
-        loss = (loss_total + st.loss_since_log) / st.steps_since_log
         st.nonfinite_steps += bad
+        self.nonfinite.check(bad, st.step, self.last_checkpoint)  # on_nan="stop": raises here
+        loss = (loss_total + st.loss_since_log) / st.steps_since_log
+        self.spikes.update(st.step, loss)
         st.loss_since_log, st.steps_since_log = 0.0, 0
         st.splits = self.train_step.splits
         now = time.perf_counter()
@@ -280,8 +294,9 @@ class Trainer:
             model_state = self.module.state_dict()
             optim_state = self.optimizer.state_dict()
         loss_total, bad = self._read_step_totals()  # folded into the run state, so nothing is lost
-        self.state.loss_since_log += loss_total
         self.state.nonfinite_steps += bad
+        self.nonfinite.check(bad, self.state.step, self.last_checkpoint)  # never save a non-finite state
+        self.state.loss_since_log += loss_total
         self.state.splits = self.train_step.splits
         self.state.epoch, self.state.batch_in_epoch = self.stream.epoch, self.stream.batch_in_epoch
         run = self.state.state_dict()
@@ -306,6 +321,7 @@ class Trainer:
         if self.is_main:
             save_checkpoint(path, state)
         distributed.barrier(self.dist)
+        self.last_checkpoint = str(path)
         return path
 
     def _resume(self) -> None:
@@ -386,7 +402,11 @@ class Trainer:
         if st.splits > 1:
             self.warnings.append(f"out of memory: micro-batches were cut in {st.splits} (same effective batch)")
         if st.nonfinite_steps:
-            self.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient")
+            self.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
+                                 + (" and were skipped" if self.config.on_nan == "skip" else ""))
+        for spike in self.spikes.spikes:
+            self.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
+                                 f"({spike['loss'] / spike['median']:.1f}x the recent median)")
         summary: dict[str, Any] = {
             "device": _device_name(self.device),
             "device_memory_bytes": _device_memory(self.device),
@@ -409,6 +429,8 @@ class Trainer:
             "effective_batch": self.config.batch_size * self.config.accumulate * self.dist.world_size,
             "oom_splits": st.splits,
             "nonfinite_steps": st.nonfinite_steps,
+            "on_nan": self.config.on_nan,
+            "loss_spikes": list(self.spikes.spikes),
             "cuda_graphs": self.graph_status(),
             "channels_last": self.speed.channels_last,
             "compile": self.speed.compile,
