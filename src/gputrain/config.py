@@ -31,10 +31,12 @@ class TrainConfig:
     progress: bool = False  # rich progress bar (the CLI turns it on for terminals)
     seed: int = 0
     # files
+    name: str | None = None  # the run's name in summaries and reports (fit_workload: the workload's)
     run_dir: str | None = None  # metrics, plots, checkpoints; None: nothing written
     checkpoint_every: int | None = None  # optimizer steps; the last step is always saved when run_dir is set
     resume: bool | str = False  # True: run_dir/checkpoint.pt; a str: that file
     stop_at_step: int | None = None  # stop early (checkpointing first), as an interrupted run would
+    tensorboard: bool = True  # TensorBoard event files in run_dir (rank 0 only)
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
     device_memory_fraction: float = 0.5  # the share of free device memory device-resident data may take

@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default runs/WORKLOAD/TIME)")
     p.add_argument("--no-save", action="store_true", help="write nothing to disk")
+    p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files in the run directory")
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="optimizer steps between checkpoints")
@@ -145,6 +146,8 @@ def build_config(args, workload):
         values["batch_size"] = args.batch_size
     if args.compile:
         values["compile"] = True
+    if args.no_tensorboard:
+        values["tensorboard"] = False
     if args.shard:
         values["shard"] = True
     if args.checkpointing is not None:

@@ -51,6 +51,8 @@ def workload_config(workload, config: TrainConfig | None = None, full_batch: boo
     config = config or TrainConfig(**workload.defaults)
     if full_batch:
         config = config.replace(batch_size=workload.make_data().num_train)
+    if config.name is None:
+        config = config.replace(name=workload.name)
     return config
 
 

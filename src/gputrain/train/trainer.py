@@ -182,10 +182,10 @@ class Trainer:
     def run(self) -> History:
         cfg, st = self.config, self.state
         self._announce()
-        from gputrain.report.reporting import MetricsLog, TrainProgress
+        from gputrain.report.progress import TrainProgress
+        from gputrain.report.run_outputs import RunOutputs
 
-        # A resumed run drops rows logged after its checkpoint (they are logged again).
-        metrics = MetricsLog(self.run_dir, truncate_after_step=st.step) if (self.run_dir and self.is_main) else None
+        outputs = RunOutputs(self.run_dir, cfg, enabled=self.is_main, start_step=st.step)
         progress = TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
                                  description=f"{self.device} {self.precision.name}")
         self.model.train()
@@ -206,8 +206,7 @@ class Trainer:
                         t_log, samples_at_log = time.perf_counter(), st.samples_seen
                         record["wall_time_s"] = t_log - t_start
                         self.history.add(record)
-                        if metrics:
-                            metrics.append(record)
+                        outputs.append(record)
                         progress.update(st.step, epoch=record["epoch"], loss=record["loss"],
                                         samples_per_s=record["samples_per_s"],
                                         memory_bytes=record.get("peak_memory_bytes"))
@@ -220,18 +219,13 @@ class Trainer:
                 self.save_checkpoint()
             raise
         finally:
-            if metrics:
-                metrics.close()
+            outputs.close()
         sync()
         elapsed = time.perf_counter() - t_start
         if self.run_dir:
             self.save_checkpoint()
         self._summarize(elapsed, peak, stopped=st.step < self.total_steps)
-        if self.run_dir and self.is_main:
-            self.history.save(self.run_dir / "history.json")
-            from gputrain.report.reporting import plot_history
-
-            plot_history(self.history, self.run_dir / "curves.png")
+        outputs.finish(self.history)
         return self.history
 
     def _read_step_totals(self) -> tuple[float, int]:
@@ -408,6 +402,7 @@ class Trainer:
             self.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                                  f"({spike['loss'] / spike['median']:.1f}x the recent median)")
         summary: dict[str, Any] = {
+            "workload": self.config.name,
             "device": _device_name(self.device),
             "device_memory_bytes": _device_memory(self.device),
             "precision": self.precision.name,
