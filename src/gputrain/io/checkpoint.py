@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
+import hashlib
 import os
 import pickle
 import random
@@ -19,7 +20,7 @@ import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -118,18 +119,56 @@ def check_plain(value: Any, where: str = "state") -> None:
                           f"checkpoints hold only tensors and plain data (numbers, strings, lists, dicts){hint}")
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
+                    before_replace: Callable[[str], None] | None = None) -> Path:
     """Write `state` (tensors and plain data) to `path` atomically; returns the path.
 
     Adds {"format": FORMAT, "version": VERSION}. Raises CheckpointError, before anything is
     written, when `state` holds a value that `load_checkpoint` could not read back.
+
+    `before_replace(sha256_hex)`, when given, is called with the sha256 of the bytes written (hashed
+    as they are written, no second read), after the whole file is written and before it is renamed
+    over `path`: a checkpoint store writes the file's hash there, so that no checkpoint ever exists
+    under its final name without its hash. If it raises, `path` is left untouched.
     """
     path = Path(path)
     payload = {"format": FORMAT, "version": VERSION, **state}
     check_plain(payload)
     with atomic_file(path, "wb") as f:
-        torch.save(payload, f)
+        if before_replace is None:
+            torch.save(payload, f)
+        else:
+            writer = _HashingWriter(f)
+            torch.save(payload, writer)
+            before_replace(writer.hexdigest())
     return path
+
+
+class _HashingWriter:
+    """A write-only file that passes bytes on to `f` and hashes them (torch.save needs write/flush)."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self._hash = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._hash.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """The sha256 (hex) of a file's bytes, read in chunks (a checkpoint may not fit in memory twice)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:

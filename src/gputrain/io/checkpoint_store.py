@@ -1,0 +1,359 @@
+"""A run's checkpoints: several kept, each with its content hash, the newest found after any crash.
+
+Layout, in RUN_DIR/checkpoints/:
+
+    step-000123.pt          the checkpoint (save_checkpoint's format), written atomically
+    step-000123.pt.sha256   "HEX  step-000123.pt" (sha256sum's format: `sha256sum -c` checks it)
+    latest                  the name of the newest checkpoint written, one line
+    index.json              {"best": {...}}: which file is the best by a metric, kept across restarts
+
+One `save` writes, in this order, each step atomically (temp file, fsync, rename):
+  1. the checkpoint's bytes to a temp file, hashed as they are written;
+  2. its `.sha256` (before the checkpoint is renamed into place, so that no checkpoint exists
+     under its final name without its hash; when a file of that step already exists, the
+     `.sha256` lists both digests until the rename is done, and then the new one alone);
+  3. the rename of the checkpoint; 4. `index.json` when the metric improved; 5. `latest`;
+  6. pruning: older checkpoints beyond `keep_last` are deleted, the checkpoint first and its
+     `.sha256` after it, never the newest nor the best.
+A SIGKILL or a power cut at any moment therefore leaves the previous checkpoint or the new one,
+both verifying; what it can leave besides (a temp file, a `.sha256` without its checkpoint, a
+checkpoint not yet pruned) is harmless and cleaned by the next save.
+
+`load_latest` tries the file `latest` names, then the others from the highest step down, and
+takes the first whose hash verifies, with a warning naming each file it skipped and why. Files
+with a higher step than the one `latest` names come last: they are either a save cut short
+before it moved `latest` (the previous checkpoint is as good) or what remains of a run that was
+resumed from an earlier step (older work, not newer). Step numbers come from the file names, not
+modification times, which copies and clocks change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gputrain.errors import CheckpointError, ConfigError
+from gputrain.io.checkpoint import atomic_file, load_checkpoint, save_checkpoint, sha256_file
+
+log = logging.getLogger(__name__)
+
+FOLDER = "checkpoints"
+LEGACY_NAME = "checkpoint.pt"  # the single checkpoint runs wrote before the store existed
+LATEST = "latest"
+INDEX = "index.json"
+HASH_SUFFIX = ".sha256"
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (damaged, unverifiable) and an earlier one used instead."""
+
+
+class Damage(str):
+    """Why a checkpoint does not verify. A str (print it) that is false in a test, so that
+    `if store.verify(path):` reads right: verify returns True or a Damage."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def step_file_name(step: int) -> str:
+    return f"step-{step:06d}.pt"
+
+
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step in a checkpoint's file name (step-000123.pt -> 123); None for other names."""
+    match = _STEP_FILE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def hash_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + HASH_SUFFIX)
+
+
+class CheckpointStore:
+    """Saves, retains, verifies and finds a run's checkpoints (see the module's docstring).
+
+    keep_last: how many of the newest checkpoints to keep (>= 1). best_metric: a key of the
+    `metrics` given to `save` (e.g. "eval_accuracy"); the checkpoint with its best value is kept
+    as well, whatever its age. best_mode: "max" or "min". One process writes a run directory
+    (rank 0 under torch.distributed).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 2, best_metric: str | None = None,
+                 best_mode: str = "max"):
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ConfigError(f"keep_last must be an integer >= 1 (checkpoints to keep), got {keep_last!r}")
+        if best_mode not in ("max", "min"):
+            raise ConfigError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        self.run_dir = Path(run_dir)
+        self.folder = self.run_dir / FOLDER
+        self.keep_last = keep_last
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+
+    # ------------------------------------------------------------ saving
+
+    def save(self, state: dict[str, Any], step: int, metrics: dict[str, Any] | None = None) -> Path:
+        """Write `state` as the checkpoint of `step`, with its hash; move `latest`; prune.
+
+        Returns the checkpoint's path. Raises CheckpointError before writing anything when
+        `state` holds values a safe load refuses; an OSError (disk full, ...) leaves the earlier
+        checkpoints as they were.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        value = self._metric_value(metrics)  # a bad metric fails before anything is written
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / step_file_name(step)
+        sidecar = hash_path(path)
+        # Overwriting a step (a run resumed from before it): keep the old file's digest valid
+        # until the new file has replaced it, so that a crash in between leaves the old one usable.
+        old_digests = self._digests(sidecar) if path.exists() else []
+        new_digest: list[str] = []
+
+        def write_hash(digest: str) -> None:
+            new_digest.append(digest)
+            self._write_hash(path, [digest, *[d for d in old_digests if d != digest]])
+
+        save_checkpoint(path, state, before_replace=write_hash)
+        if len(self._digests(sidecar)) > 1:
+            self._write_hash(path, new_digest)
+        self._update_best(path, step, value)
+        self._write_latest(path)
+        self._prune(step, path)
+        return path
+
+    def _write_hash(self, path: Path, digests: list[str]) -> None:
+        with atomic_file(hash_path(path), "w") as f:
+            f.write("".join(f"{d}  {path.name}\n" for d in digests))
+
+    def _write_latest(self, path: Path) -> None:
+        with atomic_file(self.folder / LATEST, "w") as f:
+            f.write(path.name + "\n")
+
+    def _metric_value(self, metrics: dict[str, Any] | None) -> float | None:
+        """best_metric's value in `metrics` as a float; None when absent, None, NaN or infinite."""
+        if not self.best_metric or not metrics or metrics.get(self.best_metric) is None:
+            return None
+        value = metrics[self.best_metric]
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"metric {self.best_metric!r} (best_metric) is {value!r}, not a number: pass "
+                              "numbers in the metrics given to save()") from None
+        return value if math.isfinite(value) else None  # a NaN or inf is never the best
+
+    def _update_best(self, path: Path, step: int, value: float | None) -> None:
+        best = self._best_record()
+        if value is None:
+            if best is not None and best["file"] == path.name:  # the best's file now holds another state
+                self._write_index(None)
+            return
+        if best is not None and best["file"] != path.name and (self.folder / best["file"]).exists() \
+                and (best.get("metric"), best.get("mode")) == (self.best_metric, self.best_mode):
+            better = value > best["value"] if self.best_mode == "max" else value < best["value"]
+            if not better:
+                return
+        self._write_index({"file": path.name, "step": step, "metric": self.best_metric, "mode": self.best_mode,
+                           "value": value})
+
+    def _write_index(self, best: dict[str, Any] | None) -> None:
+        with atomic_file(self.folder / INDEX, "w") as f:
+            json.dump({"version": 1, "best": best}, f, indent=1)
+            f.write("\n")
+
+    def _prune(self, step: int, newest: Path) -> None:
+        """Delete checkpoints beyond keep_last among steps <= `step`; keep the newest and the
+        best. Checkpoints of higher steps (a run resumed from an earlier one) are left alone."""
+        files = self._step_files()
+        current = sorted(s for s in files if s <= step)
+        keep = set(current[-self.keep_last:]) | {step}
+        best = self.best_path()
+        protected = {newest.name, best.name if best else None, self._latest_name()}
+        for s, path in files.items():
+            if s in keep or s > step or path.name in protected:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # the checkpoint first: a crash here leaves a harmless lone .sha256
+            with contextlib.suppress(FileNotFoundError):
+                hash_path(path).unlink()
+        # What killed writers left: temp files, and hashes whose checkpoint never arrived.
+        for leftover in self.folder.glob(".step-*.tmp"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        for sidecar in self.folder.glob(f"step-*.pt{HASH_SUFFIX}"):
+            if not sidecar.with_name(sidecar.name[: -len(HASH_SUFFIX)]).exists():
+                with contextlib.suppress(OSError):
+                    sidecar.unlink()
+
+    # ------------------------------------------------------------ finding
+
+    def list(self) -> list[Path]:
+        """The checkpoint files (step-*.pt), lowest step first; verified or not."""
+        files = self._step_files()
+        return [files[s] for s in sorted(files)]
+
+    def latest_path(self) -> Path | None:
+        """The checkpoint `latest` names when that file exists, else the highest step; None when
+        there is none. Not verified: load_latest is what checks."""
+        name = self._latest_name()
+        if name and (self.folder / name).is_file():
+            return self.folder / name
+        files = self._step_files()
+        return files[max(files)] if files else None
+
+    def best_path(self) -> Path | None:
+        """The best checkpoint by best_metric as recorded in index.json, when that file exists."""
+        best = self._best_record()
+        if best is None:
+            return None
+        path = self.folder / best["file"]
+        return path if path.is_file() else None
+
+    def best_record(self) -> dict[str, Any] | None:
+        """index.json's record of the best: {"file", "step", "metric", "mode", "value"}, or None."""
+        return self._best_record()
+
+    def verify(self, path: str | os.PathLike) -> bool | Damage:
+        """True when the file's sha256 matches its .sha256; otherwise a Damage (a str, false in a
+        test) saying what is wrong."""
+        path = Path(path)
+        if not path.is_file():
+            return Damage("the file is missing")
+        sidecar = hash_path(path)
+        if not sidecar.is_file():
+            return Damage(f"it has no {sidecar.name} (its content hash) to verify it by")
+        expected = self._digests(sidecar)
+        if not expected:
+            return Damage(f"{sidecar.name} holds no sha256 line for {path.name}")
+        try:
+            actual = sha256_file(path)
+        except OSError as exc:
+            return Damage(f"cannot read it ({exc.strerror or exc})")
+        if actual not in expected:
+            size = path.stat().st_size
+            return Damage(f"its content hash does not match {sidecar.name} (the file was damaged or changed "
+                          f"after it was written; {size} bytes, sha256 {actual[:12]}..., expected "
+                          f"{expected[0][:12]}...)")
+        return True
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that verifies, loaded: (state, path); None when the run has none.
+
+        Damaged or unverifiable files are skipped, with a CheckpointWarning naming each and why.
+        A run directory from before the store (a single RUN_DIR/checkpoint.pt, no hash) loads
+        with a note in the log. Raises CheckpointError when checkpoints exist but none verifies
+        (the message lists them and why), or when one verifies but cannot be loaded (e.g.
+        written by a newer gputrain: an older checkpoint would silently lose work).
+        """
+        skipped: list[tuple[Path, str]] = []
+        for path in self._candidates():
+            why = self.verify(path)
+            if why is not True:
+                skipped.append((path, str(why)))
+                continue
+            state = load_checkpoint(path, map_location=map_location)
+            self._warn_skipped(skipped, path)
+            return state, path
+        legacy = self.run_dir / LEGACY_NAME
+        if legacy.is_file():
+            try:
+                state = load_checkpoint(legacy, map_location=map_location)
+            except CheckpointError as exc:
+                if not skipped:
+                    raise
+                skipped.append((legacy, str(exc).removeprefix(f"{legacy}: ")))
+            else:
+                log.info("%s: a checkpoint from before checkpoints/ existed; no hash to verify it by, "
+                         "loaded as it is", legacy)
+                self._warn_skipped(skipped, legacy)
+                return state, legacy
+        if not skipped:
+            return None
+        listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise CheckpointError(
+            f"{self.folder}: no checkpoint verifies ({listing}); start a new run (or use another --run-dir), "
+            "or pass one of them to --resume if you trust it")
+
+    def _warn_skipped(self, skipped: list[tuple[Path, str]], used: Path) -> None:
+        for path, why in skipped:
+            warnings.warn(f"checkpoint {path} skipped: {why}; resuming from {used.name} instead",
+                          CheckpointWarning, stacklevel=3)
+
+    def _candidates(self) -> list[Path]:
+        files = self._step_files()
+        name = self._latest_name()
+        pointed = step_of(name) if name else None
+        if pointed is None or pointed not in files or files[pointed].name != name:
+            if name:
+                log.warning("%s names %r, which is not a checkpoint here; taking the highest step instead",
+                            self.folder / LATEST, name)
+            return [files[s] for s in sorted(files, reverse=True)]
+        below = [files[s] for s in sorted(files, reverse=True) if s < pointed]
+        above = [files[s] for s in sorted(files, reverse=True) if s > pointed]
+        if above:
+            log.info("%s: %s has a higher step than %s, which `latest` names (a save cut short before it "
+                     "moved `latest`, or a run resumed from an earlier step); trying %s first",
+                     self.folder, above[0].name, name, name)
+        return [files[pointed], *below, *above]
+
+    # ------------------------------------------------------------ small files
+
+    def _step_files(self) -> dict[int, Path]:
+        if not self.folder.is_dir():
+            return {}
+        files = {}
+        for path in self.folder.iterdir():
+            step = step_of(path)
+            if step is not None and path.is_file():
+                # step-123.pt and step-000123.pt would be the same step: the canonical name wins.
+                if step not in files or path.name == step_file_name(step):
+                    files[step] = path
+        return files
+
+    def _latest_name(self) -> str | None:
+        try:
+            name = (self.folder / LATEST).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return name if name and "/" not in name and os.sep not in name else None
+
+    def _best_record(self) -> dict[str, Any] | None:
+        path = self.folder / INDEX
+        try:
+            best = json.loads(path.read_text(encoding="utf-8")).get("best")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("%s is unreadable (%s): the best checkpoint is not known until the next save "
+                        "with %s", path, exc, self.best_metric)
+            return None
+        ok = isinstance(best, dict) and isinstance(best.get("file"), str) and step_of(best["file"]) is not None \
+            and isinstance(best.get("value"), (int, float))
+        return best if ok else None
+
+    @staticmethod
+    def _digests(sidecar: Path) -> list[str]:
+        try:
+            text = sidecar.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return []
+        name = sidecar.name[: -len(HASH_SUFFIX)]
+        out = []
+        for line in text.splitlines():
+            match = _HASH_LINE.match(line.strip())
+            if match and match.group(2) == name:
+                out.append(match.group(1))
+        return out

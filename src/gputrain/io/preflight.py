@@ -1,0 +1,140 @@
+"""Checks before a run starts: can its run directory be written, and does the disk hold its checkpoints?
+
+A run that finds out at its first checkpoint, an hour in, that the folder is read-only or the disk
+is full has lost that hour. These checks take milliseconds and fail with one line saying what is
+wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gputrain.errors import ConfigError
+from gputrain.io.checkpoint_store import FOLDER, LEGACY_NAME
+
+# What a checkpoint holds besides tensors (config, history, random-number states, pickling):
+# generous for a long history, small beside any real model.
+METADATA_BYTES = 1 << 20
+
+# Optimizer state tensors per parameter tensor, each the parameter's size (torch.optim's names).
+_STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "adagrad": 1, "rmsprop": 1,
+                    "sgd": 1, "adadelta": 2, "asgd": 2, "rprop": 2, "lbfgs": 0, "none": 0}
+
+
+def _describe(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: int = 2) -> None:
+    """Create `run_dir` (and its parents), check that files can be written in it and that its
+    disk has room for the run's checkpoints; raise ConfigError with one line when not.
+
+    `needed_bytes`: one checkpoint's size (estimate_checkpoint_bytes). The disk must hold
+    keep_last + 2 of them: the keep_last kept, the best by the metric (which may be older than all
+    of them), and the next one being written while all those still exist (it replaces nothing
+    until it is complete). Checkpoints already in the run directory (a resumed run) count as room
+    already taken: they are pruned as the new ones arrive.
+    """
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"cannot create run directory {run_dir}: a file of that name (or of a parent's "
+                          "name) is in the way: choose another --run-dir") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create run directory {run_dir}: {_describe(exc)}: choose another "
+                          "--run-dir") from None
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} is not a folder: choose another --run-dir")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gputrain-write-probe.", dir=run_dir)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"cannot write in run directory {run_dir}: {_describe(exc)}: fix its permissions "
+                          "or choose another --run-dir") from None
+
+    if needed_bytes <= 0:
+        return
+    copies = keep_last + 2
+    required = needed_bytes * copies
+    held = _bytes_held(run_dir)
+    free = shutil.disk_usage(run_dir).free
+    if free + held < required:
+        raise ConfigError(
+            f"not enough free disk for checkpoints in {run_dir}: {_size(free)} free"
+            f"{f' (plus {_size(held)} in checkpoints already there)' if held else ''}, a run keeping "
+            f"{keep_last} needs about {_size(required)} ({copies} x {_size(needed_bytes)}: the kept ones, the "
+            "best, and the one being written): free disk space, choose another --run-dir, or keep fewer "
+            "checkpoints")
+
+
+def _bytes_held(run_dir: Path) -> int:
+    paths = [run_dir / LEGACY_NAME, *(run_dir / FOLDER).glob("step-*.pt")]
+    total = 0
+    for path in paths:
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def estimate_checkpoint_bytes(model: torch.nn.Module,
+                              optimizer: str | torch.optim.Optimizer | None = "adamw") -> int:
+    """About how many bytes a checkpoint of `model` and its optimizer takes.
+
+    Parameters and buffers (numel x element_size; module.parameters() lists tied weights once, as
+    torch.save stores them once), plus the optimizer's state:
+    from its state tensors when it has stepped, else per parameter by its kind (AdamW: two moments
+    of each parameter's size; SGD: one momentum buffer), plus METADATA_BYTES. `optimizer` is an
+    optimizer, a name ("adamw", "sgd", ...; None means gputrain's default AdamW).
+    """
+    params = list(model.parameters())
+    weights = _tensor_bytes([*params, *model.buffers()])
+    param_bytes = _tensor_bytes(params)
+    if optimizer is None:
+        optimizer = "adamw"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if state:
+            opt_bytes = _tensor_bytes(state)
+        else:  # not stepped yet: the state it will have
+            name = type(optimizer).__name__.lower()
+            per = _STATE_PER_PARAM.get(name, 2)
+            group = optimizer.param_groups[0] if optimizer.param_groups else {}
+            if name == "sgd" and not group.get("momentum"):
+                per = 0
+            if name in ("adam", "adamw") and group.get("amsgrad"):
+                per = 3
+            if name == "rmsprop":
+                per += bool(group.get("momentum")) + bool(group.get("centered"))
+            opt_bytes = per * _tensor_bytes(p for g in optimizer.param_groups for p in g["params"])
+    else:
+        key = str(optimizer).strip().lower()
+        if key not in _STATE_PER_PARAM:
+            raise ConfigError(f"unknown optimizer {optimizer!r} for the checkpoint size estimate: give one of "
+                              f"{', '.join(sorted(_STATE_PER_PARAM))}, or the optimizer itself")
+        opt_bytes = _STATE_PER_PARAM[key] * param_bytes
+    return weights + opt_bytes + METADATA_BYTES
