@@ -21,7 +21,7 @@ Timing (BENCHMARKS.md): each run does --warmup steps, a synchronize, then --step
 and a synchronize; the figure is measured samples over measured seconds (tokens = samples x
 context for the GPT). gputrain is timed from its own log points (log_every = --warmup, each log
 point synchronizes): the window runs from the first log point to the last. Compile time is kept
-apart (dynamo's own compile-time records, read by gputrain.diagnostics.recompiles, which also
+apart (dynamo's own compile-time records, read by gputrain.runtime.recompiles, which also
 counts recompilations and graph breaks). Setup (model, data to the device, DataLoader workers,
 Trainer) is everything else of the call's wall time; each row says which fraction of the run it
 took, and a note flags runs where it passes a tenth (give more --steps).
@@ -166,7 +166,7 @@ def _watch(compiled: bool):
     if not compiled:
         yield None
         return
-    from gputrain.diagnostics.recompiles import RecompileWatcher
+    from gputrain.runtime.recompiles import RecompileWatcher
 
     torch._dynamo.reset()
     watcher = RecompileWatcher().start()

@@ -68,7 +68,7 @@ def test_listed_with_their_sizes():
     assert rows["resnet18-cifar"]["defaults"]["batch_size"] == 256
     assert rows["gpt-mini"]["parameters"] == 10_770_816
     assert rows["gpt-mini"]["defaults"]["batch_size"] == 64
-    assert rows["gpt-mini"]["task"] == "regression"
+    assert rows["gpt-mini"]["task"] is None  # loss only
     assert "text" in rows["gpt-mini"]["options"] and "data_dir" in rows["resnet18-cifar"]["options"]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gputrain.diagnostics.recompiles import RecompileWatcher, explain_guard_failure
+from gputrain.runtime.recompiles import RecompileWatcher, explain_guard_failure
 
 
 def _model() -> nn.Module:

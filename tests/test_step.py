@@ -132,12 +132,17 @@ def test_bf16_autocast_through_fit_on_the_cpu():
     assert h.summary["final_eval_accuracy"] > 0.7
 
 
-def test_compile_trains_on_the_cpu():
-    x, y = _data(64)
-    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
-            config=TrainConfig(device="cpu", batch_size=64, steps=8, lr=1e-2, log_every=4, compile=True))
+def test_compile_trains_on_the_cpu_and_reports_a_planted_recompilation():
+    x, y = _data(40)  # batches of 16, 16 and a last partial one of 8: dim 0 changes under compile
+    torch._dynamo.reset()  # dynamo remembers shapes per code object across tests (automatic dynamic)
+    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+            config=TrainConfig(device="cpu", batch_size=16, steps=8, lr=1e-2, log_every=4, compile=True))
     assert h.summary["compile"] is True
     assert h.records[-1]["loss"] < h.records[0]["loss"]
+    rec = h.summary["recompilations"]
+    assert rec["recompilations"] >= 1 and "16 -> 8 (last partial batch)" in rec["summary"]
+    assert "drop_last" in rec["summary"] and any("recompiled" in w for w in h.summary["warnings"])
+    assert h.records[-1]["recompilations"] == rec["recompilations"]
 
 
 def test_fit_gives_back_the_matmul_settings(monkeypatch):
@@ -193,7 +198,8 @@ class _Hooked(nn.Module):
 @pytest.mark.parametrize("changes,model,optimizer,needle", [
     ({}, None, None, None),
     ({"accumulate": 2}, None, None, "gradient accumulation"),
-    ({"compile": True}, None, None, "torch.compile is on"),
+    ({"compile": True}, None, None, None),  # inductor kernels inside gputrain's whole-step graph
+    ({"compile": True, "compile_mode": "reduce-overhead"}, None, None, "captures its own CUDA graphs"),
     ({"checkpointing": True}, None, None, "activation checkpointing"),
     ({}, "hooked", None, "module hooks on lin"),
     ({}, None, "plain", "was not created with capturable=True"),

@@ -57,8 +57,8 @@ class BatchTransform:
         if self.mean is not None:
             scale, shift = self._affine(x)
             x = torch.addcmul(shift, x.float(), scale)
-        elif not torch.is_floating_point(x):
-            x = x.float()
+        elif not torch.is_floating_point(x) and (self.augment or x.dim() == 4):
+            x = x.float()  # images without normalization; token ids and other integer inputs stay as they are
         if train and self.augment == "crop-flip":
             x = random_crop_flip(x, pad=4, generator=generator)
         if self.channels_last and x.dim() == 4:

@@ -35,7 +35,7 @@ def global_hooks() -> bool:
         "_global_backward_pre_hooks"))
 
 
-def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, use_scaler: bool, compiled: bool,
+def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, use_scaler: bool, compiled: bool | str,
                    checkpointing: bool, optimizer=None, model: nn.Module | None = None) -> str | None:
     """Why the whole step cannot be captured in a CUDA graph, or None when it can.
 
@@ -50,8 +50,8 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
         return "distributed gradient sync is not captured"
     if use_scaler:
         return "fp16 loss scaling checks for inf on the host every step"
-    if compiled:
-        return "torch.compile is on (use compile mode 'reduce-overhead' for its own graphs)"
+    if compiled and compiled in ("reduce-overhead", "max-autotune"):
+        return f"torch.compile mode {compiled!r} captures its own CUDA graphs (cudagraph trees)"
     if checkpointing:
         return "activation checkpointing recomputes inside backward"
     if optimizer is not None:
@@ -120,9 +120,14 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
     benchmark = pick("cudnn_benchmark", config.cudnn_benchmark, cuda and conv,
                      "fixed input shapes: cuDNN picks the fastest algorithm once" if cuda and conv
                      else "not a CUDA conv net")
-    reasons["compile"] = f"requested (mode {config.compile_mode or 'default'})" if config.compile else "not requested"
+    # Compiled kernels (inductor, no cudagraphs of its own) inside gputrain's whole-step graph: the
+    # warm-up steps compile, then forward + backward + optimizer are captured as one graph.
+    reasons["compile"] = (f"requested (mode {config.compile_mode or 'default'}"
+                          + ("; inside gputrain's whole-step CUDA graph" if cuda and config.compile_mode not in
+                             ("reduce-overhead", "max-autotune") else "") + ")") if config.compile else "not requested"
     blocker = graph_blockers(device=device, accumulate=config.accumulate, world_size=world_size,
-                             use_scaler=use_scaler, compiled=bool(config.compile),
+                             use_scaler=use_scaler,
+                             compiled=(config.compile_mode or "default") if config.compile else False,
                              checkpointing=bool(config.checkpointing), optimizer=optimizer, model=model)
     if config.cuda_graphs == "auto":
         graphs = blocker is None

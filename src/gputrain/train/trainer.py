@@ -95,9 +95,14 @@ class Trainer:
             targets = None if cfg.checkpointing is True else list(cfg.checkpointing)
             self.checkpointed = apply_activation_checkpointing(self.module, targets)
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard)
+        self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
+        self.recompiles = None
         if cfg.compile:
+            from gputrain.runtime.recompiles import RecompileWatcher
+
             kwargs = {"mode": cfg.compile_mode} if cfg.compile_mode else {}
             self.model = torch.compile(self.model, **kwargs)
+            self.recompiles = RecompileWatcher().start()
 
     def _setup_data(self, train_data, eval_data, transform: BatchTransform | None) -> None:
         cfg = self.config
@@ -254,14 +259,20 @@ class Trainer:
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
             "peak_memory_bytes": _peak_memory(self.device),
         }
+        if self.recompiles is not None:
+            self.recompiles.poll()
+            record["recompilations"] = self.recompiles.recompilations
+            record["graph_breaks"] = self.recompiles.graph_breaks
         if self.eval_loader is not None and self._eval_due():
             record.update(self.evaluate())
         return record
 
     def close(self) -> None:
-        """Give back the process-wide settings the run changed (cudnn.benchmark, TF32)."""
+        """Give back the process-wide settings the run changed (cudnn.benchmark, TF32); stop watching compiles."""
         self.speed.restore()
         self.precision.restore()
+        if self.recompiles is not None:
+            self.recompiles.stop()
 
     def _eval_due(self) -> bool:
         every = self.config.eval_every
@@ -269,7 +280,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
-        return self.evaluator(self.model, self.eval_loader)
+        return self.evaluator(self.eval_model, self.eval_loader)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -398,6 +409,14 @@ class Trainer:
         if st.nonfinite_steps:
             self.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
                                  + (" and were skipped" if self.config.on_nan == "skip" else ""))
+        if self.recompiles is not None:
+            report = self.recompiles.report()
+            summary_recompiles = {k: report[k] for k in ("recompilations", "graph_breaks", "compile_time_s", "events",
+                                                         "summary") if k in report}
+            if report.get("recompilations") or report.get("graph_breaks"):
+                self.warnings.append(report["summary"])
+        else:
+            summary_recompiles = None
         for spike in self.spikes.spikes:
             self.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                                  f"({spike['loss'] / spike['median']:.1f}x the recent median)")
@@ -429,6 +448,7 @@ class Trainer:
             "cuda_graphs": self.graph_status(),
             "channels_last": self.speed.channels_last,
             "compile": self.speed.compile,
+            "recompilations": summary_recompiles,
             "activation_checkpointing": self.checkpointed,
             "task": self.task,
             "decisions": self.decisions(),

@@ -298,7 +298,7 @@ def gpt_mini(text: str | None = None, data_dir: str | None = None, n_tokens: int
         make_model=make_model,
         loss_fn=next_token_loss,
         # Loss only: the trainer's accuracy (argmax over dim 1) does not apply to (B, T, V) logits.
-        task="regression",
+        task=None,  # loss only: next-token cross-entropy, no accuracy
         defaults=dict(_GPT_DEFAULTS),
         data_summary=summary,
     )
