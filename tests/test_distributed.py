@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from gputrain.io.checkpoint_store import CheckpointStore
 import torch
 
 from gputrain.runtime import distributed as D
@@ -104,7 +106,7 @@ def _single(args, timeout=120):
 
 
 def _params(run_dir):
-    return load_checkpoint(Path(run_dir) / "checkpoint.pt")["model"]
+    return load_checkpoint(CheckpointStore(run_dir).latest_path())["model"]
 
 
 def _result(run_dir):
@@ -239,7 +241,7 @@ def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     proc = _torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _result(fsdp)["wrapper"].startswith("FSDP")  # fully_shard swaps in an FSDP<Model> class
-    state = load_checkpoint(fsdp / "checkpoint.pt")
+    state = load_checkpoint(CheckpointStore(fsdp).latest_path())
     assert state["step"] == 6 and state["world_size"] == 2
     # Full tensors, not DTensor shards: loadable without a process group.
     assert all(type(v) is torch.Tensor for v in state["model"].values())
@@ -294,7 +296,7 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     assert result["restart"] == "1" and result["summary"]["steps"] == 12
     # Killed inside step 7; checkpoints every 2 steps, so the second attempt starts after step 6.
     assert "resumed from" in proc.stderr and "at step 6" in proc.stderr, proc.stderr[-3000:]
-    assert load_checkpoint(run / "checkpoint.pt")["step"] == 12
+    assert load_checkpoint(CheckpointStore(run).latest_path())["step"] == 12
     # The interrupted job ends where an uninterrupted one (here: one process, same global batch) does.
     ref = _single([SCRIPT, str(tmp_path / "one"), "32", "1", "0", "12"])
     assert ref.returncode == 0, ref.stderr[-2000:]

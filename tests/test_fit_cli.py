@@ -51,7 +51,7 @@ def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     assert code == 0
     summary = json.loads(out)["summary"]
     assert summary["steps"] == 200 and summary["stopped_early"]
-    for name in ("checkpoint.pt", "metrics.jsonl", "metrics.csv", "history.json", "curves.png"):
+    for name in ("checkpoints", "metrics.jsonl", "metrics.csv", "history.json", "curves.png"):
         assert (run_dir / name).stat().st_size > 0, name
     stopped = json.loads((run_dir / "history.json").read_text())["records"]
     code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",

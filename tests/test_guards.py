@@ -43,13 +43,15 @@ class _PoisonAt(nn.Module):
 def test_a_nan_stops_the_run_naming_the_steps_and_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     model = _PoisonAt(_model(), calls={7})
-    with pytest.raises(NonFiniteError, match=r"between steps 7 and 8.*last good checkpoint is .*checkpoint\.pt"):
+    with pytest.raises(NonFiniteError, match=r"between steps 7 and 8.*last good checkpoint is .*step-0+6\.pt"):
         fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, log_every=4, checkpoint_every=2,
                                run_dir=str(run_dir)))
     from gputrain.io.checkpoint import load_checkpoint
 
-    state = load_checkpoint(run_dir / "checkpoint.pt")
+    from gputrain.io.checkpoint_store import CheckpointStore
+
+    state = load_checkpoint(CheckpointStore(run_dir).latest_path())
     assert state["step"] == 6  # the last checkpoint before the NaN; step 8's was refused
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 

@@ -36,6 +36,12 @@ def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def _latest(run_dir):
+    from gputrain.io.checkpoint_store import CheckpointStore
+
+    return CheckpointStore(run_dir).latest_path()
+
+
 def _sgd(lr=0.1):
     return lambda p: torch.optim.SGD(p, lr=lr)
 
@@ -306,7 +312,7 @@ def test_resume_from_a_checkpoint_file(tmp_path):
         config=TrainConfig(**cfg, run_dir=str(tmp_path / "a"), stop_at_step=5))
     resumed = _model(seed=7)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(),
-            config=TrainConfig(**cfg, resume=str(tmp_path / "a" / "checkpoint.pt")))
+            config=TrainConfig(**cfg, resume=str(_latest(tmp_path / "a"))))
     assert h.summary["steps"] == 12
     assert torch.equal(_params(resumed), _params(full))
 
@@ -336,7 +342,7 @@ def test_ctrl_c_mid_step_writes_a_checkpoint_that_resumes_exactly(tmp_path):
         fit(interrupted, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir))
     from gputrain.io.checkpoint import load_checkpoint
 
-    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 11
+    assert load_checkpoint(_latest(tmp_path / "run"))["step"] == 11
     resumed = _InterruptAt(_model(seed=3), at=-1)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
     assert torch.equal(_params(resumed.inner), _params(full))

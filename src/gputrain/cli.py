@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from gputrain.errors import GputrainError
+from gputrain.errors import GputrainError, StopRequested
 
 COMMANDS = {
     "info": "show PyTorch's build, every device and live GPU telemetry",
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
+    except StopRequested as exc:  # a stop signal: checkpointed; the last line says how to resume
+        print(f"gputrain {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except GputrainError as exc:
         print(f"gputrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

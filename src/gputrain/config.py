@@ -34,8 +34,12 @@ class TrainConfig:
     name: str | None = None  # the run's name in summaries and reports (fit_workload: the workload's)
     run_dir: str | None = None  # metrics, plots, checkpoints; None: nothing written
     checkpoint_every: int | None = None  # optimizer steps; the last step is always saved when run_dir is set
-    resume: bool | str = False  # True: run_dir/checkpoint.pt; a str: that file
+    resume: bool | str = False  # True: the newest verified checkpoint in run_dir; a str: that file
     stop_at_step: int | None = None  # stop early (checkpointing first), as an interrupted run would
+    keep_last: int = 2  # checkpoints kept in run_dir/checkpoints (plus the best by best_metric)
+    best_metric: str | None = None  # e.g. "eval_accuracy": its best checkpoint is kept too
+    best_mode: str = "max"  # "max" | "min" for best_metric
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
     tensorboard: bool = True  # TensorBoard event files in run_dir (rank 0 only)
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
@@ -95,6 +99,14 @@ class TrainConfig:
         if self.spike_ratio is not None and not self.spike_ratio > 1:
             raise ConfigError(f"spike_ratio must be > 1 (or None to switch spike detection off), got {self.spike_ratio!r}")
         positive("spike_window")
+        positive("keep_last")
+        if self.best_mode not in ("max", "min"):
+            raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        import signal as _signal
+
+        for name in self.stop_signals:
+            if not hasattr(_signal, str(name)):
+                raise ConfigError(f"unknown signal {name!r} in stop_signals: use names like 'SIGTERM'")
         positive("spike_patience")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)

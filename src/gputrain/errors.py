@@ -19,3 +19,12 @@ class CheckpointError(GputrainError):
 
 class DataError(GputrainError):
     """A data set is missing or malformed; the message says where to put which files."""
+
+
+class StopRequested(GputrainError):
+    """A stop signal (SIGTERM, SIGINT, SIGUSR1) ended the run after a checkpoint; `exit_code` is
+    the conventional status (128 + the signal's number: 143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message: str, exit_code: int, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.exit_code, self.step, self.checkpoint = exit_code, step, checkpoint

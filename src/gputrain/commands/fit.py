@@ -113,7 +113,7 @@ def _latest_run(workload_name: str) -> Path | None:
     base = Path("runs") / _safe(workload_name)
     if not base.is_dir():
         return None
-    runs = sorted(d for d in base.iterdir() if (d / "checkpoint.pt").exists())
+    runs = sorted(d for d in base.iterdir() if (d / "checkpoints").is_dir() or (d / "checkpoint.pt").exists())
     return runs[-1] if runs else None
 
 

@@ -180,9 +180,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no checkpoint there{_neighbours(path)}; check --resume / --run-dir "
-                              "(TrainConfig.resume / run_dir): a run writes checkpoint.pt in its run directory")
+                              "(TrainConfig.resume / run_dir): a run writes checkpoints/step-N.pt in its run directory")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a folder; give the checkpoint file (e.g. {path / 'checkpoint.pt'})")
+        raise CheckpointError(f"{path} is a folder; give a checkpoint file (e.g. {path / 'checkpoints' / 'step-000100.pt'}), or resume the run directory (--resume DIR)")
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"{path}: the file is empty (a write was interrupted?); "

@@ -24,7 +24,7 @@ from gputrain import batch as batches
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, make_loader
-from gputrain.errors import CheckpointError, ConfigError
+from gputrain.errors import CheckpointError, ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision, resolve_precision
@@ -39,7 +39,7 @@ from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
 
-CHECKPOINT_NAME = "checkpoint.pt"
+SIGNAL_SYNC_EVERY = 10  # steps between the ranks' agreement on a stop signal (several processes)
 
 
 class Trainer:
@@ -72,6 +72,7 @@ class Trainer:
         self.stream = BatchStream(self.train_loader)
         self.history = History(records=[], config=config.to_dict(), summary={})
         self.run_dir = Path(config.run_dir) if config.run_dir else None
+        self.store = self._setup_checkpoints()
         if config.resume:
             self._resume()
 
@@ -154,6 +155,20 @@ class Trainer:
         if cfg.cuda_graphs is True and not self.speed.cuda_graphs:
             log.warning("CUDA graphs requested but not used: %s", self.speed.reasons["cuda_graphs"])
 
+    def _setup_checkpoints(self):
+        """Preflight the run directory (created, writable, room for the checkpoints) and open its store."""
+        if self.run_dir is None:
+            return None
+        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.io.preflight import estimate_checkpoint_bytes, preflight_run_dir
+
+        cfg = self.config
+        if self.is_main:
+            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last)
+        distributed.barrier(self.dist)
+        return CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric,
+                               best_mode=cfg.best_mode)
+
     # ------------------------------------------------------------ the loop
 
     def next_step_batches(self) -> list:
@@ -199,8 +214,14 @@ class Trainer:
         samples_at_log = st.samples_seen
         peak = 0
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
+        import signal as _signal
+
+        from gputrain.train.signals import StopSignals, agree_to_stop
+
+        signals = StopSignals(tuple(getattr(_signal, name) for name in cfg.stop_signals))
+        world = self.dist.world_size
         try:
-            with progress:
+            with progress, signals:
                 while st.step < stop:
                     self.train_one_step()
                     # The run's last step is a log point; an early stop is not (the loss since the
@@ -218,10 +239,22 @@ class Trainer:
                         t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
                     if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < stop:
                         self.save_checkpoint()
+                    # A signal is only recorded by its handler; the step it came in has finished. One
+                    # process checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY
+                    # steps (a small gloo all-reduce, no GPU sync), as the signal may reach one rank only.
+                    if ((world == 1 and signals.requested is not None)
+                            or (world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
+                                and agree_to_stop(signals.requested is not None, self.dist))):
+                        self._stop_for_signal(signals)
         except KeyboardInterrupt:
             if self.run_dir:
                 log.warning("interrupted at step %d: saving a checkpoint to resume from", st.step)
                 self.save_checkpoint()
+            raise
+        except GputrainError:
+            raise
+        except Exception as exc:
+            self._checkpoint_after_error(exc)
             raise
         finally:
             outputs.close()
@@ -232,6 +265,33 @@ class Trainer:
         self._summarize(elapsed, peak, stopped=st.step < self.total_steps)
         outputs.finish(self.history)
         return self.history
+
+    def _stop_for_signal(self, signals) -> None:
+        """Checkpoint (every rank takes part; rank 0 writes) and raise StopRequested."""
+        st = self.state
+        name = signals.name or "a stop signal (on another rank)"
+        code = signals.exit_code or 143
+        path = self.save_checkpoint() if self.run_dir else None
+        resume = (f"resume with: gputrain fit ... --resume {self.run_dir}" if path
+                  else "nothing was saved (no run directory): set run_dir to make runs resumable")
+        log.warning("%s: stopped after step %d%s", name, st.step, f", checkpoint {path}" if path else "")
+        raise StopRequested(f"stopped by {name} after step {st.step} of {self.total_steps}; {resume}",
+                            exit_code=code, step=st.step, checkpoint=str(path) if path else None)
+
+    def _checkpoint_after_error(self, exc: BaseException) -> None:
+        """An error in user code (model, loss, data) after the first step: checkpoint the last
+        finished step when its state is finite, and add a line saying where and how to resume."""
+        st = self.state
+        where = _user_frame(exc)
+        saved = None
+        if self.run_dir and st.step > 0:
+            try:
+                saved = self.save_checkpoint()
+            except Exception as save_exc:  # a non-finite state, a full disk: the error stays the first one
+                log.warning("no checkpoint after the error: %s", save_exc)
+        how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {self.run_dir}"
+               if saved else "no checkpoint was written")
+        exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
 
     def _read_step_totals(self) -> tuple[float, int]:
         """The loss summed since the last read (all ranks' mean) and the non-finite steps: one sync."""
@@ -284,11 +344,6 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def checkpoint_path(self) -> Path:
-        if isinstance(self.config.resume, str):
-            return Path(self.config.resume)
-        return self.run_dir / CHECKPOINT_NAME
-
     def state_dict(self) -> dict[str, Any]:
         from gputrain.io.checkpoint import capture_rng_state
 
@@ -319,24 +374,35 @@ class Trainer:
         }
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
+        """Write a checkpoint: into the run's store (retention, hash, `latest`), or to `path`."""
         from gputrain.io.checkpoint import save_checkpoint
 
         state = self.state_dict()  # collective under DDP/FSDP: every rank takes part
-        path = path or (self.run_dir / CHECKPOINT_NAME)
         if self.is_main:
-            save_checkpoint(path, state)
+            if path is not None:
+                save_checkpoint(path, state)
+            else:
+                last = self.history.records[-1] if self.history.records else {}
+                metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
+                path = self.store.save(state, self.state.step, metrics=metrics)
         distributed.barrier(self.dist)
+        if path is None:
+            path = self.store.latest_path()
         self.last_checkpoint = str(path)
         return path
 
     def _resume(self) -> None:
         from gputrain.io.checkpoint import check_model_state, load_checkpoint, restore_rng_state
 
-        path = self.checkpoint_path()
-        if not path.exists() and self.config.resume is True:
-            log.info("no checkpoint at %s: starting a new run", path)
-            return
-        state = load_checkpoint(path)
+        if isinstance(self.config.resume, str):
+            path = Path(self.config.resume)
+            state = load_checkpoint(path)
+        else:
+            found = self.store.load_latest()
+            if found is None:
+                log.info("no checkpoint in %s: starting a new run", self.run_dir)
+                return
+            state, path = found
         check_model_state(state["model"], self.module, path=str(path))
         self._check_resumable(state, path)
         if self.dist.enabled:
@@ -490,6 +556,18 @@ def _unpack_splits(train_data, eval_data, transform: BatchTransform | None):
             eval_data = splits.test
         train_data = splits.train
     return transform or BatchTransform(), train_data, eval_data
+
+
+def _user_frame(exc: BaseException) -> str:
+    """file:line of the innermost frame outside torch and gputrain's training core (the user's code)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" not in f and "/gputrain/train/" not in f and "/gputrain/data/" not in f:
+            return f"{fr.filename}:{fr.lineno} ({fr.name})"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
 
 
 def _peak_memory(device: torch.device) -> int | None:
