@@ -284,13 +284,16 @@ class Trainer:
         st = self.state
         where = _user_frame(exc)
         saved = None
-        if self.run_dir and st.step > 0:
+        # Several processes: the other ranks are inside a collective of their own step, so a
+        # checkpoint (itself collective) cannot be written; the periodic ones remain.
+        if self.run_dir and st.step > 0 and self.dist.world_size == 1:
             try:
                 saved = self.save_checkpoint()
             except Exception as save_exc:  # a non-finite state, a full disk: the error stays the first one
                 log.warning("no checkpoint after the error: %s", save_exc)
         how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {self.run_dir}"
-               if saved else "no checkpoint was written")
+               if saved else "no checkpoint was written after the error"
+               + (f" (resume from the last periodic one with --resume {self.run_dir})" if self.last_checkpoint else ""))
         exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
 
     def _read_step_totals(self) -> tuple[float, int]:
