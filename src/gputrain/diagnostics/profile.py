@@ -202,7 +202,6 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
     the files written. Raises ConfigError/DeviceError for an impossible config.
     """
     from gputrain.runtime.devices import pick_device, synchronizer
-    from gputrain.diagnostics.peaks import peak_tflops
     from gputrain.runtime.precision import resolve_precision
 
     from gputrain.errors import ConfigError

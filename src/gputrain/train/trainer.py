@@ -24,7 +24,7 @@ from gputrain import batch as batches
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, make_loader
-from gputrain.errors import CheckpointError, ConfigError, GputrainError, StopRequested
+from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision, resolve_precision
@@ -32,6 +32,7 @@ from gputrain.runtime.speed import SpeedSwitches, decide_speed
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector
+from gputrain.train import checkpointing, run_summary
 from gputrain.train.loss import LossRule
 from gputrain.train.optim import make_optimizer, make_scheduler
 from gputrain.train.state import RunState
@@ -345,207 +346,30 @@ class Trainer:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
         return self.evaluator(self.eval_model, self.eval_loader)
 
-    # ------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------ checkpoints (train/checkpointing.py)
 
     def state_dict(self) -> dict[str, Any]:
-        from gputrain.io.checkpoint import capture_rng_state
-
-        if self.dist.enabled:
-            model_state = distributed.model_state_dict(self.model, self.dist)
-            optim_state = distributed.optimizer_state_dict(self.model, self.optimizer, self.dist)
-        else:
-            model_state = self.module.state_dict()
-            optim_state = self.optimizer.state_dict()
-        loss_total, bad = self._read_step_totals()  # folded into the run state, so nothing is lost
-        self.state.nonfinite_steps += bad
-        self.nonfinite.check(bad, self.state.step, self.last_checkpoint)  # never save a non-finite state
-        self.state.loss_since_log += loss_total
-        self.state.splits = self.train_step.splits
-        self.state.epoch, self.state.batch_in_epoch = self.stream.epoch, self.stream.batch_in_epoch
-        run = self.state.state_dict()
-        return {
-            "model": model_state,
-            "optimizer": optim_state,
-            "scaler": self.precision.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": capture_rng_state(self.device),
-            "run": run,
-            **{k: run[k] for k in ("step", "epoch", "batch_in_epoch", "samples_seen")},  # for readers of the file
-            "world_size": self.dist.world_size,
-            "config": self.config.to_dict(),
-            "history": list(self.history.records),
-        }
+        return checkpointing.state_dict(self)
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
-        """Write a checkpoint: into the run's store (retention, hash, `latest`), or to `path`."""
-        from gputrain.io.checkpoint import save_checkpoint
-
-        state = self.state_dict()  # collective under DDP/FSDP: every rank takes part
-        if self.is_main:
-            if path is not None:
-                save_checkpoint(path, state)
-            else:
-                last = self.history.records[-1] if self.history.records else {}
-                metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-                path = self.store.save(state, self.state.step, metrics=metrics)
-        distributed.barrier(self.dist)
-        if path is None:
-            path = self.store.latest_path()
-        self.last_checkpoint = str(path)
-        return path
+        return checkpointing.save_checkpoint(self, path)
 
     def _resume(self) -> None:
-        from gputrain.io.checkpoint import check_model_state, load_checkpoint, restore_rng_state
+        checkpointing.resume(self)
 
-        if isinstance(self.config.resume, str):
-            path = Path(self.config.resume)
-            state = load_checkpoint(path)
-        else:
-            found = self.store.load_latest()
-            if found is None:
-                log.info("no checkpoint in %s: starting a new run", self.run_dir)
-                return
-            state, path = found
-        check_model_state(state["model"], self.module, path=str(path))
-        self._check_resumable(state, path)
-        if self.dist.enabled:
-            distributed.load_model_state_dict(self.model, state["model"], self.dist)
-            distributed.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], self.dist)
-        else:
-            self.module.load_state_dict(state["model"])
-            _load_optimizer_state(self.optimizer, state["optimizer"])
-        move_optimizer_state(self.optimizer, self.device)
-        self.precision.load_state_dict(state["scaler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        restore_rng_state(state["rng"], self.device)
-        self.state = RunState.from_state_dict(state.get("run", state))
-        self.train_step.splits = self.state.splits
-        self.stream = BatchStream(self.train_loader, self.state.epoch, self.state.batch_in_epoch)
-        self.history.records = list(state.get("history", []))
-        log.info("resumed from %s at step %d", path, self.state.step)
-
-    def _check_resumable(self, state: dict, path: Path) -> None:
-        """The data order depends on the seed and the global batch (per-process batch x accumulation x
-        processes), so a run may resume with another process count if the global batch is kept."""
-        saved_cfg = state.get("config", {})
-        saved_global = (saved_cfg.get("batch_size", 0) * saved_cfg.get("accumulate", 1)
-                        * int(state.get("world_size", 1)))
-        global_batch = self.config.batch_size * self.config.accumulate * self.dist.world_size
-        if saved_cfg and saved_global != global_batch:
-            raise CheckpointError(
-                f"{path}: the checkpoint was trained with a global batch of {saved_global} "
-                f"(batch_size x accumulate x processes) but this run has {global_batch}; an exact resume needs "
-                "the same global batch")
-        if "seed" in saved_cfg and saved_cfg["seed"] != self.config.seed:
-            raise CheckpointError(f"{path}: the checkpoint was trained with seed={saved_cfg['seed']} but this run "
-                                  f"has seed={self.config.seed}; an exact resume needs the same seed")
-
-    # ------------------------------------------------------------ reporting
+    # ------------------------------------------------------------ reporting (train/run_summary.py)
 
     def decisions(self) -> list[dict[str, str]]:
-        """Every decision of the run with its reason: precision, data, loss, optimizer, speed switches."""
-        rows = [{"name": "precision", "value": self.precision.name, "reason": self.precision.reason},
-                {"name": "data", "value": self.placement.kind, "reason": self.placement.reason},
-                {"name": "loss", "value": self.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
-                                                                    "the model's own loss that applies"},
-                {"name": "optimizer", "value": self.optimizer_desc, "reason": "given" if "given" in
-                 self.optimizer_desc or "factory" in self.optimizer_desc else "the default: AdamW"}]
-        rows += self.speed.decisions()
-        return rows
-
-    def _announce(self) -> None:
-        if not self.is_main:
-            return
-        log.info("device: %s", _device_name(self.device))
-        log.info("precision: %s", self.precision.reason)
-        log.info("data: %s", self.placement.reason)
-        log.info("loss: %s", self.loss.how)
-        log.info("optimizer: %s; %d steps of %d x %d samples%s", self.optimizer_desc, self.total_steps,
-                 self.config.batch_size, self.config.accumulate,
-                 f" x {self.dist.world_size} processes" if self.dist.world_size > 1 else "")
-        for row in self.speed.decisions():
-            log.info("%s: %s (%s)", row["name"], row["value"], row["reason"])
+        return run_summary.decisions(self)
 
     def graph_status(self) -> str:
-        if self.graphed is None:
-            return f"off: {self.speed.reasons['cuda_graphs']}"
-        return "on" if self.graphed.failed is None else f"off: {self.graphed.failed}"
+        return run_summary.graph_status(self)
+
+    def _announce(self) -> None:
+        run_summary.announce(self)
 
     def _summarize(self, elapsed: float, peak: int, stopped: bool) -> None:
-        recs, st = self.history.records, self.state
-        if st.splits > 1:
-            self.warnings.append(f"out of memory: micro-batches were cut in {st.splits} (same effective batch)")
-        if st.nonfinite_steps:
-            self.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
-                                 + (" and were skipped" if self.config.on_nan == "skip" else ""))
-        if self.recompiles is not None:
-            report = self.recompiles.report()
-            summary_recompiles = {k: report[k] for k in ("recompilations", "graph_breaks", "compile_time_s", "events",
-                                                         "summary") if k in report}
-            if report.get("recompilations") or report.get("graph_breaks"):
-                self.warnings.append(report["summary"])
-        else:
-            summary_recompiles = None
-        for spike in self.spikes.spikes:
-            self.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
-                                 f"({spike['loss'] / spike['median']:.1f}x the recent median)")
-        summary: dict[str, Any] = {
-            "workload": self.config.name,
-            "device": _device_name(self.device),
-            "device_memory_bytes": _device_memory(self.device),
-            "precision": self.precision.name,
-            "precision_reason": self.precision.reason,
-            "data": self.placement.kind,
-            "data_reason": self.placement.reason,
-            "loss": self.loss.how,
-            "optimizer": self.optimizer_desc,
-            "steps": st.step,
-            "total_steps": self.total_steps,
-            "stopped_early": stopped,
-            "time_s": elapsed,
-            "samples": st.samples_seen,
-            "samples_per_s": self._steady_rate(elapsed),
-            "peak_memory_bytes": peak or None,
-            "world_size": self.dist.world_size,
-            "batch_size": self.config.batch_size,
-            "accumulate": self.config.accumulate,
-            "effective_batch": self.config.batch_size * self.config.accumulate * self.dist.world_size,
-            "oom_splits": st.splits,
-            "nonfinite_steps": st.nonfinite_steps,
-            "on_nan": self.config.on_nan,
-            "loss_spikes": list(self.spikes.spikes),
-            "cuda_graphs": self.graph_status(),
-            "channels_last": self.speed.channels_last,
-            "compile": self.speed.compile,
-            "recompilations": summary_recompiles,
-            "activation_checkpointing": self.checkpointed,
-            "task": self.task,
-            "decisions": self.decisions(),
-            "warnings": list(self.warnings),
-        }
-        if recs:
-            summary["final_loss"] = recs[-1].get("loss")
-            eval_keys = sorted({k for r in recs for k in r if k.startswith("eval_")})
-            for key in eval_keys:
-                vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
-                if vals:
-                    summary[f"final_{key}"] = vals[-1]
-                    summary[f"best_{key}"] = min(vals) if key == "eval_loss" else max(vals)
-        self.history.summary = summary
-
-    def _steady_rate(self, elapsed: float) -> float:
-        rates = [r["samples_per_s"] for r in self.history.records if r.get("samples_per_s")]
-        # The first interval includes warm-up (allocation, autotuning, capture); report the rest.
-        if len(rates) > 2:
-            rates = rates[1:]
-        return sorted(rates)[len(rates) // 2] if rates else self.state.samples_seen / max(elapsed, 1e-9)
-
-
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    try:
-        optimizer.load_state_dict(state)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"the checkpoint's optimizer state does not fit this optimizer: {exc}") from None
+        run_summary.summarize(self, elapsed, peak, stopped)
 
 
 def _unpack_splits(train_data, eval_data, transform: BatchTransform | None):
@@ -581,22 +405,6 @@ def _peak_memory(device: torch.device) -> int | None:
     if device.type == "mps":
         return int(torch.mps.driver_allocated_memory())
     return None
-
-
-def _device_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return None
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    if device.type == "cpu":
-        from gputrain.runtime.devices import cpu_model_name
-
-        return f"cpu ({cpu_model_name()}, {torch.get_num_threads()} threads)"
-    return str(device)
 
 
 def _synchronizer(device: torch.device):

@@ -1,0 +1,128 @@
+"""What a run says about itself: the decisions with their reasons (log and report) and the summary.
+
+Functions of the Trainer `t` that read its parts and state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gputrain")
+
+
+def decisions(t) -> list[dict[str, str]]:
+    """Every decision of the run with its reason: precision, data, loss, optimizer, speed switches."""
+    rows = [{"name": "precision", "value": t.precision.name, "reason": t.precision.reason},
+            {"name": "data", "value": t.placement.kind, "reason": t.placement.reason},
+            {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
+                                                                "the model's own loss that applies"},
+            {"name": "optimizer", "value": t.optimizer_desc, "reason": "given" if "given" in
+             t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"}]
+    rows += t.speed.decisions()
+    return rows
+
+def announce(t) -> None:
+    if not t.is_main:
+        return
+    log.info("device: %s", device_name(t.device))
+    log.info("precision: %s", t.precision.reason)
+    log.info("data: %s", t.placement.reason)
+    log.info("loss: %s", t.loss.how)
+    log.info("optimizer: %s; %d steps of %d x %d samples%s", t.optimizer_desc, t.total_steps,
+             t.config.batch_size, t.config.accumulate,
+             f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
+    for row in t.speed.decisions():
+        log.info("%s: %s (%s)", row["name"], row["value"], row["reason"])
+
+def graph_status(t) -> str:
+    if t.graphed is None:
+        return f"off: {t.speed.reasons['cuda_graphs']}"
+    return "on" if t.graphed.failed is None else f"off: {t.graphed.failed}"
+
+def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
+    recs, st = t.history.records, t.state
+    if st.splits > 1:
+        t.warnings.append(f"out of memory: micro-batches were cut in {st.splits} (same effective batch)")
+    if st.nonfinite_steps:
+        t.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
+                             + (" and were skipped" if t.config.on_nan == "skip" else ""))
+    if t.recompiles is not None:
+        report = t.recompiles.report()
+        summary_recompiles = {k: report[k] for k in ("recompilations", "graph_breaks", "compile_time_s", "events",
+                                                     "summary") if k in report}
+        if report.get("recompilations") or report.get("graph_breaks"):
+            t.warnings.append(report["summary"])
+    else:
+        summary_recompiles = None
+    for spike in t.spikes.spikes:
+        t.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
+                             f"({spike['loss'] / spike['median']:.1f}x the recent median)")
+    summary: dict[str, Any] = {
+        "workload": t.config.name,
+        "device": device_name(t.device),
+        "device_memory_bytes": device_memory(t.device),
+        "precision": t.precision.name,
+        "precision_reason": t.precision.reason,
+        "data": t.placement.kind,
+        "data_reason": t.placement.reason,
+        "loss": t.loss.how,
+        "optimizer": t.optimizer_desc,
+        "steps": st.step,
+        "total_steps": t.total_steps,
+        "stopped_early": stopped,
+        "time_s": elapsed,
+        "samples": st.samples_seen,
+        "samples_per_s": steady_rate(t, elapsed),
+        "peak_memory_bytes": peak or None,
+        "world_size": t.dist.world_size,
+        "batch_size": t.config.batch_size,
+        "accumulate": t.config.accumulate,
+        "effective_batch": t.config.batch_size * t.config.accumulate * t.dist.world_size,
+        "oom_splits": st.splits,
+        "nonfinite_steps": st.nonfinite_steps,
+        "on_nan": t.config.on_nan,
+        "loss_spikes": list(t.spikes.spikes),
+        "cuda_graphs": t.graph_status(),
+        "channels_last": t.speed.channels_last,
+        "compile": t.speed.compile,
+        "recompilations": summary_recompiles,
+        "activation_checkpointing": t.checkpointed,
+        "task": t.task,
+        "decisions": t.decisions(),
+        "warnings": list(t.warnings),
+    }
+    if recs:
+        summary["final_loss"] = recs[-1].get("loss")
+        eval_keys = sorted({k for r in recs for k in r if k.startswith("eval_")})
+        for key in eval_keys:
+            vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
+            if vals:
+                summary[f"final_{key}"] = vals[-1]
+                summary[f"best_{key}"] = min(vals) if key == "eval_loss" else max(vals)
+    t.history.summary = summary
+
+def steady_rate(t, elapsed: float) -> float:
+    rates = [r["samples_per_s"] for r in t.history.records if r.get("samples_per_s")]
+    # The first interval includes warm-up (allocation, autotuning, capture); report the rest.
+    if len(rates) > 2:
+        rates = rates[1:]
+    return sorted(rates)[len(rates) // 2] if rates else t.state.samples_seen / max(elapsed, 1e-9)
+
+
+def device_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.getdevice_name(device)})"
+    if device.type == "cpu":
+        from gputrain.runtime.devices import cpu_model_name
+
+        return f"cpu ({cpu_model_name()}, {torch.get_num_threads()} threads)"
+    return str(device)
