@@ -373,7 +373,7 @@ class Trainer:
 
 
 def _unpack_splits(train_data, eval_data, transform: BatchTransform | None):
-    from gputrain.workloads.base import DataSplits
+    from gputrain.data.splits import DataSplits
 
     if isinstance(train_data, DataSplits):
         splits = train_data

@@ -8,37 +8,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from gputrain.data.splits import DataSplits  # noqa: F401  (re-exported: workloads build DataSplits)
+
 TASKS = ("classification", "binary", "regression")
-
-
-@dataclass
-class DataSplits:
-    """Host tensors of a data set, split into train and (optionally) test.
-
-    Images stay uint8 (N, C, H, W) so they take a quarter of the memory on the device; `mean` and
-    `std` (per channel, in the same 0..255 units) are applied per batch on the device. Other inputs
-    are float32 and used as they are (mean/std None).
-    """
-
-    train: Any  # tensor columns: (inputs, targets), or a dict of equal-length tensors
-    test: Any | None = None
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-    augment: str | None = None  # "crop-flip": random crop (reflect pad 4) + horizontal flip, images only
-    transform_key: str | int | None = None  # the leaf normalization/augmentation apply to (None: the inputs)
-
-    @property
-    def num_train(self) -> int:
-        from gputrain.data.resident import column_length
-
-        return column_length(self.train)
-
-    def nbytes(self) -> int:
-        """Bytes the tensors take as stored (what a device-resident copy costs)."""
-        from gputrain.batch import tensor_leaves
-
-        tensors = tensor_leaves(self.train) + (tensor_leaves(self.test) if self.test is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
