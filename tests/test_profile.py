@@ -280,3 +280,19 @@ def test_profile_on_cuda_reports_kernels_utilization_and_mfu(tmp_path):
     assert s["gpu_utilization"] is None or 0 <= s["gpu_utilization"]["mean_pct"] <= 100
     if s["peak_tflops"] is not None:
         assert 0 < s["mfu"] < 1
+
+
+@pytest.mark.gpu
+def test_profile_reports_the_step_time_fit_reaches_on_synthetic_cifar():
+    """profile times the step fit runs (graphed, channels_last, bf16): within 10% of fit's steady rate."""
+    from gputrain import fit
+    from gputrain.workloads import get_workload
+
+    wl = get_workload("synthetic-cifar", n=20000)
+    cfg = TrainConfig(device="cuda", batch_size=64, steps=1500, log_every=250)
+    torch.manual_seed(0)
+    h = fit(wl.make_model(), wl.make_data(), loss_fn=wl.loss_fn, config=cfg)
+    fit_ms = 1000 * 64 / h.summary["samples_per_s"]
+    s = profile_workload(wl, cfg.replace(log_every=250), steps=300, active=2)
+    assert s["cuda_graphs"] == h.summary["cuda_graphs"] == "on"
+    assert s["step_ms"] == pytest.approx(fit_ms, rel=0.10), (s["step_ms"], fit_ms)
