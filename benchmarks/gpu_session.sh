@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a session with the GPU machine runs, results under $OUT (or ./gpu-out). One device
 # command may run 10 minutes, so the work is split: `gpu_session.sh tests|speed|iris|bench`
-# (each fits one command; `all` runs them in a row where there is no such limit).
+# (also probe|real-resnet|real-gpt; each fits one command; `all` runs them in a row where there is no such limit).
 # The GPU machine has torch with CUDA, Lightning, Accelerate and most dependencies but no network:
 # bring the mnist1d wheel (pure Python) in .whl/, e.g.
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl mnist1d
@@ -35,4 +35,16 @@ if [[ $part == bench || $part == all ]]; then
   $PY -m gputrain bench all --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   tar -C "$OUT" -czf "$OUT/bench.tgz" bench && rm -rf "$OUT/bench"
   tail -30 "$OUT/bench.log"
+fi
+if [[ $part == probe || $part == all ]]; then   # graphed step vs replay alone (issue 14's step_probe bar)
+  $PY benchmarks/step_probe.py --steps 3000 > "$OUT/step_probe.log" 2>&1
+  tail -12 "$OUT/step_probe.log"
+fi
+if [[ $part == real-resnet || $part == all ]]; then   # one workload per device command (10-minute limit)
+  $PY benchmarks/real_models.py --workloads resnet18-cifar > "$OUT/real_models-resnet.log" 2>&1
+  tail -20 "$OUT/real_models-resnet.log"
+fi
+if [[ $part == real-gpt || $part == all ]]; then
+  $PY benchmarks/real_models.py --workloads gpt-mini > "$OUT/real_models-gpt.log" 2>&1
+  tail -20 "$OUT/real_models-gpt.log"
 fi
