@@ -129,7 +129,7 @@ def test_plot_is_a_png_with_an_accuracy_panel_when_there_is_accuracy(tmp_path):
     assert path.stat().st_size > 5000
     width, height = _png_size(path)
     assert (width, height) == (1000, 400)  # loss and accuracy side by side
-    loss_only = [{k: v for k, v in r.items() if "accuracy" not in k} for r in RECORDS]
+    loss_only = [{k: v for k, v in r.items() if not (k.startswith("eval_") and k != "eval_loss")} for r in RECORDS]
     assert _png_size(plot_history(History(records=loss_only), tmp_path / "l.png")) == (600, 400)
     assert plot_history(History(), tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
@@ -204,3 +204,26 @@ def test_formatting_helpers():
     assert format_bytes(3 * 2**30) == "3.0 GiB"
     assert format_duration(3.5) == "3.50 s" and format_duration(125) == "2 min 05 s"
     assert format_duration(3725) == "1 h 02 min"
+
+
+def test_curves_show_the_users_eval_metrics_too(tmp_path):
+    recs = [{"step": s, "loss": 1.0 / s, "eval_loss": 1.2 / s, "eval_f1": 0.5 + s / 100} for s in (1, 2, 3)]
+    assert _png_size(plot_history(History(records=recs), tmp_path / "f1.png")) == (1000, 400)  # a second panel
+
+
+def test_memory_command_says_which_workloads_it_estimates(tmp_path, monkeypatch, capsys):
+    from gputrain.cli import main
+
+    (tmp_path / "dictwl.py").write_text(
+        "import torch\nfrom torch import nn\nimport gputrain\nfrom gputrain.workloads import DataSplits\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.l = nn.Linear(4, 2)\n"
+        "    def forward(self, x, labels):\n        return {'loss': nn.functional.cross_entropy(self.l(x), labels)}\n"
+        "def make():\n"
+        "    x = torch.randn(32, 4); y = torch.randint(0, 2, (32,))\n"
+        "    return gputrain.Workload(name='dicts', description='t', make_data=lambda: DataSplits(train={'x': x, 'labels': y}),\n"
+        "        make_model=M, loss_fn=None, task=None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["memory", "dictwl:make", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gputrain profile" in err

@@ -65,7 +65,15 @@ def memory_report(args) -> dict[str, Any]:
     device = pick_device(args.device)
     precision = resolve_precision(args.precision, device)
     data = workload.make_data()
-    x_all, y_all = data.train
+    from gputrain.data.placement import as_tensors
+
+    if as_tensors(data.train) is None or workload.compute_loss is not None:
+        from gputrain.errors import ConfigError
+
+        raise ConfigError(f"gputrain memory estimates (inputs, targets) workloads with a loss_fn; {workload.name} "
+                          "trains on other batches: measure it with `gputrain profile` (peak memory per step) or "
+                          "fit's summary (peak_memory_bytes)")
+    x_all, y_all = as_tensors(data.train)
     n = int(x_all.shape[0])
     if args.batch_size is not None:
         batch_size = args.batch_size

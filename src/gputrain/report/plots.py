@@ -24,7 +24,9 @@ def plot_history(history, path: str | Path) -> Path | None:
         points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         return [p[0] for p in points], [p[1] for p in points]
 
-    acc_keys = sorted({k for r in recs for k in r if k.endswith("accuracy") and r[k] is not None})
+    # Every evaluation metric but the loss: the built-in accuracy and the user's eval_<name> values.
+    acc_keys = sorted({k for r in recs for k in r if k.startswith("eval_") and k != "eval_loss"
+                       and isinstance(r[k], (int, float))})
     fig = Figure(figsize=(10 if acc_keys else 6, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2 if acc_keys else 1, 1)
@@ -47,7 +49,7 @@ def plot_history(history, path: str | Path) -> Path | None:
             x, y = series(key)
             ax2.plot(x, y, marker="o", markersize=3, label=key.replace("_", " "))
         ax2.set_xlabel("optimizer step")
-        ax2.set_ylabel("accuracy")
+        ax2.set_ylabel("accuracy" if all(k.endswith("accuracy") for k in acc_keys) else "eval metrics")
         ax2.legend()
         ax2.grid(alpha=0.3)
     summary = history.summary or {}
