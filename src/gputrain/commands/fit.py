@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-nan", choices=["stop", "skip"], default=None,
                    help="a non-finite loss or gradient: stop with an error (default), or skip such steps")
     p.add_argument("--on-spike", choices=["warn", "stop"], default=None, help="a loss spike: warn (default) or stop")
+    p.add_argument("--autotune", action="store_true",
+                   help="try graphs/compile/channels_last/precision for a few steps each, train with the fastest "
+                        "(cached per model, device and batch shape; the batch size is never changed)")
+    p.add_argument("--autotune-force", action="store_true", help="with --autotune: measure again, ignore the cache")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no run log")
 
@@ -212,6 +216,18 @@ def run(args) -> int:
     if args.batch_size == "auto":
         config = _auto_batch_size(workload, config)
         full_batch = False
+    autotune_report = None
+    if args.autotune or args.autotune_force:
+        from gputrain.diagnostics.autotune import autotune, render_report
+        from gputrain.train.fit import workload_config
+
+        config, autotune_report = autotune(workload, workload_config(workload, config, full_batch),
+                                           force=args.autotune_force)
+        full_batch = False  # workload_config above already applied it
+        if is_main and not args.json:
+            from rich.console import Console
+
+            render_report(autotune_report, Console())
 
     from gputrain.train import fit_workload
 
@@ -223,8 +239,10 @@ def run(args) -> int:
     if config.run_dir:
         summary["run_dir"] = config.run_dir
     if args.json:
-        print(json.dumps({"summary": summary, "final": history.records[-1] if history.records else None},
-                         indent=2, default=str))
+        out = {"summary": summary, "final": history.records[-1] if history.records else None}
+        if autotune_report is not None:
+            out["autotune"] = autotune_report
+        print(json.dumps(out, indent=2, default=str))
     else:
         from rich.console import Console
 

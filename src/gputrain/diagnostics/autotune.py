@@ -1,0 +1,260 @@
+"""`gputrain fit --autotune`: a short trial of candidate switch sets on the real workload.
+
+Each candidate (cuda_graphs, channels_last, precision, compile) runs a few real training steps
+through `Trainer.train_one_step`; the fastest by samples/s wins. The choice is cached per (model
+signature, device, batch shape, torch version, untried config fields) so the next run skips the
+trial. The batch size and accumulation are never changed: the effective batch stays as configured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger("gputrain")
+
+TRIED_FIELDS = ("cuda_graphs", "channels_last", "precision", "compile")
+DEFAULT_STEPS = 5
+WARMUP_STEPS = 2  # compile / capture / cudnn autotuning happen here (reported as compile_s)
+
+
+def default_cache_path() -> Path:
+    from gputrain.workloads.datasets import cache_root
+
+    return cache_root() / "autotune.json"
+
+
+def _is_conv_net(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
+
+
+def candidates(config, device: torch.device, model: nn.Module, include_compile: bool | None = None) -> list[dict]:
+    """TrainConfig overrides to try (not compiled; the compiled variant of the winner is tried after).
+
+    CUDA: cuda_graphs on/off x precision (bf16, or fp16 without bf16; and fp32), plus channels_last
+    with the low precision for conv nets: at most 6 sets, and 1 compiled set after them (<= 7).
+    CPU/MPS: precision fp32/bf16 x channels_last on/off for conv nets (<= 4).
+    `include_compile` is used by `autotune` (default: on CUDA only).
+    """
+    conv = _is_conv_net(model)
+    out: list[dict] = []
+    if device.type == "cuda":
+        low = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        for graphs in (True, False):
+            for precision in (low, "fp32"):
+                out.append({"cuda_graphs": graphs, "channels_last": False, "precision": precision, "compile": False})
+            if conv:
+                out.append({"cuda_graphs": graphs, "channels_last": True, "precision": low, "compile": False})
+    else:
+        for precision in ("fp32", "bf16"):
+            for cl in ((False, True) if conv else (False,)):
+                out.append({"cuda_graphs": False, "channels_last": cl, "precision": precision, "compile": False})
+    return out
+
+
+def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, warmup: int = WARMUP_STEPS) -> dict:
+    """Time `steps` real training steps of `workload` under `config` + `overrides`; a row of the table.
+
+    An exception (OOM, a failed compile, an unsupported precision) becomes status "error: ...".
+    """
+    from gputrain.runtime.devices import synchronizer
+    from gputrain.train import Trainer
+
+    row: dict[str, Any] = {"overrides": dict(overrides), "samples_per_s": None, "step_ms": None,
+                           "peak_memory": None, "compile_s": None, "graphs": None, "status": "ok"}
+    trainer = None
+    try:
+        cfg = config.replace(**overrides, steps=10**9, epochs=None, log_every=10**9, run_dir=None, resume=False,
+                             progress=False, stop_at_step=None)
+        torch.manual_seed(cfg.seed)
+        trainer = Trainer(workload.make_model(), workload.make_data(), config=cfg, task=workload.task,
+                          **workload.loss_kwargs())
+        device = trainer.device
+        sync = synchronizer(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            trainer.train_one_step()
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_one_step()
+        sync()
+        elapsed = time.perf_counter() - t1
+        row["compile_s"] = t1 - t0
+        row["step_ms"] = 1000 * elapsed / steps
+        row["samples_per_s"] = cfg.batch_size * cfg.accumulate * steps / max(elapsed, 1e-9)
+        if device.type == "cuda":
+            row["peak_memory"] = int(torch.cuda.max_memory_allocated(device))
+        try:
+            row["graphs"] = trainer.graph_status()
+        except Exception:  # noqa: BLE001 - reporting only
+            row["graphs"] = None
+    except Exception as exc:  # noqa: BLE001 - a failing candidate is a row, not a crash
+        row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        del trainer
+    return row
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from gputrain.runtime.devices import cpu_model_name
+
+    try:
+        name = cpu_model_name()
+    except Exception:  # noqa: BLE001 - the key only needs something stable
+        name = platform.processor() or platform.machine()
+    return f"{device.type}:{name}"
+
+
+def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
+    """(hash, what it hashes): model signature, device name, batch signature, torch version, untried fields."""
+    from gputrain import batch as batches
+
+    model = workload.make_model()
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    data = workload.make_data()
+    x, y = data.train if isinstance(data.train, (tuple, list)) and len(data.train) == 2 else (data.train, None)
+    try:
+        one = (x[: config.batch_size], y[: config.batch_size]) if y is not None else None
+        batch_sig = str(batches.signature(one)) if one is not None else type(data.train).__name__
+    except Exception:  # noqa: BLE001 - an unusual data container: its type stands in
+        batch_sig = type(data.train).__name__
+    cfg = config.to_dict()
+    untried = {k: cfg[k] for k in sorted(cfg) if k not in TRIED_FIELDS and k in
+               ("batch_size", "accumulate", "data_on_device", "cudnn_benchmark", "fused_optimizer",
+                "compile_mode", "checkpointing", "max_grad_norm", "shard")}
+    parts = {"model": type(model).__name__, "params": repr(params), "device": _device_name(device),
+             "batch": batch_sig, "torch": torch.__version__, "config": repr(untried)}
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return digest, parts
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    from gputrain.io.checkpoint import atomic_file
+
+    data = _read_cache(path)
+    data[key] = entry
+    with atomic_file(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+def _batch_note(config) -> str:
+    eff = config.batch_size * config.accumulate
+    acc = f" x {config.accumulate} accumulated" if config.accumulate > 1 else ""
+    return f"kept at {config.batch_size}{acc} = {eff} (autotune does not change the effective batch)"
+
+
+def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Path | None = None,
+             force: bool = False, include_compile: bool | None = None,
+             trial: Callable | None = None) -> tuple[Any, dict]:
+    """Try the candidates on `workload`, keep the fastest; returns (config with the choice, report)."""
+    from gputrain.runtime.devices import pick_device
+
+    trial = trial or run_trial
+    device = pick_device(config.device)
+    config = config.replace(device=str(device))
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    key, parts = cache_key(workload, config, device)
+    report: dict[str, Any] = {"rows": [], "choice": None, "cached": False, "key": key, "cache_path": str(path),
+                              "device": parts["device"], "batch": _batch_note(config), "steps": steps}
+    if not force:
+        entry = _read_cache(path).get(key)
+        if entry and isinstance(entry.get("choice"), dict):
+            report.update(rows=entry.get("rows", []), choice=entry["choice"], cached=True)
+            log.info("autotune: cached choice %s (from %s); --autotune-force to measure again",
+                     _describe(entry["choice"]), path)
+            return config.replace(**entry["choice"]), report
+
+    if include_compile is None:
+        include_compile = device.type == "cuda"
+    cands = candidates(config, device, workload.make_model())
+    rows = []
+    for overrides in cands:
+        log.info("autotune: trying %s", _describe(overrides))
+        rows.append(trial(workload, config, overrides, steps))
+    ok = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
+    if include_compile and ok:
+        best = max(ok, key=lambda r: r["samples_per_s"])
+        compiled = dict(best["overrides"], compile=True)
+        log.info("autotune: trying %s", _describe(compiled))
+        rows.append(trial(workload, config, compiled, steps))
+        ok = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
+    report["rows"] = rows
+    if not ok:
+        log.warning("autotune: every candidate failed; training with the configured switches")
+        return config, report
+    best = max(ok, key=lambda r: r["samples_per_s"])
+    for r in rows:
+        r["chosen"] = r is best
+    choice = dict(best["overrides"])
+    report["choice"] = choice
+    _write_cache(path, key, {"choice": choice, "rows": rows, "key_parts": parts,
+                             "written": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    log.info("autotune: chose %s (%.0f samples/s); batch %s", _describe(choice), best["samples_per_s"],
+             report["batch"])
+    return config.replace(**choice), report
+
+
+def _describe(overrides: dict) -> str:
+    def v(x):
+        return "on" if x is True else "off" if x is False else str(x)
+
+    return ", ".join(f"{k}={v(overrides[k])}" for k in TRIED_FIELDS if k in overrides)
+
+
+def _graphs_cell(requested, status: str | None) -> str:
+    """'on' / 'off'; 'on (not used)' when graphs were asked for but the step ran eagerly."""
+    if not requested:
+        return "off"
+    used = status is None or not str(status).lower().startswith("off")
+    return "on" if used else "on (not used)"
+
+
+def render_report(report: dict, console) -> None:
+    """The trial table and the choice (rich)."""
+    from rich.table import Table
+
+    title = "autotune" + (" (cached: " + report.get("cache_path", "") + ")" if report.get("cached") else "")
+    table = Table(title=title)
+    for col in ("graphs", "channels_last", "precision", "compile", "samples/s", "step ms", "memory",
+                "compile s", "status"):
+        table.add_column(col)
+    for r in report.get("rows", []):
+        o = r.get("overrides", {})
+        mem = r.get("peak_memory")
+        table.add_row(
+            _graphs_cell(o.get("cuda_graphs"), r.get("graphs")),
+            "on" if o.get("channels_last") else "off", str(o.get("precision")),
+            "on" if o.get("compile") else "off",
+            f"{r['samples_per_s']:,.0f}" if r.get("samples_per_s") else "-",
+            f"{r['step_ms']:.2f}" if r.get("step_ms") else "-",
+            f"{mem / 2**20:,.0f} MiB" if mem else "-",
+            f"{r['compile_s']:.2f}" if r.get("compile_s") is not None else "-",
+            ("* chosen" if r.get("chosen") else r.get("status", "")) if r.get("status") == "ok" else r.get("status"),
+        )
+    console.print(table)
+    console.print(f"choice: {_describe(report['choice']) if report.get('choice') else 'none (configured switches)'}")
+    console.print(f"batch: {report.get('batch')}")

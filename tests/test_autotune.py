@@ -1,0 +1,129 @@
+"""gputrain fit --autotune (issue 14): trial rows, choice of the fastest, cache, error rows, batch kept."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from gputrain.config import TrainConfig
+from gputrain.diagnostics import autotune as at
+from gputrain.workloads import DataSplits, Workload
+
+
+def tiny_workload() -> Workload:
+    def make_data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 4, (256,), generator=g)
+        return DataSplits(train=(x, y), mean=(127.5,), std=(64.0,))
+
+    def make_model():
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+
+    return Workload(name="tiny", description="test", make_data=make_data, make_model=make_model,
+                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
+
+
+def config(**kw) -> TrainConfig:
+    return TrainConfig(**{"device": "cpu", "precision": "fp32", "batch_size": 32, "accumulate": 2, **kw})
+
+
+def fake_trial(speeds: dict, calls: list):
+    """A run_trial whose samples/s is speeds[(precision, channels_last)]; None there = an exception row."""
+
+    def trial(workload, cfg, overrides, steps):
+        calls.append(dict(overrides))
+        speed = speeds[(overrides["precision"], overrides["channels_last"])]
+        if speed is None:
+            return {"overrides": dict(overrides), "samples_per_s": None, "step_ms": None, "peak_memory": None,
+                    "compile_s": None, "graphs": None, "status": "error: RuntimeError: boom"}
+        return {"overrides": dict(overrides), "samples_per_s": speed, "step_ms": 1.0, "peak_memory": None,
+                "compile_s": 0.1, "graphs": None, "status": "ok"}
+
+    return trial
+
+
+def test_candidates_cpu_conv_net_and_dense_net():
+    dev = torch.device("cpu")
+    conv = at.candidates(config(), dev, tiny_workload().make_model())
+    assert {(c["precision"], c["channels_last"]) for c in conv} == {
+        ("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)}
+    assert not any(c["compile"] or c["cuda_graphs"] for c in conv)
+    dense = at.candidates(config(), dev, nn.Sequential(nn.Linear(4, 4)))
+    assert {(c["precision"], c["channels_last"]) for c in dense} == {("fp32", False), ("bf16", False)}
+
+
+def test_real_trial_runs_and_reports_a_row():
+    row = at.run_trial(tiny_workload(), config(), {"precision": "fp32", "channels_last": False,
+                                                   "cuda_graphs": False, "compile": False}, steps=2)
+    assert row["status"] == "ok", row
+    assert row["samples_per_s"] > 0 and row["compile_s"] >= 0 and row["peak_memory"] is None
+
+
+def test_failing_candidate_becomes_an_error_row():
+    row = at.run_trial(tiny_workload(), config(), {"precision": "no-such-precision"}, steps=2)
+    assert row["status"].startswith("error:") and row["samples_per_s"] is None
+
+
+def test_picks_the_fastest_and_keeps_the_batch(tmp_path, monkeypatch):
+    calls = []
+    speeds = {("fp32", False): 100.0, ("fp32", True): 50.0, ("bf16", False): None, ("bf16", True): 300.0}
+    monkeypatch.setattr(at, "run_trial", fake_trial(speeds, calls))
+    cache = tmp_path / "autotune.json"
+    cfg, report = at.autotune(tiny_workload(), config(), steps=2, cache_path=cache)
+
+    assert report["choice"] == {"cuda_graphs": False, "channels_last": True, "precision": "bf16", "compile": False}
+    assert cfg.precision == "bf16" and cfg.channels_last is True
+    assert cfg.batch_size == 32 and cfg.accumulate == 2  # never changed
+    assert "kept at 32" in report["batch"] and "does not change the effective batch" in report["batch"]
+    assert len(calls) == 4 and not report["cached"]
+    errors = [r for r in report["rows"] if r["status"].startswith("error")]
+    assert len(errors) == 1 and errors[0]["overrides"]["precision"] == "bf16"
+    assert [r["chosen"] for r in report["rows"]].count(True) == 1
+    assert report["key"] in json.loads(cache.read_text())
+
+    # Second call: the cached choice, no trial.
+    calls.clear()
+    cfg2, report2 = at.autotune(tiny_workload(), config(), steps=2, cache_path=cache)
+    assert calls == [] and report2["cached"] and report2["choice"] == report["choice"]
+    assert cfg2.precision == "bf16" and cfg2.batch_size == 32
+
+    # force measures again; a different batch size is a different key.
+    at.autotune(tiny_workload(), config(), steps=2, cache_path=cache, force=True)
+    assert len(calls) == 4
+    calls.clear()
+    _, report3 = at.autotune(tiny_workload(), config(batch_size=16), steps=2, cache_path=cache)
+    assert len(calls) == 4 and report3["key"] != report["key"]
+
+
+def test_compile_is_tried_only_with_the_best_set(tmp_path, monkeypatch):
+    calls = []
+    speeds = {("fp32", False): 100.0, ("fp32", True): 500.0, ("bf16", False): 10.0, ("bf16", True): 20.0}
+    monkeypatch.setattr(at, "run_trial", fake_trial(speeds, calls))
+    _, report = at.autotune(tiny_workload(), config(), steps=2, cache_path=tmp_path / "c.json", include_compile=True)
+    compiled = [c for c in calls if c["compile"]]
+    assert len(compiled) == 1 and compiled[0]["precision"] == "fp32" and compiled[0]["channels_last"] is True
+
+
+def test_all_failing_keeps_the_config(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(at, "run_trial", fake_trial(dict.fromkeys(
+        [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)]), calls))
+    cfg, report = at.autotune(tiny_workload(), config(), steps=2, cache_path=tmp_path / "c.json")
+    assert report["choice"] is None and cfg.precision == "fp32" and not (tmp_path / "c.json").exists()
+
+
+def test_cli_autotune_json(tmp_path, monkeypatch, capsys):
+    from gputrain.cli import main
+
+    monkeypatch.setenv("GPUTRAIN_CACHE", str(tmp_path))
+    rc = main(["fit", "digits-cnn", "--autotune", "--steps", "3", "--no-save", "--json", "--device", "cpu"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rep = out["autotune"]
+    assert rep["choice"] is not None and not rep["cached"] and len(rep["rows"]) == 4
+    assert "does not change the effective batch" in rep["batch"]
+    assert out["summary"]["workload"] == "digits-cnn"
+    assert (tmp_path / "autotune.json").exists()
