@@ -25,8 +25,15 @@ _WATCHED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
+    import logging
+
     before = dict(os.environ)
+    # The CLI gives the "gputrain" logger its own handler (and stops propagation) for the run log;
+    # put the logger back so a later test's caplog sees the records again.
+    logger = logging.getLogger("gputrain")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
     yield
+    logger.handlers[:], logger.propagate, logger.level = saved
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
