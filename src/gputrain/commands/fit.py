@@ -191,6 +191,10 @@ def build_config(args, workload):
 def run(args) -> int:
     if args.list:
         return _list(args.json)
+    if args.nproc and args.nproc > 1 and (args.autotune or args.autotune_force):
+        raise ConfigError("--autotune runs its trials in one process: run it once without --nproc, then start the "
+                          "job with --nproc and the switches it chose (--precision, --cuda-graphs, --channels-last, "
+                          "--compile)")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from gputrain.runtime.distributed import launch_torchrun
 
