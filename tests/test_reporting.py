@@ -209,21 +209,3 @@ def test_formatting_helpers():
 def test_curves_show_the_users_eval_metrics_too(tmp_path):
     recs = [{"step": s, "loss": 1.0 / s, "eval_loss": 1.2 / s, "eval_f1": 0.5 + s / 100} for s in (1, 2, 3)]
     assert _png_size(plot_history(History(records=recs), tmp_path / "f1.png")) == (1000, 400)  # a second panel
-
-
-def test_memory_command_says_which_workloads_it_estimates(tmp_path, monkeypatch, capsys):
-    from gputrain.cli import main
-
-    (tmp_path / "dictwl.py").write_text(
-        "import torch\nfrom torch import nn\nimport gputrain\nfrom gputrain.workloads import DataSplits\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.l = nn.Linear(4, 2)\n"
-        "    def forward(self, x, labels):\n        return {'loss': nn.functional.cross_entropy(self.l(x), labels)}\n"
-        "def make():\n"
-        "    x = torch.randn(32, 4); y = torch.randint(0, 2, (32,))\n"
-        "    return gputrain.Workload(name='dicts', description='t', make_data=lambda: DataSplits(train={'x': x, 'labels': y}),\n"
-        "        make_model=M, loss_fn=None, task=None)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["memory", "dictwl:make", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "gputrain profile" in err

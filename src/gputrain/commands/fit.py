@@ -268,23 +268,37 @@ def _auto_batch_size(workload, config):
         return config
     import torch
 
+    from gputrain.batch import map_tensors
     from gputrain.data import BatchTransform
+    from gputrain.data.placement import as_columns
+    from gputrain.data.resident import column_length
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
     from gputrain.runtime.precision import resolve_precision
+    from gputrain.train.loss import LossRule, is_pair
 
     data = workload.make_data()
+    columns = as_columns(data.train)
+    if columns is None:
+        log.warning("--batch-size auto searches workloads whose data are tensor columns (a tuple of tensors or a "
+                    "dict of tensors); %s trains on a Dataset or DataLoader: using the workload's default %d",
+                    workload.name, config.batch_size)
+        return config
     model = workload.make_model().to(device)
     precision = resolve_precision(config.precision, device)
-    x_all, y_all = data.train
-    n = x_all.shape[0]
+    n = column_length(columns)
+    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=getattr(workload, "compute_loss", None))
+    pair = is_pair(columns) and loss.compute_loss is None  # the normalization applies to a pair's inputs
     transform = BatchTransform(data.mean, data.std)
 
     def make_batch(b: int):
         idx = torch.arange(b) % n  # repeat samples when b exceeds the data set
-        return transform(x_all[idx].to(device), train=False), y_all[idx].to(device)
+        if pair:
+            x_all, y_all = columns
+            return transform(x_all[idx].to(device), train=False), y_all[idx].to(device)
+        return map_tensors(lambda t: t[idx].to(device), columns)
 
     # One real training step per trial, optimizer state included (AdamW's two moments).
-    trial = batch_trial(model, make_batch, workload.loss_fn, precision, "adamw")
+    trial = batch_trial(model, make_batch, None, precision, "adamw", loss=loss)
     best = find_max_batch(trial, start=config.batch_size, limit=n, device=device)
     model.to("cpu")
     torch.cuda.empty_cache()

@@ -65,33 +65,41 @@ def memory_report(args) -> dict[str, Any]:
     device = pick_device(args.device)
     precision = resolve_precision(args.precision, device)
     data = workload.make_data()
-    from gputrain.data.placement import as_tensors
+    from gputrain.data.placement import as_columns
+    from gputrain.data.resident import column_length
+    from gputrain.errors import ConfigError
+    from gputrain.batch import map_tensors
+    from gputrain.train.loss import LossRule, is_pair
 
-    if as_tensors(data.train) is None or workload.compute_loss is not None:
-        from gputrain.errors import ConfigError
-
-        raise ConfigError(f"gputrain memory estimates (inputs, targets) workloads with a loss_fn; {workload.name} "
-                          "trains on other batches: measure it with `gputrain profile` (peak memory per step) or "
-                          "fit's summary (peak_memory_bytes)")
-    x_all, y_all = as_tensors(data.train)
-    n = int(x_all.shape[0])
+    columns = as_columns(data.train)
+    if columns is None:
+        raise ConfigError(f"gputrain memory estimates workloads whose data are tensor columns (a tuple of tensors or "
+                          f"a dict of equal-length tensors); {workload.name} trains on a Dataset or DataLoader: "
+                          "measure it with `gputrain profile` (peak memory per step) or fit's summary "
+                          "(peak_memory_bytes)")
+    n = column_length(columns)
     if args.batch_size is not None:
         batch_size = args.batch_size
     elif workload.full_batch:
         batch_size = n
     else:
         batch_size = int(workload.defaults.get("batch_size", 64))
-    transform = BatchTransform(data.mean, data.std, None)
+    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)
+    # The normalization applies to the inputs of pair workloads (as fit's pair loaders do).
+    pair = is_pair(columns) and workload.compute_loss is None
+    transform = BatchTransform(data.mean, data.std, None) if pair else None
 
     def make_batch(b: int):
         idx = torch.arange(b) % n  # batches larger than the data set repeat it
-        return transform(x_all[idx].to(device), train=True), y_all[idx].to(device)
+        if pair:
+            x_all, y_all = columns
+            return transform(x_all[idx].to(device), train=True), y_all[idx].to(device)
+        return map_tensors(lambda t: t[idx].to(device), columns)  # every column, the same rows
 
     torch.manual_seed(0)
     model = workload.make_model().to(device)
     sample = make_batch(min(SAMPLE, batch_size, n) if min(SAMPLE, batch_size, n) >= 2 else min(2, batch_size))
-    estimate = estimate_memory(model, sample, args.optimizer, precision, batch_size=batch_size,
-                               loss_fn=workload.loss_fn)
+    estimate = estimate_memory(model, sample, args.optimizer, precision, batch_size=batch_size, loss=loss)
     stats = memory_stats(device)
     if device.type == "cuda":
         capacity, capacity_label = stats["total_bytes"], "device memory"
@@ -101,7 +109,7 @@ def memory_report(args) -> dict[str, Any]:
         capacity, capacity_label = args.limit, "--limit"
 
     try:
-        measured = measure_step_memory(model, make_batch(batch_size), workload.loss_fn, precision, args.optimizer)
+        measured = measure_step_memory(model, make_batch(batch_size), None, precision, args.optimizer, loss=loss)
     except Exception as exc:  # noqa: BLE001 - an OOM is a finding here, not a failure
         if not is_oom(exc):
             raise
@@ -119,7 +127,8 @@ def memory_report(args) -> dict[str, Any]:
                               "OS swaps instead of failing. Run it on a CUDA GPU, or pass --limit BYTES for a dry run "
                               "against a pretend memory size")
         else:
-            trial = batch_trial(model, make_batch, workload.loss_fn, precision, args.optimizer, limit_bytes=args.limit)
+            trial = batch_trial(model, make_batch, None, precision, args.optimizer, limit_bytes=args.limit,
+                                loss=loss)
             result = find_max_batch(trial, start=max(1, min(batch_size, args.max_batch)), limit=args.max_batch,
                                     device=device)
             search["result"] = result

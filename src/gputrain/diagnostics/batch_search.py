@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gputrain.diagnostics.estimate import _as_pair, _device_of, _probe_step, measure_step_memory
+from gputrain.diagnostics.estimate import _device_of, _probe_step, measure_step_memory
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.runtime.oom import free_after_oom, is_oom
 
@@ -90,27 +90,29 @@ def find_max_batch(try_batch: Callable[[int], None], start: int = 1, limit: int 
 
 
 def batch_trial(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: Callable | None = None, precision=None,
-                optimizer_name: str = "adamw", limit_bytes: int | None = None) -> Callable[[int], None]:
+                optimizer_name: str = "adamw", limit_bytes: int | None = None,
+                loss=None) -> Callable[[int], None]:
     """A `try_batch` for `find_max_batch`: one training step at batch size b.
 
-    make_batch(b) -> (inputs, targets) of b samples. Without limit_bytes the step just runs (on a
+    make_batch(b) -> a batch of b samples: (inputs, targets) with loss_fn, or any batch (a dict,
+    a tuple of tensors, nested containers) with `loss` (a LossRule or a callable
+    (model, batch) -> loss; without one, the model's own loss). Without limit_bytes the step just runs (on a
     GPU a batch too large raises a real out-of-memory error). With limit_bytes the step's memory
     (as `measure_step_memory` gets it: the real peak on CUDA, the estimate elsewhere) is compared
     with limit_bytes and torch.OutOfMemoryError raised above it: a dry run of the search on any
     device, or a smaller GPU simulated on a bigger one.
     """
     device = _device_of(model)
-    step = _probe_step(model, loss_fn, precision, optimizer_name)
+    step = _probe_step(model, loss_fn, precision, optimizer_name, loss=loss)
 
     def trial(b: int) -> None:
         batch = make_batch(b)
         if limit_bytes is None:
-            x, y = _as_pair(batch)
-            step(x, y)
+            step(batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             return
-        need = measure_step_memory(model, batch, loss_fn, precision, optimizer_name)["peak_bytes"]
+        need = measure_step_memory(model, batch, loss_fn, precision, optimizer_name, loss=loss)["peak_bytes"]
         if need > limit_bytes:
             raise torch.OutOfMemoryError(f"out of memory (limit): a batch of {b} needs {need:,} bytes, "
                                          f"the limit is {limit_bytes:,}")
