@@ -28,12 +28,19 @@ def _no_leaks():
     import logging
 
     before = dict(os.environ)
-    # The CLI gives the "gputrain" logger its own handler (and stops propagation) for the run log;
-    # put the logger back so a later test's caplog sees the records again.
+    # The CLI gives the "gputrain" logger its own handler (and stops propagation) for the run log,
+    # also when a module-scoped fixture runs it: every test starts and ends with the logger plain, so
+    # caplog sees its records.
     logger = logging.getLogger("gputrain")
-    saved = (list(logger.handlers), logger.propagate, logger.level)
+
+    def plain():
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+
+    plain()
     yield
-    logger.handlers[:], logger.propagate, logger.level = saved
+    plain()
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
