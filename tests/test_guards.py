@@ -125,3 +125,55 @@ def test_spikes_reach_the_summary():
             config=TrainConfig(device="cpu", batch_size=8, steps=40, log_every=1, lr=1e-3))
     assert any(s["step"] in (30, 31, 32) for s in h.summary["loss_spikes"])
     assert any("loss spike" in w for w in h.summary["warnings"])
+
+
+class _InfThroughTanh(nn.Module):
+    """An inf input gives a finite loss (tanh saturates) but NaN gradients (0 x inf in backward)."""
+
+    def __init__(self, at):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.at, self.n = nn.Linear(4, 8), nn.Linear(8, 2), at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.n += 1
+            if self.n == self.at:
+                x = x.clone()
+                x[0, 0] = float("inf")
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def test_nan_gradients_under_a_finite_loss_are_caught_too():
+    with pytest.raises(NonFiniteError, match="between steps 5 and 8"):
+        fit(_InfThroughTanh(at=6), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4))
+    model = _InfThroughTanh(at=6)
+    h = fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, on_nan="skip"))
+    assert h.summary["nonfinite_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    from gputrain.errors import CheckpointError
+    from gputrain.io.checkpoint_store import CheckpointStore
+
+    real_save = CheckpointStore.save
+    calls = []
+
+    def save(self, state, step, metrics=None):
+        calls.append(step)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, state, step, metrics)
+
+    monkeypatch.setattr(CheckpointStore, "save", save)
+    run_dir = tmp_path / "run"
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 10 .*No space left on device; the previous "
+                                              r"checkpoint .*step-000005\.pt is intact.*--resume"):
+        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=20, checkpoint_every=5, run_dir=str(run_dir)))
+    assert CheckpointStore(run_dir).latest_path().name == "step-000005.pt"

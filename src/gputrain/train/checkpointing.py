@@ -56,12 +56,20 @@ def save_checkpoint(t, path: Path | None = None) -> Path | None:
 
     state = t.state_dict()  # collective under DDP/FSDP: every rank takes part
     if t.is_main:
-        if path is not None:
-            save_checkpoint(path, state)
-        else:
-            last = t.history.records[-1] if t.history.records else {}
-            metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-            path = t.store.save(state, t.state.step, metrics=metrics)
+        try:
+            if path is not None:
+                save_checkpoint(path, state)
+            else:
+                last = t.history.records[-1] if t.history.records else {}
+                metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
+                path = t.store.save(state, t.state.step, metrics=metrics)
+        except OSError as exc:  # a full disk, a vanished folder: the previous checkpoint is untouched
+            where = path or (t.run_dir / "checkpoints")
+            previous = f"the previous checkpoint {t.last_checkpoint} is intact" if t.last_checkpoint else \
+                "no earlier checkpoint of this run exists"
+            raise CheckpointError(f"could not write the checkpoint of step {t.state.step} to {where}: "
+                                  f"{exc.strerror or exc}; {previous}. Free space (or choose another --run-dir) "
+                                  f"and resume with --resume {t.run_dir}") from exc
     distributed.barrier(t.dist)
     if path is None:
         path = t.store.latest_path()

@@ -112,6 +112,12 @@ class TrainStep:
             self.precision.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self.device.type == "cuda" or None)
             finite = finite & torch.isfinite(norm)
+        elif not self.precision.precision.use_scaler:  # fp16: the scaler checks (and skips) itself
+            # A finite loss can still give non-finite gradients (an inf input through a saturated
+            # tanh: 0 x inf in backward). One norm over the gradients, on the device, no host read.
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                finite = finite & torch.isfinite(nn.utils.get_total_norm(grads, foreach=self.device.type == "cuda" or None))
         if self.skip_nonfinite:
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = (~finite).float()
