@@ -111,13 +111,14 @@ class TrainStep:
         if self.max_grad_norm is not None:
             self.precision.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self.device.type == "cuda" or None)
-            finite = finite & torch.isfinite(norm)
+            finite = finite & torch.isfinite(_local(norm))
         elif not self.precision.precision.use_scaler:  # fp16: the scaler checks (and skips) itself
             # A finite loss can still give non-finite gradients (an inf input through a saturated
             # tanh: 0 x inf in backward). One norm over the gradients, on the device, no host read.
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
-                finite = finite & torch.isfinite(nn.utils.get_total_norm(grads, foreach=self.device.type == "cuda" or None))
+                norm = nn.utils.get_total_norm(grads, foreach=self.device.type == "cuda" or None)
+                finite = finite & torch.isfinite(_local(norm))
         if self.skip_nonfinite:
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = (~finite).float()
@@ -163,3 +164,9 @@ class TrainStep:
         self.loss_sum.zero_()
         self.nonfinite.zero_()
         return totals[0], totals[1]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a norm over sharded (FSDP2 DTensor) gradients: the full value, on every rank."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
