@@ -3,7 +3,8 @@
 For each workload: wall time per step of gputrain.fit with CUDA graphs and without, the GPU time of
 the captured step alone (back-to-back replays of the graph: no host work between them), and a
 minimal hand loop over tensors on the device. Wall much above replay-only means the host bounds
-the step (Python, launches, the data pipeline); close to it means the GPU does. --profile adds
+the step (Python, launches, the data pipeline); close to it means the GPU does (the bar: wall
+within 1.3x of replay). With resident data the graph also assembles each batch (data/deferred.py). --profile adds
 cProfile's top host functions for one graphed run.
 
 Usage (needs CUDA):
@@ -80,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.steps * 1e6
             replay = replay_only_us(trainer)
+            deferred = bool(getattr(trainer.train_loader, "defer", False))
             print(f"{name:16s} graphs {'on ' if graphs else 'off'}: {wall:8.1f} us/step wall"
-                  + (f", {replay:.1f} us/step replay only" if replay else "")
-                  + f" ({h.summary['precision']}, data {h.summary['data']})")
+                  + (f", {replay:.1f} us/step replay only, wall/replay {wall / replay:.2f}x" if replay else "")
+                  + f" ({h.summary['precision']}, data {h.summary['data']}"
+                  + (", batches assembled in the graph" if graphs and deferred else "") + ")")
         x, y = ts.normalized_float(splits)
         torch.manual_seed(0)
         b = BATCH.get(name) or x.shape[0]

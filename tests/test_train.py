@@ -226,11 +226,39 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
     graphed = runs[True][2]
     # 24 steps: 3 warm-up, then the 50-batch graph; the first partial batch runs eagerly once and
     # is captured the next epoch, so the later ones replay too.
-    assert sorted(k[1][0][0][0] for k in graphed.graphs) == [6, 50]  # signature: leaf 0's shape, dim 0
+    # Resident data: the graph assembles each batch itself (key: the data source and the batch size).
+    assert sorted(k[-1] for k in graphed.graphs) == [6, 50] and all(k[0] == "deferred" for k in graphed.graphs)
     assert graphed.eager_fallbacks == 1 and graphed.replays == 24 - 3 - 1
     assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4)
     assert [r["loss"] for r in runs[True][1].records] == pytest.approx([r["loss"] for r in runs[False][1].records],
                                                                         rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_assemble_augmented_uint8_batches_like_eager_steps_on_gpu():
+    """uint8 images normalized, crop-flipped and made channels_last inside the graph: the run ends
+    where the eager run ends (same order and draws per epoch)."""
+    from gputrain.data import BatchTransform
+    from gputrain.train.trainer import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (200, 3, 16, 16), dtype=torch.uint8, generator=g)
+    y = (x.float().mean((1, 2, 3)) > 127.5).long()
+    transform = BatchTransform(mean=(120.0,) * 3, std=(60.0,) * 3, augment="crop-flip")
+    runs = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(8, 2))
+        cfg = TrainConfig(device="cuda", precision="fp32", batch_size=64, epochs=5, cuda_graphs=graphs, seed=2,
+                          cudnn_benchmark=False)
+        trainer = Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg, transform=transform)
+        trainer.run()
+        runs[graphs] = (_params(model).cpu(), trainer)
+    graphed = runs[True][1].graphed
+    assert runs[True][1].train_loader.defer and graphed.failed is None
+    assert sorted(k[-1] for k in graphed.graphs) == [8, 64] and graphed.replays >= 20 - 3 - 1
+    assert torch.allclose(runs[True][0], runs[False][0], atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,11 @@ tensors such as {"input_ids", "attention_mask", "labels"}. The whole set is copi
 once; images stay uint8 there and are normalized (and augmented) per batch; each epoch is a seeded
 `randperm` on the device and a batch is one `index_select` per column. No per-batch host work and no
 per-batch host-to-device copy.
+
+Each epoch's order and augmentation draws (crop offsets, flips) are made once, at the epoch's start,
+into buffers that keep their addresses; a batch is rows [lo, hi) of them. So a batch can also be
+handed out deferred (`defer`, data/deferred.py): the CUDA graph of the training step then
+assembles it itself (gather, normalize, augment, layout) from one scalar the host writes per step.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from typing import Any, Iterator
 import torch
 
 from gputrain import batch as batches
+from gputrain.data.deferred import DeferredBatch
 from gputrain.data.stream import epoch_seed
-from gputrain.data.transforms import BatchTransform
+from gputrain.data.transforms import BatchTransform, CropFlip
 from gputrain.errors import DataError
 
 
@@ -64,6 +70,12 @@ class TensorBatches:
             raise DataError(f"{self.n} samples cannot be shared by {world_size} processes")
         # Generators live on the data's device so randperm and augmentation never touch the host.
         self._gen = torch.Generator(device=device)
+        # Hand out DeferredBatch (assembled by the graph that runs the step): set by the trainer only
+        # when a CUDA graph runs one micro-batch per step, which assembles each batch before the next
+        # is asked for (the next epoch's plan overwrites the buffers in place).
+        self.defer = False
+        self._order: torch.Tensor | None = None  # (per_rank,) int64: this epoch's sample order; None: plain slices
+        self._aug: CropFlip | None = None  # this epoch's augmentation draws, by position in the epoch
 
     @property
     def num_samples(self) -> int:
@@ -89,22 +101,82 @@ class TensorBatches:
             perm = perm[self.rank :: self.world_size][: self.per_rank]
         return perm
 
+    @property
+    def _augments(self) -> bool:
+        return self.shuffle and self.transform.augment is not None  # shuffle: the training split
+
+    def _plan(self, epoch: int) -> None:
+        """The epoch's order and augmentation draws, written in place (a captured graph reads them)."""
+        perm = self._indices(epoch)
+        if perm is not None:
+            if self._order is None:
+                self._order = torch.empty(self.per_rank, dtype=torch.int64, device=self.device)
+            self._order.copy_(perm)
+        if self._augments:
+            if self._aug is None:
+                self._aug = CropFlip.empty(self.per_rank, self.device)
+            self._gen.manual_seed(epoch_seed(self.seed, epoch, salt=1))
+            self._aug.draw_(self._gen)
+
+    def _assemble(self, rows, idx: torch.Tensor | None, aug: CropFlip | None) -> Any:
+        if idx is None:
+            # A new container either way (the step may change a dict batch it is given).
+            batch = batches.map_tensors((lambda t: t) if rows is None else (lambda t: t[rows]), self.columns)
+        else:
+            batch = batches.map_tensors(lambda t: t.index_select(0, idx), self.columns)
+        return self.transform(batch, self.shuffle, params=aug)
+
+    def rows(self, lo: int, hi: int) -> Any:
+        """Positions [lo, hi) of the planned epoch, assembled eagerly (slices of the plan: views)."""
+        rows = slice(lo, hi)
+        return self._assemble(rows, None if self._order is None else self._order[rows],
+                              None if self._aug is None else self._aug[rows])
+
+    def rows_at(self, start: torch.Tensor, size: int) -> Any:
+        """Positions [start, start + size) of the planned epoch, with `start` a device scalar: device
+        work only, so a CUDA graph can capture it. Equal to `rows(start, start + size)`."""
+        if size == self.per_rank:  # the whole epoch in one batch: start is 0, read the plan as it is
+            return self._assemble(None, self._order, self._aug)
+        pos = start + torch.arange(size, device=self.device)
+        idx = pos if self._order is None else self._order.index_select(0, pos)
+        return self._assemble(None, idx, None if self._aug is None else self._aug[pos])
+
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """Batches of one epoch, from batch `start_batch` on (resume)."""
-        perm = self._indices(epoch)
-        train = self.shuffle
+        self._plan(epoch)
         B = self.batch_size
         stop = len(self) * B if self.drop_last else self.per_rank
-        for i, lo in enumerate(range(start_batch * B, stop, B)):
+        for lo in range(start_batch * B, stop, B):
             hi = min(lo + B, stop)
-            if perm is None:
-                batch = batches.map_tensors(lambda t: t[lo:hi], self.columns)
-            else:
-                idx = perm[lo:hi]
-                batch = batches.map_tensors(lambda t: t.index_select(0, idx), self.columns)
-            if train and self.transform.augment:
-                self._gen.manual_seed(epoch_seed(self.seed, epoch, salt=1 + start_batch + i))
-            yield self.transform(batch, train, self._gen)
+            yield ResidentRows(self, lo, hi - lo) if self.defer else self.rows(lo, hi)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)
+
+
+class ResidentRows(DeferredBatch):
+    """Positions [start, start + size) of a TensorBatches epoch, not yet assembled.
+
+    The graph reads one int64 scalar, the start; a batch that is the whole epoch reads nothing.
+    """
+
+    def __init__(self, source: TensorBatches, start: int, size: int):
+        self.source, self.start, self.num_samples = source, start, size
+        self.key = ("resident", id(source), size)
+        self._whole = size == source.per_rank
+
+    def new_inputs(self) -> list[torch.Tensor]:
+        return [] if self._whole else [torch.zeros((), dtype=torch.int64, device=self.source.device)]
+
+    def load(self, inputs: list[torch.Tensor]) -> None:
+        if inputs:
+            inputs[0].fill_(self.start)  # one small kernel with a host scalar: no copy, no read
+
+    def build(self, inputs: list[torch.Tensor]) -> Any:
+        return self.source.rows_at(inputs[0] if inputs else None, self.num_samples)
+
+    def materialize(self) -> Any:
+        return self.source.rows(self.start, self.start + self.num_samples)
+
+    def __repr__(self) -> str:
+        return f"ResidentRows(start={self.start}, size={self.num_samples})"

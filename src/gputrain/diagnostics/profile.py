@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gputrain.config import TrainConfig
+from gputrain.data.deferred import materialize
 from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import _top_ops, trace_summary
@@ -134,7 +135,7 @@ class _StepRunner:
     def phased_step(self, clock) -> None:
         t = self.trainer
         clock.start()
-        batches = t.next_step_batches()
+        batches = [materialize(b) for b in t.next_step_batches()]  # eager: deferred batches assembled here
         clock.mark("data")
         t.train_step.run(batches, clock=clock)
         t.scheduler.step()
@@ -150,7 +151,7 @@ class _StepRunner:
         from torch.utils.flop_counter import FlopCounterMode
 
         t = self.trainer
-        batch = t.next_step_batches()[0]
+        batch = materialize(t.next_step_batches()[0])
         counter = FlopCounterMode(display=False)
         with counter:
             with t.precision.autocast():

@@ -16,6 +16,15 @@ training) is not copied again. When the non-tensor leaves change from step to st
 tensor shapes (Python values the graph would freeze), graphs are switched off with that reason.
 Anything that cannot be captured falls back to eager steps; a failed first capture switches the run
 to eager for good, with the reason logged.
+
+A deferred batch (data/deferred.py: resident data, not yet gathered) is assembled inside the graph:
+the capture records `build` (gather by the epoch's order, normalize, augment, layout) together with
+the step, and per step the host only writes the batch's start position into a device scalar. Its
+key is the deferred batch's own (the data source and the batch size).
+
+The CUDA calls (side stream, capture, memory pool) sit in `CudaGraphs`; the tests put a stand-in
+there whose capture records the callable and whose replay calls it, to check on the CPU what
+each replay reads.
 """
 
 from __future__ import annotations
@@ -26,12 +35,21 @@ from typing import Any, Sequence
 import torch
 
 from gputrain import batch as batches
+from gputrain.data.deferred import DeferredBatch, materialize
 from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
 
 WARMUP_STEPS = 3  # real training steps run eagerly on a side stream before capture
 MAX_GRAPHS = 4  # distinct batch signatures captured; more run eagerly
+
+
+def _built(batch: Any) -> Any:
+    if not isinstance(batch, DeferredBatch):
+        return batch
+    inputs = batch.new_inputs()
+    batch.load(inputs)
+    return batch.build(inputs)
 
 
 class _Graph:
@@ -51,7 +69,12 @@ class _Graph:
         # view) while we hold a reference to the tensors: the same bytes as last time.
         return tuple((t.data_ptr(), t.stride(), t._version) for t in tensors)
 
-    def load(self, tensors: list[torch.Tensor]) -> None:
+    def load(self, batch: Any) -> None:
+        """Put this step's batch where the graph reads it."""
+        if isinstance(batch, DeferredBatch):
+            batch.load(self.static)
+            return
+        tensors = _tensors(batch)[0]
         if self.copy_skippable:
             ident = self.identity(tensors)
             if self.last is not None and self.last[1] == ident:
@@ -68,6 +91,33 @@ def _tensors(batch: Any) -> tuple[list[torch.Tensor], list[Any], Any]:
     return tensors, others, (leaves, spec)
 
 
+class CudaGraphs:
+    """The CUDA side of GraphedStep: eager steps on a side stream, capture into one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def eager(self, fn) -> None:
+        # Eager on a side stream, as capture needs: lazy init (optimizer state, cuBLAS workspaces,
+        # cuDNN's algorithm choice for this shape) happens outside the capture.
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def capture(self, fn, share_pool_with: torch.cuda.CUDAGraph | None = None) -> torch.cuda.CUDAGraph:
+        """Record fn's kernels (without running them) into a new graph."""
+        graph = torch.cuda.CUDAGraph()
+        pool = share_pool_with.pool() if share_pool_with is not None else None
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
 class GraphedStep:
     """Runs training steps through `step`; after WARMUP_STEPS eager ones, replays captured graphs.
 
@@ -75,11 +125,11 @@ class GraphedStep:
     keep accumulation and several processes off this path); anything else runs `step` eagerly.
     """
 
-    def __init__(self, step: TrainStep, device: torch.device):
+    def __init__(self, step: TrainStep, device: torch.device, backend: CudaGraphs | None = None):
         self.step = step
         self.device = device
+        self.backend = backend if backend is not None else CudaGraphs(device)
         self.graphs: dict[tuple, _Graph] = {}
-        self.side = torch.cuda.Stream(device)
         self.warm = 0
         self.failed: str | None = None  # the first capture failed, or graphs were switched off: eager
         self.uncapturable: dict[tuple, str] = {}  # signatures whose capture failed after the first
@@ -100,13 +150,10 @@ class GraphedStep:
         return f"on ({len(self.graphs)} graph{'s' if len(self.graphs) != 1 else ''})" if self.graphs else "on"
 
     def _side_stream_step(self, micro_batches: Sequence[Any]) -> None:
-        # Eager on a side stream, as capture needs: lazy init (optimizer state, cuBLAS workspaces,
-        # cuDNN's algorithm choice for this shape) happens outside the capture, and the step is a
-        # real training step.
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
-            self.step(micro_batches)
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        # A real training step, eagerly, on the side stream, before a capture. A deferred batch is
+        # assembled by the code the capture will record (`build` from its loaded inputs), so that
+        # its lazy initialization also happens here, outside the capture.
+        self.backend.eager(lambda: self.step([_built(b) for b in micro_batches]))
 
     def _values_changed(self, tensors: list[torch.Tensor], others: list[Any]) -> bool:
         layout = (tuple((tuple(t.shape), t.dtype) for t in tensors), others)
@@ -118,22 +165,28 @@ class GraphedStep:
         except Exception:  # values that cannot be compared: treat as changing
             return True
 
+    def _eager(self, micro_batches: Sequence[Any]) -> None:
+        self.step([materialize(b) for b in micro_batches])
+
     def __call__(self, micro_batches: Sequence[Any]) -> None:
         if self.failed is not None or len(micro_batches) != 1:
-            self.step(micro_batches)
+            self._eager(micro_batches)
             return
         batch = micro_batches[0]
-        tensors, others, _ = _tensors(batch)
-        if others and self._values_changed(tensors, others):
-            self.failed = ("the batch's non-tensor values change between steps with the same tensor shapes, "
-                           "and a replayed graph would keep the first ones")
-            log.warning("CUDA graphs: %s; training continues eagerly", self.failed)
-            self.step(micro_batches)
-            return
-        key = batches.signature(batch)
+        if isinstance(batch, DeferredBatch):
+            key = ("deferred",) + tuple(batch.key)
+        else:
+            tensors, others, _ = _tensors(batch)
+            if others and self._values_changed(tensors, others):
+                self.failed = ("the batch's non-tensor values change between steps with the same tensor shapes, "
+                               "and a replayed graph would keep the first ones")
+                log.warning("CUDA graphs: %s; training continues eagerly", self.failed)
+                self.step(micro_batches)
+                return
+            key = batches.signature(batch)
         captured = self.graphs.get(key)
         if captured is not None:
-            captured.load(tensors)
+            captured.load(batch)
             captured.graph.replay()
             self.replays += 1
             return
@@ -144,7 +197,7 @@ class GraphedStep:
         if self.graphs:
             if key in self.uncapturable or len(self.graphs) >= MAX_GRAPHS:
                 self.eager_fallbacks += 1
-                self.step(micro_batches)
+                self._eager(micro_batches)
                 return
             if key not in self._seen:
                 # A new signature (the last, partial batch): one eager step first, a graph next time.
@@ -155,39 +208,50 @@ class GraphedStep:
         self._capture(key, batch)
 
     def _capture(self, key: tuple, batch: Any) -> None:
-        tensors, _, (leaves, spec) = _tensors(batch)
-        static = [t.clone() for t in tensors]
-        it = iter(static)
-        static_batch = batches.unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        if isinstance(batch, DeferredBatch):
+            # The graph reads the deferred batch's inputs (its start position) and assembles it.
+            static = batch.new_inputs()
+            batch.load(static)
+            static_batch = None
+            build = batch.build
+        else:
+            tensors, _, (leaves, spec) = _tensors(batch)
+            static = [t.clone() for t in tensors]
+            it = iter(static)
+            static_batch = batches.unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+            build = None
         versions = [t._version for t in static]
-        graph = torch.cuda.CUDAGraph()
-        pool = self.graph.pool() if self.graphs else None  # later signatures share the first graph's memory
         self.step.optimizer.zero_grad(set_to_none=True)
         try:
-            with torch.cuda.graph(graph, pool=pool):
-                self.step.run([static_batch])
+            # Later signatures share the first graph's memory pool.
+            graph = self.backend.capture(
+                lambda: self.step.run([build(static) if build is not None else static_batch]),
+                share_pool_with=self.graph)
         except Exception as exc:  # capture is all-or-nothing
             text = str(exc).strip()
             reason = f"capture failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
-            torch.cuda.synchronize(self.device)
+            self.backend.synchronize()
             self.step.optimizer.zero_grad(set_to_none=True)
             if self.graphs:
                 self.uncapturable[key] = reason
-                log.warning("CUDA graphs: batch %s: %s; such batches run eagerly", batches.describe(batch), reason)
+                log.warning("CUDA graphs: batch %s: %s; such batches run eagerly",
+                            batch if isinstance(batch, DeferredBatch) else batches.describe(batch), reason)
             else:
                 self.failed = reason
                 log.warning("CUDA graphs: %s; training continues eagerly", reason)
-            self.step([batch])
+            self._eager([batch])
             return
         writes_inputs = [t._version for t in static] != versions  # in-place ops on the batch
-        captured = _Graph(graph, static, copy_skippable=not writes_inputs)
+        captured = _Graph(graph, static, copy_skippable=build is None and not writes_inputs)
         if captured.copy_skippable:
+            tensors = _tensors(batch)[0]
             captured.last = (tensors, _Graph.identity(tensors))
         self.graphs[key] = captured
         # Capture records kernels without running them: replay once for this step's batch.
         graph.replay()
         self.replays += 1
         if len(self.graphs) == 1:
-            log.info("CUDA graphs: whole training step captured after %d eager warm-up steps", WARMUP_STEPS)
+            log.info("CUDA graphs: whole training step captured after %d eager warm-up steps%s", WARMUP_STEPS,
+                     ", the batch assembled inside the graph" if build is not None else "")
         else:
             log.info("CUDA graphs: another batch shape captured (%d graphs)", len(self.graphs))

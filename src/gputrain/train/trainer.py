@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from gputrain import batch as batches
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, make_loader
+from gputrain.data.deferred import num_samples
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
@@ -152,6 +152,9 @@ class Trainer:
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
         self.graphed = GraphedStep(self.train_step, self.device) if self.speed.cuda_graphs else None
+        if self.graphed is not None and cfg.accumulate == 1 and hasattr(self.train_loader, "defer"):
+            # Resident batches are assembled inside the step's graph (data/deferred.py).
+            self.train_loader.defer = True
         self.step_fn: Callable = self.graphed if self.graphed is not None else self.train_step
         if cfg.cuda_graphs is True and not self.speed.cuda_graphs:
             log.warning("CUDA graphs requested but not used: %s", self.speed.reasons["cuda_graphs"])
@@ -178,7 +181,7 @@ class Trainer:
         for _ in range(self.config.accumulate):
             micro.append(self.stream.next()[2])
             # Shapes are host metadata: no sync.
-            self.state.samples_seen += batches.batch_size(micro[-1]) * self.dist.world_size
+            self.state.samples_seen += num_samples(micro[-1]) * self.dist.world_size
         return micro
 
     def train_one_step(self) -> None:
