@@ -444,6 +444,72 @@ def test_launch_torchrun_runs_gputrain_under_torchrun(monkeypatch):
     assert int(seen["env"]["OMP_NUM_THREADS"]) >= 1
 
 
+@pytest.mark.parametrize("signalled,torchrun_code,expected", [(False, 1, 1), (True, 1, 143), (True, 0, 0),
+                                                               (False, -9, 137)])
+def test_launch_torchrun_reports_a_stop_signal_in_the_shells_code(monkeypatch, signalled, torchrun_code, expected):
+    """torchrun exits 1 when a SIGTERM stops it; the launcher that forwarded it says 143, as one process would."""
+    sent = []
+
+    class FakePopen:
+        def __init__(self, cmd, env):
+            pass
+
+        def send_signal(self, signum):
+            sent.append(signum)
+
+        def wait(self, timeout=None):
+            if signalled:
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM reaches the launcher
+            return torchrun_code
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
+    assert D.launch_torchrun(2, ["fit"]) == expected
+    assert sent == ([signal.SIGTERM] if signalled else [])  # passed on to torchrun
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_cli_main_passes_its_own_argv_to_the_launcher(monkeypatch):
+    """gputrain.cli.main(argv) with --nproc starts the processes with argv, not with sys.argv."""
+    from gputrain import cli
+
+    seen = {}
+    monkeypatch.setattr(D, "launch_torchrun", lambda nproc, argv, max_restarts=0: seen.update(
+        nproc=nproc, argv=argv, max_restarts=max_restarts) or 0)
+    monkeypatch.setattr(sys, "argv", ["pytest", "--something-else"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cli.main(["fit", "mnist1d-mlp", "--nproc", "2", "--steps", "3", "--max-restarts", "1"]) == 0
+    assert seen == {"nproc": 2, "argv": ["fit", "mnist1d-mlp", "--steps", "3"], "max_restarts": 1}
+
+
+def test_sigterm_to_fit_nproc_checkpoints_every_rank_and_exits_143(tmp_path, cache_dir):
+    """A scheduler's SIGTERM to `gputrain fit --nproc 2`: the ranks stop at an agreed step, save one
+    checkpoint, and the launcher exits 143; --resume then finishes the run."""
+    cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--batch-size", "32",
+           "--steps", "100000", "--log-every", "10", "--run-dir", "run", "--nproc", "2", "--no-tensorboard"]
+    env = _env(GPUTRAIN_CACHE=str(cache_dir))
+    proc = _start(cmd, env=env, cwd=tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 150
+    while time.time() < deadline and proc.poll() is None:  # wait until both ranks train
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler would
+    out = _finish(proc, 120)
+    assert out.returncode == 143, out.stderr[-3000:]
+    store = CheckpointStore(tmp_path / "run")
+    step = load_checkpoint(store.latest_path())["step"]
+    assert 0 < step < 100000
+    resumed = _finish(_start([sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu",
+                              "--batch-size", "32", "--steps", str(step + 20), "--log-every", "10", "--resume", "run",
+                              "--nproc", "2", "--no-tensorboard", "--json"], env=env, cwd=tmp_path), 180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    doc = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert doc["summary"]["steps"] == step + 20
+
+
 def test_an_existing_process_group_is_joined_and_no_sync_reaches_ddp_through_compile(tmp_path):
     import gc
 

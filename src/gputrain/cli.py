@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # time (bench and profile pull in matplotlib).
     parser = _parser_for(argv)
     args = parser.parse_args(argv)
+    args._argv = list(argv)  # what a launcher (fit --nproc) passes on to its processes
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

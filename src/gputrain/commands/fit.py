@@ -198,7 +198,7 @@ def run(args) -> int:
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from gputrain.runtime.distributed import launch_torchrun
 
-        argv = _argv_without(sys.argv[1:], ("--nproc", "--max-restarts"))
+        argv = _argv_without(getattr(args, "_argv", sys.argv[1:]), ("--nproc", "--max-restarts"))
         return launch_torchrun(args.nproc, argv, max_restarts=args.max_restarts)
 
     from gputrain.runtime.distributed import is_main_process

@@ -443,14 +443,21 @@ def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     proc = subprocess.Popen(cmd, env=env)
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    stopped_by: list[int] = []  # the stop signal this launcher received, if any
+
+    def forward(signum, _frame):
+        stopped_by.append(signum)
+        proc.send_signal(signum)
+
     if in_main_thread:
-        previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
+        previous = signal.signal(signal.SIGTERM, forward)
     try:
         try:
             code = proc.wait()
         except KeyboardInterrupt:
             # From a terminal torchrun got the same SIGINT and is stopping its workers: give it
             # time; a SIGINT sent to this process alone is passed on as SIGTERM.
+            stopped_by.append(signal.SIGINT)
             try:
                 code = proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -459,4 +466,10 @@ def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
-    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+    if code < 0:
+        return 128 - code  # killed by signal N: the shell's 128 + N
+    if code != 0 and stopped_by:
+        # torchrun exits 1 when a signal stops it (its SignalException), whatever its workers did;
+        # a scheduler reads 128 + N as "stopped by signal N" (the workers checkpointed on their way out).
+        return 128 + int(stopped_by[0])
+    return code
