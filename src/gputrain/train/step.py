@@ -7,8 +7,8 @@ In order (the step contract of the design notes):
    micro-batches are cut; gradient sync (DDP/FSDP) only on the last micro-batch;
 2. clip (after unscaling, fp16), optimizer step through the scaler, scaler update, zero_grad;
 3. the detached loss, weighted the same way, is added to a device accumulator, and a device flag
-   counts steps whose loss (or gradient norm, when clipping) was not finite. Nothing is read on
-   the host: the trainer reads both at log points.
+   counts steps whose loss or gradient norm was not finite. Nothing is read on the host: the
+   trainer reads both at log points.
 
 `run(micro_batches)` is that body and nothing else: the CUDA-graph wrapper (train/graphs.py)
 captures exactly it, so eager and graphed steps cannot drift apart. `__call__` adds what cannot be
@@ -102,31 +102,37 @@ class TrainStep:
                     loss, _ = self.loss(self.model, piece)
                 if clock is not None:
                     clock.mark("forward")
-                self.precision.backward(loss * weight)
+                # A whole step in one piece has weight 1.0 (a host float): no multiply kernel.
+                whole = isinstance(weight, float) and weight == 1.0
+                self.precision.backward(loss if whole else loss * weight)
                 if clock is not None:
                     clock.mark("backward")
-            term = loss.detach().float() * weight
+            term = loss.detach().float()  # .float(): no kernel when the loss is already fp32
+            term = term if whole else term * weight
             step_loss = term if step_loss is None else step_loss + term
-        finite = torch.isfinite(step_loss)
+        norm = None
         if self.max_grad_norm is not None:
             self.precision.unscale_(self.optimizer)
             norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self.device.type == "cuda" or None)
-            finite = finite & torch.isfinite(_local(norm))
         elif not self.precision.precision.use_scaler:  # fp16: the scaler checks (and skips) itself
             # A finite loss can still give non-finite gradients (an inf input through a saturated
             # tanh: 0 x inf in backward). One norm over the gradients, on the device, no host read.
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 norm = nn.utils.get_total_norm(grads, foreach=self.device.type == "cuda" or None)
-                finite = finite & torch.isfinite(_local(norm))
+        # Non-finite loss or norm, in three small kernels (isfinite alone is four: ==, abs, !=, *):
+        # the sum is finite when both are (norm >= 0; a sum past fp32's max, ~3e38, counts as
+        # non-finite), and x - x is NaN exactly when x is inf or NaN.
+        probe = step_loss if norm is None else step_loss + _local(norm)
+        bad = (probe - probe).ne(0)  # bool, shape ()
         if self.skip_nonfinite:
             self.optimizer.grad_scale = None
-            self.optimizer.found_inf = (~finite).float()
-            step_loss = torch.where(finite, step_loss, torch.zeros_like(step_loss))  # keep the mean finite
+            self.optimizer.found_inf = bad.float()
+            step_loss = step_loss.masked_fill(bad, 0.0)  # keep the mean finite
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.loss_sum.add_(step_loss)
-        self.nonfinite.add_((~finite).float())
+        self.nonfinite.add_(bad)  # float += bool: 1.0 per non-finite step
         if clock is not None:
             clock.mark("optimizer")
 
