@@ -107,6 +107,30 @@ def test_compile_is_tried_only_with_the_best_set(tmp_path, monkeypatch):
     assert len(compiled) == 1 and compiled[0]["precision"] == "fp32" and compiled[0]["channels_last"] is True
 
 
+def test_a_graphed_winner_is_also_tried_with_compiles_own_cuda_graphs(tmp_path, monkeypatch):
+    """Which replays a compiled step faster, gputrain's whole-step graph or compile's cudagraph
+    trees, is measured: the trees variant (gputrain's graph off) runs, and wins when it is faster."""
+    calls = []
+    sets = [{"cuda_graphs": g, "channels_last": False, "precision": "fp32", "compile": False} for g in (True, False)]
+    monkeypatch.setattr(at, "candidates", lambda *a, **k: [dict(s) for s in sets])
+
+    def trial(workload, cfg, overrides, steps):
+        calls.append(dict(overrides))
+        speed = {(True, False, None): 200.0, (False, False, None): 100.0, (True, True, None): 300.0,
+                 (False, True, at.TREES_MODE): 400.0}[
+            (overrides["cuda_graphs"], overrides["compile"], overrides.get("compile_mode"))]
+        return {"overrides": dict(overrides), "samples_per_s": speed, "step_ms": 1.0, "peak_memory": None,
+                "compile_s": 2.0, "graphs": None, "status": "ok"}
+
+    cfg, report = at.autotune(tiny_workload(), config(), steps=2, cache_path=tmp_path / "c.json",
+                              include_compile=True, trial=trial)
+    assert calls[2:] == [dict(sets[0], compile=True),
+                         dict(sets[0], compile=True, compile_mode="reduce-overhead", cuda_graphs=False)]
+    assert report["choice"]["compile_mode"] == "reduce-overhead"
+    assert cfg.compile and cfg.compile_mode == "reduce-overhead" and cfg.cuda_graphs is False
+    assert "(mode reduce-overhead)" in at._describe(report["choice"])
+
+
 def test_all_failing_keeps_the_config(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(at, "run_trial", fake_trial(dict.fromkeys(
