@@ -11,6 +11,12 @@ loop. Contenders:
   gputrain-fast         gputrain.fit with its fastest switches (CUDA graphs forced, a loss read
                         every 1000 steps instead of 50)
   gputrain-fp32         (GPU) gputrain defaults at fp32, the precision of the plain loops
+  gputrain-compile      (GPU, --compile-contenders, not iris) gputrain defaults with compile=True
+                        (compile time inside)
+  gputrain-autotuned    (GPU, --compile-contenders, not iris) gputrain with the switches
+                        `--autotune` chose; the trial
+                        runs once, in the untimed warm-up round, as a later run finds it cached
+                        (its seconds and choice are recorded apart, under "autotune")
   lightning, accelerate (GPU, where installed) with their documented defaults (fp32)
   lightning-bf16,       (GPU) their best documented setting: bf16 mixed precision; not on
   accelerate-bf16       iris, where a 4-10-3 MLP has nothing for bf16 to speed up
@@ -118,6 +124,30 @@ def gputrain_run(extra: dict) -> Callable:
     return run
 
 
+AUTOTUNE: dict[str, dict] = {}  # case name -> {"choice", "trial_s", "rows"}
+
+
+def autotuned_run(case) -> Callable:
+    """gputrain with autotune's choice for this case: the trial on the first call (the untimed
+    warm-up round), the chosen switches on every call."""
+
+    def run(model, splits, loss_fn, batch, epochs, device) -> None:
+        if case.name not in AUTOTUNE:
+            from gputrain.diagnostics.autotune import autotune
+            from gputrain.workloads import get_workload
+
+            wl = get_workload(case.workload, **({"n": 10000} if case.workload == "synthetic-cifar" else {}))
+            cfg = TrainConfig(device=str(device), batch_size=batch, lr=LR, log_every=50)
+            t0 = time.perf_counter()
+            tuned, report = autotune(wl, cfg, force=True)
+            AUTOTUNE[case.name] = {"choice": report["choice"], "trial_s": time.perf_counter() - t0,
+                                   "rows": report["rows"]}
+        choice = AUTOTUNE[case.name]["choice"] or {}
+        gputrain_run({"log_every": 50, **choice})(model, splits, loss_fn, batch, epochs, device)
+
+    return run
+
+
 def _no_test(splits):
     import dataclasses
 
@@ -182,11 +212,12 @@ def normalized_float(splits) -> tuple[torch.Tensor, torch.Tensor]:
 
 # contender -> the precision it trains in (recorded in the results)
 PRECISION = {"seed-cpu": "fp32", "seed-gpu": "fp32", "hand": "fp32", "gputrain-default": "auto",
+             "gputrain-compile": "auto", "gputrain-autotuned": "autotune's choice",
              "gputrain-fast": "auto", "gputrain-fp32": "fp32", "lightning": "fp32 (32-true)",
              "lightning-bf16": "bf16-mixed", "accelerate": "fp32 (no)", "accelerate-bf16": "bf16"}
 
 
-def contenders(device: torch.device, case: Case) -> dict[str, tuple[str, Callable]]:
+def contenders(device: torch.device, case: Case, compiled: bool = False) -> dict[str, tuple[str, Callable]]:
     """name -> (kind, fn); kind says which data the fn takes ("plain" float tensors or "splits")."""
     out: dict[str, tuple[str, Callable]] = {}
     cuda = device.type == "cuda"
@@ -201,6 +232,9 @@ def contenders(device: torch.device, case: Case) -> dict[str, tuple[str, Callabl
     out["gputrain-fast"] = ("splits", gputrain_run(fast))
     if cuda:
         out["gputrain-fp32"] = ("splits", gputrain_run({"log_every": 50, "precision": "fp32"}))
+    if cuda and compiled and case.workload != "iris-mlp":
+        out["gputrain-compile"] = ("splits", gputrain_run({"log_every": 50, "compile": True}))
+        out["gputrain-autotuned"] = ("splits", autotuned_run(case))
     # bf16 cannot speed up iris's 4-10-3 MLP; skipping the -bf16 peers there keeps the 20000-epoch
     # case (minutes per Lightning run) inside one device session.
     best_peers = cuda and case.workload != "iris-mlp"
@@ -224,14 +258,14 @@ def contenders(device: torch.device, case: Case) -> dict[str, tuple[str, Callabl
     return out
 
 
-def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | None) -> dict:
+def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | None, compiled: bool = False) -> dict:
     wl = get_workload(case.workload, **({"n": 10000} if case.workload == "synthetic-cifar" else {}))
     splits = wl.make_data()
     x, y = normalized_float(splits)
     n = x.shape[0]
     batch = case.batch_size or n
     epochs = case.epochs
-    who = {k: v for k, v in contenders(device, case).items() if only is None or k in only}
+    who = {k: v for k, v in contenders(device, case, compiled).items() if only is None or k in only}
     times: dict[str, list[float]] = {k: [] for k in who}
     # Warm-up round (allocator, cuDNN autotuning, lazy init): one short run each, not timed.
     for name, (kind, fn) in who.items():
@@ -252,7 +286,7 @@ def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | No
         r["x_vs_hand"] = r["samples_per_s"] / rows["hand"]["samples_per_s"] if "hand" in rows else None
         r["x_vs"] = {other: r["samples_per_s"] / o["samples_per_s"] for other, o in rows.items() if other != name}
     return {"case": case.name, "workload": case.workload, "batch_size": batch, "epochs": epochs,
-            "samples": samples, "results": rows}
+            "samples": samples, "results": rows, "autotune": AUTOTUNE.get(case.name)}
 
 
 def _call(fn, kind, wl, splits, x, y, batch, epochs, device) -> float:
@@ -294,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated contenders")
     ap.add_argument("--iris-epochs", type=int, default=20000, help="iris-mlp run length (the seed's: 20000)")
     ap.add_argument("--json", default=None, help="write results here (a GPU run defaults to benchmarks/results/)")
+    ap.add_argument("--compile-contenders", action="store_true",
+                    help="(GPU) add gputrain-compile and gputrain-autotuned (minutes of compiling and trials)")
     args = ap.parse_args(argv)
     import logging
 
@@ -308,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else None
     results = []
     for case in chosen:
-        r = run_case(case, device, args.repeats, only)
+        r = run_case(case, device, args.repeats, only, args.compile_contenders)
         results.append(r)
         _print_case(r)
     out = {"benchmark": "train_speed", "environment": environment(device),
@@ -335,7 +371,12 @@ CPU_BARS = [("digits-cnn@64", "gputrain-default", "seed-cpu", 1.2), ("mnist1d-cn
 GPU_BARS = [("iris-mlp", "gputrain-default", "seed-cpu", 2.0), ("iris-mlp", "gputrain-default", "seed-gpu", 5.0),
             ("synthetic-cifar@64", "gputrain-default", "seed-gpu", 5.0),
             ("synthetic-cifar@64", "gputrain-default", "lightning", 1.5),
-            ("synthetic-cifar@64", "gputrain-default", "accelerate", 1.5)]
+            ("synthetic-cifar@64", "gputrain-default", "accelerate", 1.5),
+            # Issue 14: seed 000's CNN at batch 64, >= 10x the seed's GPU loop with compile or autotune's choice.
+            ("synthetic-cifar@64", "gputrain-compile", "seed-gpu", 10.0),
+            ("synthetic-cifar@64", "gputrain-autotuned", "seed-gpu", 10.0)]
+# (case, contender, at most seconds for the whole run): issue 14's iris bar, 20000 full-batch epochs.
+GPU_SECONDS_BARS = [("iris-mlp", "gputrain-default", 1.0)]
 
 
 def bars(results: list[dict], device: torch.device) -> list[dict]:
@@ -348,6 +389,11 @@ def bars(results: list[dict], device: torch.device) -> list[dict]:
             ratio = rows[who]["x_vs"][against]
             out.append({"case": case, "contender": who, "against": against, "bar": need,
                         "ratio": ratio, "met": ratio >= need})
+    for case, who, most in (GPU_SECONDS_BARS if device.type == "cuda" else []):
+        row = by_case.get(case, {}).get(who)
+        if row is not None:
+            out.append({"case": case, "contender": who, "bar_s": most, "median_s": row["median_s"],
+                        "met": row["median_s"] <= most})
     return out
 
 
@@ -355,12 +401,19 @@ def _print_bars(rows: list[dict]) -> None:
     if rows:
         print("\nbars (samples/s ratio)")
     for b in rows:
+        if "bar_s" in b:
+            print(f"  {b['case']:20s} {b['contender']} whole run {b['median_s']:.3f} s  "
+                  f"(bar <= {b['bar_s']} s: {'met' if b['met'] else 'NOT met'})")
+            continue
         print(f"  {b['case']:20s} {b['contender']} vs {b['against']:12s} {b['ratio']:6.2f}x  "
               f"(bar {b['bar']}x: {'met' if b['met'] else 'NOT met'})")
 
 
 def _print_case(r: dict) -> None:
     print(f"\n{r['case']}: batch {r['batch_size']}, {r['epochs']} epochs, {r['samples']} samples")
+    if r.get("autotune"):
+        print(f"  autotune (untimed warm-up round): {r['autotune']['trial_s']:.1f} s of trials, "
+              f"chose {r['autotune']['choice']}")
     peers = [p for p in ("lightning", "accelerate") if p in r["results"]]
     head = "".join(f" {'x ' + p[:5]:>8s}" for p in peers)
     print(f"  {'contender':18s} {'precision':>14s} {'median s':>9s} {'spread s':>9s} {'samples/s':>11s} "
