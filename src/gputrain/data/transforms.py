@@ -71,17 +71,6 @@ class BatchTransform:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def leaf(self, batch: Any) -> torch.Tensor:
-        """The leaf the transform applies to (e.g. the image column of resident data)."""
-        if isinstance(batch, torch.Tensor) and self.key is None:
-            return batch
-        key = 0 if self.key is None else self.key
-        try:
-            return batch[key]
-        except (KeyError, IndexError, TypeError):
-            raise DataError(f"the transform applies to batch[{key!r}], but the batch is {describe(batch)}: "
-                            "name the leaf with the workload's transform key") from None
-
     def __call__(self, batch: Any, train: bool, generator: torch.Generator | None = None,
                  params: "CropFlip | None" = None) -> Any:
         """The batch with its named leaf transformed (the batch itself when the transform is identity)."""

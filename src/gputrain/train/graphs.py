@@ -69,12 +69,8 @@ class _Graph:
         # view) while we hold a reference to the tensors: the same bytes as last time.
         return tuple((t.data_ptr(), t.stride(), t._version) for t in tensors)
 
-    def load(self, batch: Any) -> None:
-        """Put this step's batch where the graph reads it."""
-        if isinstance(batch, DeferredBatch):
-            batch.load(self.static)
-            return
-        tensors = _tensors(batch)[0]
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        """Copy this step's tensor leaves into the buffers the graph reads."""
         if self.copy_skippable:
             ident = self.identity(tensors)
             if self.last is not None and self.last[1] == ident:
@@ -186,7 +182,10 @@ class GraphedStep:
             key = batches.signature(batch)
         captured = self.graphs.get(key)
         if captured is not None:
-            captured.load(batch)
+            if isinstance(batch, DeferredBatch):
+                batch.load(captured.static)  # its start position: one fill_
+            else:
+                captured.load(tensors)
             captured.graph.replay()
             self.replays += 1
             return
