@@ -19,10 +19,13 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
 
-# Install the package (editable) and the test runner. A stamp skips pip when pyproject is unchanged.
+# Install the package (editable) and the test tools, the latter at the versions constraints.txt pins
+# (the same pytest, type checker and coverage on every machine). A stamp skips pip when neither file
+# changed.
 stamp="$VENV/.gputrain-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
-    if ! "$VPY" -m pip install -q -e ".[test]"; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ] \
+        || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
+    if ! "$VPY" -m pip install -q -c constraints.txt -e ".[test]"; then
         # No package index (an offline GPU machine): install gputrain alone and use what is there.
         echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
         "$VPY" -m pip install -q --no-deps --no-build-isolation -e .

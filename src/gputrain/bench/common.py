@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from gputrain.runtime.devices import cpu_model_name, pick_device, synchronizer, torch_build
+from gputrain.runtime.devices import cpu_model_name, device_name, pick_device, synchronizer, torch_build
 from gputrain.runtime.precision import matmul_settings
 
 NO_GPU = "no GPU"  # what a GPU cell says when there is no GPU to measure
@@ -55,14 +55,6 @@ def why_no_gpu() -> str:
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return f"no CUDA device (this PyTorch {torch.__version__} is a CPU-only build)"
     return "no CUDA device visible (CUDA build, but no usable GPU or driver)"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return "Apple MPS"
-    return cpu_model_name()
 
 
 def device_slug(device: torch.device | None) -> str:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from gputrain.runtime.devices import device_name
 
 log = logging.getLogger("gputrain")
 
@@ -119,18 +120,6 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
     return row
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from gputrain.runtime.devices import cpu_model_name
-
-    try:
-        name = cpu_model_name()
-    except Exception:  # noqa: BLE001 - the key only needs something stable
-        name = platform.processor() or platform.machine()
-    return f"{device.type}:{name}"
-
-
 def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
     """(hash, what it hashes): model signature, device name, batch signature, torch version, untried fields."""
     from gputrain import batch as batches
@@ -148,7 +137,7 @@ def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
     untried = {k: cfg[k] for k in sorted(cfg) if k not in TRIED_FIELDS and k in
                ("batch_size", "accumulate", "data_on_device", "cudnn_benchmark", "fused_optimizer",
                 "compile_mode", "checkpointing", "max_grad_norm", "shard")}
-    parts = {"model": type(model).__name__, "params": repr(params), "device": _device_name(device),
+    parts = {"model": type(model).__name__, "params": repr(params), "device": device_name(device) if device.type == "cuda" else f"{device.type}:{device_name(device)}",
              "batch": batch_sig, "torch": torch.__version__, "config": repr(untried)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return digest, parts

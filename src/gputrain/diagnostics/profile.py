@@ -28,6 +28,7 @@ from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import _top_ops, trace_summary
 from gputrain.diagnostics.verdict import diagnose
+from gputrain.runtime.devices import device_name
 
 PHASES = ("data", "h2d", "forward", "backward", "optimizer", "logging")
 BURN_IN_STEPS = 3  # first steps: lazy init, cuDNN autotuning, optimizer state creation
@@ -167,14 +168,6 @@ class _StepRunner:
 # ---------------------------------------------------------------- the whole profile
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from gputrain.runtime.devices import cpu_model_name
-
-    return cpu_model_name() if device.type == "cpu" else str(device)
-
-
 def default_config(workload, **overrides: Any) -> TrainConfig:
     """The workload's own settings (full-batch workloads: the whole training set) with `overrides`."""
     config = TrainConfig(**{**workload.defaults, **{k: v for k, v in overrides.items() if v is not None}})
@@ -299,7 +292,7 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
     host_reads = count_host_reads(runner.step, steps=sync_steps)
 
     util = sampler.result()
-    peak = peak_tflops(_device_name(device), precision.name) if device.type == "cuda" else None
+    peak = peak_tflops(device_name(device), precision.name) if device.type == "cuda" else None
     achieved = flops / (step_ms / 1000) / 1e12 if step_ms > 0 else None
     mfu = achieved / peak if peak and achieved is not None else None
     syncs_per_step = trace["syncs_per_step"] if trace["syncs_per_step"] is not None else syncs["per_step"]
@@ -319,7 +312,7 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
     summary = {
         "workload": workload.name,
         "device": str(device),
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": _dt.datetime.now().isoformat(timespec="seconds"),

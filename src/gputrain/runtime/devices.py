@@ -196,6 +196,27 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def device_name(device: torch.device) -> str:
+    """The hardware behind `device`: 'NVIDIA H100 80GB HBM3', 'Apple MPS', the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    if device.type == "cpu":
+        return cpu_model_name()
+    return str(device)
+
+
+def device_label(device: torch.device) -> str:
+    """`device` and its hardware, for run logs and summaries: 'cuda:0 (NVIDIA H100 80GB HBM3)',
+    'cpu (AMD EPYC 7B13, 2 threads)'."""
+    if device.type == "cpu":
+        return f"cpu ({cpu_model_name()}, {torch.get_num_threads()} threads)"
+    if device.type == "cuda":
+        return f"{device} ({device_name(device)})"
+    return str(device)
+
+
 def describe_cpu() -> dict[str, Any]:
     import psutil
 

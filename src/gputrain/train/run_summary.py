@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from gputrain.runtime.devices import device_label
+
 log = logging.getLogger("gputrain")
 
 
@@ -27,7 +29,7 @@ def decisions(t) -> list[dict[str, str]]:
 def announce(t) -> None:
     if not t.is_main:
         return
-    log.info("device: %s", device_name(t.device))
+    log.info("device: %s", device_label(t.device))
     log.info("precision: %s", t.precision.reason)
     log.info("data: %s", t.placement.reason)
     log.info("loss: %s", t.loss.how)
@@ -62,7 +64,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
                              f"({spike['loss'] / spike['median']:.1f}x the recent median)")
     summary: dict[str, Any] = {
         "workload": t.config.name,
-        "device": device_name(t.device),
+        "device": device_label(t.device),
         "device_memory_bytes": device_memory(t.device),
         "precision": t.precision.name,
         "precision_reason": t.precision.reason,
@@ -118,11 +120,3 @@ def device_memory(device: torch.device) -> int | None:
     return None
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.getdevice_name(device)})"
-    if device.type == "cpu":
-        from gputrain.runtime.devices import cpu_model_name
-
-        return f"cpu ({cpu_model_name()}, {torch.get_num_threads()} threads)"
-    return str(device)
