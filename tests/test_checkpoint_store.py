@@ -282,6 +282,14 @@ def _arm(mode, arg):
         def write_latest(self, path):
             die("before latest")
         store_cls._write_latest = write_latest
+    elif mode == "before_prune":  # the checkpoint written and `latest` moved, the prune after it not run
+        real_prune = store_cls._prune
+
+        def prune(self, step, newest):
+            if (self.folder / "latest").read_text().strip() == newest.name:
+                die(f"before pruning after {newest.name}")
+            real_prune(self, step, newest)
+        store_cls._prune = prune
     elif mode == "mid_prune":  # the first file of a checkpoint deleted, the other not yet
         real_prune, real_unlink = store_cls._prune, pathlib.Path.unlink
         pruning = [False]
@@ -363,6 +371,23 @@ def _fork_writer(run_dir, progress, mode, arg, delay=None, timeout=30.0):
     error = run_dir / "writer-error.txt"
     assert not error.exists(), error.read_text()
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks writers to kill them")
+def test_writers_killed_before_their_prune_do_not_pile_up_checkpoints(tmp_path, monkeypatch):
+    """Each writer killed after its save but before the prune that follows it would leave one more
+    file; the next save prunes first, so the folder holds at most kept + best + the one written."""
+    run_dir, progress = tmp_path / "run", tmp_path / "progress.txt"
+    monkeypatch.setenv("CKPT_TEST_WHERE", str(tmp_path / "where.txt"))
+    store = CheckpointStore(run_dir, keep_last=KEEP, best_metric="acc")
+    for step in range(1, 4):
+        store.save(_payload(step), step, {"acc": _acc(step)})
+    for i in range(4):
+        progress.write_text("")
+        _fork_writer(run_dir, progress, "before_prune", None)
+        assert "before pruning after" in (tmp_path / "where.txt").read_text().splitlines()[-1]
+        assert len(store.list()) <= KEEP + 2, (i, _names(store.folder))
+    assert step_of(store.load_latest()[1]) == 3 + 4  # every killed writer's save was whole
 
 
 def _lines_per_save(tmp_path):

@@ -121,6 +121,10 @@ class CheckpointStore:
         # Overwriting a step (a run resumed from before it): keep the old file's digest valid
         # until the new file has replaced it, so that a crash in between leaves the old one usable.
         old_digests = self._digests(sidecar) if path.exists() else []
+        # What a writer killed between its write and its prune left beyond retention goes first, so
+        # the folder never holds more than keep_last + best + the one being written, whatever
+        # crashed before (each crash before a prune would otherwise leave one more file).
+        self._prune(step, path)
         new_digest: list[str] = []
 
         def write_hash(digest: str) -> None:
