@@ -25,7 +25,10 @@ fi
 stamp="$VENV/.gputrain-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ] \
         || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
-    if ! "$VPY" -m pip install -q -c constraints.txt -e ".[test]"; then
+    # The torch that is there stays: no extra or test library may pull another build in its place.
+    keep_torch=$(mktemp)
+    "$VPY" -c "import torch; print(f'torch=={torch.__version__}')" > "$keep_torch"
+    if ! "$VPY" -m pip install -q -c constraints.txt -c "$keep_torch" -e ".[test]"; then
         # No package index (an offline GPU machine): install gputrain alone and use what is there.
         echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
         "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
