@@ -469,6 +469,34 @@ def test_launch_torchrun_reports_a_stop_signal_in_the_shells_code(monkeypatch, s
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_launch_torchrun_puts_back_the_default_for_a_sigterm_handler_installed_from_c(monkeypatch):
+    """signal.signal reports a handler installed from C as None, which cannot be installed again:
+    the launcher puts back SIG_DFL, the closest, instead of failing with a TypeError on its way out."""
+    real_signal = signal.signal
+    installed = []
+
+    def signal_over_a_c_handler(signum, handler):
+        installed.append(handler)
+        real_signal(signum, handler)
+        return None  # what Python says of the handler a C library had installed
+
+    class FakePopen:
+        def __init__(self, cmd, env):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(D.signal, "signal", signal_over_a_c_handler)
+    try:
+        assert D.launch_torchrun(2, ["fit"]) == 0
+        assert installed[-1] is signal.SIG_DFL
+    finally:
+        real_signal(signal.SIGTERM, before)
+
+
 def test_cli_main_passes_its_own_argv_to_the_launcher(monkeypatch):
     """gputrain.cli.main(argv) with --nproc starts the processes with argv, not with sys.argv."""
     from gputrain import cli

@@ -102,6 +102,14 @@ def test_handlers_are_restored_when_the_block_raises(restore_handlers):
             pass
 
 
+def test_a_signal_that_cannot_be_caught_is_named_and_the_others_are_put_back(restore_handlers):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match="SIGKILL"):  # not SIGTERM, whose handler was put back first
+        with StopSignals([signal.SIGTERM, signal.SIGKILL]):
+            pass
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_signals_during_a_save_do_not_interrupt_it(tmp_path, restore_handlers, monkeypatch):
     store = CheckpointStore(tmp_path)
     real_write = checkpoint._HashingWriter.write

@@ -3,9 +3,18 @@
 The public API is re-exported here; each name lives in a small module named for what it holds.
 """
 
+from typing import TYPE_CHECKING
+
 from gputrain.errors import GputrainError, DeviceError, ConfigError, CheckpointError, DataError
 from gputrain.runtime.devices import pick_device, describe_devices
 from gputrain.batch import move, move_optimizer_state, check_devices
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __getattr__ imports them)
+    from gputrain.config import TrainConfig
+    from gputrain.diagnostics.memory_stats import memory_stats
+    from gputrain.io.history import History
+    from gputrain.train import Trainer, fit, fit_workload
+    from gputrain.workloads import Workload, get_workload
 
 __version__ = "0.1.0"
 
@@ -35,5 +44,6 @@ def __getattr__(name):
 __all__ = [
     "GputrainError", "DeviceError", "ConfigError", "CheckpointError", "DataError",
     "pick_device", "describe_devices", "move", "move_optimizer_state", "check_devices",
-    *_LAZY,
+    # the names of _LAZY, spelled out so that type checkers can read the list
+    "fit", "fit_workload", "Trainer", "TrainConfig", "History", "Workload", "get_workload", "memory_stats",
 ]

@@ -229,8 +229,8 @@ def iter_tensors(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, torch.T
     elif isinstance(obj, collections.abc.Mapping):
         for k, v in obj.items():
             yield from iter_tensors(v, f"{prefix}[{k!r}]")
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for name, v in zip(obj._fields, obj):
+    elif isinstance(obj, tuple) and (fields := getattr(obj, "_fields", None)) is not None:  # namedtuple
+        for name, v in zip(fields, obj):
             yield from iter_tensors(v, f"{prefix}.{name}")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):

@@ -142,7 +142,8 @@ def run_crossover(device: str = "auto", quick: bool = False, widths: list[int] |
                                    "flops_per_step": step_flops(d["features"], width, d["classes"], d["batch"]),
                                    "times": {}, "speedup": {}}
             for mode, make in _modes(gpu, shape).items():
-                row["times"][mode] = _time(make, torch.device("cpu") if mode == "cpu" else gpu, cfg)
+                on = torch.device("cpu") if mode == "cpu" or gpu is None else gpu  # GPU modes come with a GPU only
+                row["times"][mode] = _time(make, on, cfg)
             if gpu is None:
                 for mode in GPU_MODES:
                     row["times"][mode] = {"status": no_gpu}

@@ -168,6 +168,7 @@ def plot_crossover(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
         ax.set_yticks(range(len(widths)), [str(w) for w in widths], fontsize=8)
         ax.set_ylabel("MLP width")
         ax.set_title(titles[mode], fontsize=10)
+    assert image is not None, "panels is never empty"
     fig.colorbar(image, ax=list(axes), label="speed-up (>1: GPU wins)" if modes else "ms per step (CPU)")
     head = "Training step, GPU vs CPU (box: where the GPU starts to win)" if modes else \
         "Training step on the CPU (no GPU: speed-ups not measured)"

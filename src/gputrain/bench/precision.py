@@ -51,6 +51,7 @@ def _train(case, prec, device: torch.device, x: torch.Tensor, y: torch.Tensor, c
 
     cuda = device.type == "cuda"
     B = cfg["batch_size"]
+    base = None  # device bytes allocated before the run (CUDA only)
     if cuda:
         free_device_memory(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -71,7 +72,7 @@ def _train(case, prec, device: torch.device, x: torch.Tensor, y: torch.Tensor, c
             trainer.train_step.take_totals()
             samples.append(elapsed(trainer.train_one_step, per_chunk) / per_chunk)  # seconds per step
         final_loss = float(trainer.train_step.take_totals()[0]) / per_chunk  # mean loss over the last chunk
-        peak = int(torch.cuda.max_memory_allocated(device) - base) if cuda else None
+        peak = int(torch.cuda.max_memory_allocated(device) - base) if base is not None else None
         model = trainer.model
         saved = saved_tensor_bytes(lambda: _forward(model, loss_fn, trainer.precision, x[:B], y[:B]),
                                    exclude=list(model.parameters()))

@@ -91,7 +91,7 @@ def memory_report(args) -> dict[str, Any]:
 
     def make_batch(b: int):
         idx = torch.arange(b) % n  # batches larger than the data set repeat it
-        if pair:
+        if transform is not None:  # a pair workload
             x_all, y_all = columns
             return transform(x_all[idx].to(device), train=True), y_all[idx].to(device)
         return map_tensors(lambda t: t[idx].to(device), columns)  # every column, the same rows

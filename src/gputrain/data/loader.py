@@ -9,6 +9,7 @@ stream while batch i computes.
 
 from __future__ import annotations
 
+import collections.abc
 import os
 from typing import Any, Iterator
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from gputrain import batch as batches
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
+from gputrain.errors import DataError
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
@@ -86,6 +88,9 @@ class LoaderBatches:
                  drop_last: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  num_workers: int | None = None, transform: BatchTransform | None = None,
                  batched_dataset: bool = False) -> None:
+        if not isinstance(dataset, collections.abc.Sized):
+            raise DataError(f"{type(dataset).__name__} has no len(): pass a map-style Dataset (with __len__ and "
+                            "__getitem__), or a DataLoader of it")
         self.device = device
         self.transform = transform or BatchTransform()
         self.sampler = EpochBatchSampler(len(dataset), batch_size, shuffle, drop_last, seed, rank, world_size)
@@ -136,18 +141,21 @@ class UserLoaderBatches:
 
     @property
     def num_samples(self) -> int:
-        try:
-            return len(self.loader.dataset)
-        except TypeError:
-            return len(self) * self.batch_size
+        dataset = self.loader.dataset
+        if isinstance(dataset, collections.abc.Sized):
+            try:
+                return len(dataset)
+            except TypeError:  # a __len__ that says there is none
+                pass
+        return len(self) * self.batch_size
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)  # a DistributedSampler's
+        if set_epoch is not None:
+            set_epoch(epoch)
         for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
             if i < start_batch:
                 continue  # a user loader can only be fast-forwarded by reading it

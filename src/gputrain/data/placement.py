@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections.abc
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -76,6 +76,18 @@ def as_tensors(data: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
+class _BatchesArgs(TypedDict):
+    """The keyword arguments that `TensorBatches` and `LoaderBatches` share."""
+
+    device: torch.device
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    rank: int
+    world_size: int
+    transform: BatchTransform | None
+
+
 def nbytes_of(columns: Any) -> int:
     return sum(t.numel() * t.element_size() for t in batches.tensor_leaves(columns))
 
@@ -96,8 +108,8 @@ def make_loader(data: Any, batch_size: int, *, device: torch.device, train: bool
         return UserLoaderBatches(data, device, transform, train), Placement(
             "user-dataloader", "a DataLoader was given: using it as is")
     columns = as_columns(data)
-    common = dict(device=device, shuffle=train, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size,
-                  transform=transform)
+    common = _BatchesArgs(device=device, shuffle=train, drop_last=drop_last, seed=seed, rank=rank,
+                          world_size=world_size, transform=transform)
     if columns is not None:
         n = column_length(columns)
         if device.type == "cpu":

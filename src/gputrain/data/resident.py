@@ -32,16 +32,14 @@ def column_length(columns: Any) -> int:
     named = list(batches.iter_tensors(columns, "data"))
     if not named:
         raise DataError("the data hold no tensors: pass (inputs, targets) tensors or a dict of tensors")
-    n = None
+    first, head = named[0]
     for name, t in named:
         if t.dim() == 0:
             raise DataError(f"{name} is a scalar; every column needs a sample dimension (dim 0)")
-        if n is None:
-            n, first = int(t.shape[0]), name
-        elif int(t.shape[0]) != n:
-            raise DataError(f"{first} has {n} samples but {name} has {int(t.shape[0])}: every column needs the "
-                            "same number of samples along dim 0")
-    return n
+        if int(t.shape[0]) != int(head.shape[0]):
+            raise DataError(f"{first} has {int(head.shape[0])} samples but {name} has {int(t.shape[0])}: every "
+                            "column needs the same number of samples along dim 0")
+    return int(head.shape[0])
 
 
 class TensorBatches:
@@ -132,11 +130,14 @@ class TensorBatches:
         return self._assemble(rows, None if self._order is None else self._order[rows],
                               None if self._aug is None else self._aug[rows])
 
-    def rows_at(self, start: torch.Tensor, size: int) -> Any:
+    def rows_at(self, start: torch.Tensor | None, size: int) -> Any:
         """Positions [start, start + size) of the planned epoch, with `start` a device scalar: device
-        work only, so a CUDA graph can capture it. Equal to `rows(start, start + size)`."""
+        work only, so a CUDA graph can capture it. Equal to `rows(start, start + size)`.
+        start: None only for the whole epoch (size == per_rank)."""
         if size == self.per_rank:  # the whole epoch in one batch: start is 0, read the plan as it is
             return self._assemble(None, self._order, self._aug)
+        if start is None:
+            raise ValueError(f"rows_at needs a start position for {size} of {self.per_rank} samples")
         pos = start + torch.arange(size, device=self.device)
         idx = pos if self._order is None else self._order.index_select(0, pos)
         return self._assemble(None, idx, None if self._aug is None else self._aug[pos])

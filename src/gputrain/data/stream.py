@@ -29,12 +29,13 @@ class BatchStream:
 
     def next(self) -> tuple[int, int, Any]:
         while True:
-            if self._it is None:
+            it = self._it
+            if it is None:
                 if self.batch_in_epoch >= len(self.loader):
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                self._it = self.loader.iter_epoch(self.epoch, self.batch_in_epoch)
+                it = self._it = self.loader.iter_epoch(self.epoch, self.batch_in_epoch)
             try:
-                batch = next(self._it)
+                batch = next(it)
             except StopIteration:
                 self._it = None
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0

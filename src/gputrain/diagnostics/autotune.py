@@ -196,7 +196,7 @@ def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Pat
     ok = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
     if include_compile and ok:
         best = max(ok, key=lambda r: r["samples_per_s"])
-        tries = [dict(best["overrides"], compile=True)]
+        tries: list[dict[str, Any]] = [dict(best["overrides"], compile=True)]
         if best["overrides"].get("cuda_graphs") and config.compile_mode in (None, "default"):
             tries.append(dict(best["overrides"], compile=True, compile_mode=TREES_MODE, cuda_graphs=False))
         for compiled in tries:

@@ -157,8 +157,9 @@ def _call(model: nn.Module, x):
     return model(x)
 
 
-def _scalar_loss(result) -> torch.Tensor:
-    """The loss tensor of what a loss callable returned: a tensor, or (loss, outputs)."""
+def _scalar_loss(result: Any) -> Any:
+    """The loss of what a loss callable returned: the tensor of (loss, outputs), else the result as
+    is (a loss tensor; the meter only needs it computed)."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor):
         return result[0]
     return result
@@ -316,6 +317,10 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
     with _side_effect_free(model, device):
         full, full_units, full_inputs = _measure_activations(model, sample, loss_call, autocast_dtype, device, units)
         half_n = n // 2
+        # One sample: no second point, the fit goes through zero (half None).
+        half: int | None = None
+        half_units: dict[str, int] = {}
+        half_inputs: dict[str, int] = {}
         if half_n >= 1:
             half, half_units, half_inputs = _measure_activations(
                 model, _slice(sample, half_n), loss_call, autocast_dtype, device, units)
@@ -326,7 +331,7 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
                                               torch.bfloat16, device, [])[0] if half_n >= 1 else None)
             bf16_fit = _linear_fit(n, bf16_full, half_n, bf16_half)
 
-    per_sample, fixed = _linear_fit(n, full, half_n, half if half_n >= 1 else None)
+    per_sample, fixed = _linear_fit(n, full, half_n, half)
     activation_bytes = int(round(fixed + per_sample * batch))
     # On CUDA the real step also holds what the saved tensors miss: gradients of activations during
     # backward and cuDNN/cuBLAS workspaces, which for GEMM-based convolutions grow with the batch
@@ -346,9 +351,9 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
     blocks = []
     for unit in units:
         u_per, _ = _linear_fit(n, full_units.get(unit.name, 0), half_n,
-                               half_units.get(unit.name, 0) if half_n >= 1 else None)
+                               half_units.get(unit.name, 0) if half is not None else None)
         i_per, _ = _linear_fit(n, full_inputs.get(unit.name, 0), half_n,
-                               half_inputs.get(unit.name, 0) if half_n >= 1 else None)
+                               half_inputs.get(unit.name, 0) if half is not None else None)
         blocks.append({"name": unit.name, "activation_bytes_per_sample": u_per, "input_bytes_per_sample": i_per})
 
     total = param_bytes + grad_bytes + opt_bytes + activation_bytes
@@ -358,7 +363,7 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
         f"gradients: {n_trainable:,} trainable x {el} B = {grad_bytes:,} B",
         f"optimizer state ({opt}): {states} x {grad_bytes:,} B = {opt_bytes:,} B",
         f"activations: {fixed:,.0f} B fixed + {per_sample:,.1f} B/sample x {batch:,} = {activation_bytes:,} B "
-        f"(measured {full:,} B at batch {n}" + (f", {half:,} B at batch {half_n})" if half_n >= 1 else ")"),
+        f"(measured {full:,} B at batch {n}" + (f", {half:,} B at batch {half_n})" if half is not None else ")"),
         f"total: {param_bytes:,} + {grad_bytes:,} + {opt_bytes:,} + {activation_bytes:,} = {total:,} B",
     ]
     return {
@@ -376,7 +381,7 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
         "activation_bytes_per_sample": per_sample,
         "activation_bytes_fixed": fixed,
         "measured_batches": [n] + ([half_n] if half_n >= 1 else []),
-        "measured_activation_bytes": [full] + ([half] if half_n >= 1 else []),
+        "measured_activation_bytes": [full] + ([half] if half is not None else []),
         "bf16_activation_bytes_per_sample": None if bf16_fit is None else bf16_fit[0],
         "bf16_activation_bytes_fixed": None if bf16_fit is None else bf16_fit[1],
         # CUDA only: the measured peak of a whole step as fixed + per_sample * batch (None elsewhere)

@@ -5,6 +5,7 @@ Returns plain data with a stable schema; `gputrain info` renders it or prints it
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import platform
 import sys
@@ -63,14 +64,14 @@ def _probe_framework(fn) -> dict[str, Any]:
 
 
 def _tensorflow() -> dict[str, Any]:
-    import tensorflow as tf
+    tf = importlib.import_module("tensorflow")  # by name: optional, and maybe without type stubs
 
     gpus = tf.config.list_physical_devices("GPU")
     return {"installed": True, "version": tf.__version__, "gpus": [g.name for g in gpus]}
 
 
 def _jax() -> dict[str, Any]:
-    import jax
+    jax = importlib.import_module("jax")  # by name: optional, and maybe without type stubs
 
     devs = jax.devices()
     return {"installed": True, "version": jax.__version__, "devices": [str(d) for d in devs],

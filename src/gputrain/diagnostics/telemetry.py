@@ -6,6 +6,7 @@ gets None and a reason: absence is information, never an error, and nothing here
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -82,8 +83,10 @@ def _processes(pynvml, handle) -> list[dict[str, Any]]:
     me = os.getpid()
     seen: dict[int, dict[str, Any]] = {}
     for query in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        fn = getattr(pynvml, query, None)
-        for p in (_safe(lambda: fn(handle)) if fn else None) or []:
+        fn = getattr(pynvml, query, None)  # None: an older pynvml without this query
+        if fn is None:
+            continue
+        for p in _safe(functools.partial(fn, handle)) or []:
             used = getattr(p, "usedGpuMemory", None)
             # NVML reports "not available" as a huge sentinel or None.
             used = int(used) if isinstance(used, int) and 0 <= used < 2**60 else None

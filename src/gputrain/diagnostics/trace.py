@@ -38,10 +38,12 @@ def trace_summary(trace: dict | str | os.PathLike) -> dict[str, Any]:
     calls), sync_ms_per_step, sync_wait_share and gpu_busy (the share of the steps' span with a kernel or
     copy running); GPU figures are None in a CPU-only trace.
     """
-    if not isinstance(trace, dict):
+    if isinstance(trace, dict):
+        data = trace
+    else:
         with open(trace) as f:
-            trace = json.load(f)
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+            data = json.load(f)
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
              and not str(e.get("cat", "")).startswith("gpu_")]  # not the GPU-timeline copies
     if steps:

@@ -48,8 +48,8 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
-        text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
-        with os.fdopen(fd, mode, **text) as f:
+        f = os.fdopen(fd, mode) if "b" in mode else os.fdopen(fd, mode, encoding="utf-8", newline="")
+        with f:
             _chmod_like_a_new_file(f.fileno())
             yield f
             f.flush()
@@ -139,7 +139,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
             torch.save(payload, f)
         else:
             writer = _HashingWriter(f)
-            torch.save(payload, writer)
+            # torch.save takes any object with write() and flush() (its docs); its FileLike type says IO[bytes].
+            torch.save(payload, writer)  # pyright: ignore[reportArgumentType]
             before_replace(writer.hexdigest())
     return path
 
@@ -290,7 +291,11 @@ def capture_rng_state(device: torch.device | str | None = None) -> dict[str, Any
     get_state() separately.
     """
     device = torch.device(device) if device is not None else None
-    name, keys, pos, has_gauss, cached_gauss = np.random.get_state(legacy=True)
+    np_state = np.random.get_state(legacy=True)  # a tuple while the global generator is numpy's MT19937
+    if not isinstance(np_state, tuple):
+        raise CheckpointError(f"numpy's global random state is a {np_state.get('bit_generator')}, not the MT19937 "
+                              "that a checkpoint stores")
+    name, keys, pos, has_gauss, cached_gauss = np_state
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

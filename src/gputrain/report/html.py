@@ -411,7 +411,7 @@ def png_data_uri(fig) -> str:
 
 
 def _plot(lines: list[tuple[str, tuple[list, list], dict]], ylabel: str, log_if_positive: bool = False,
-          marks: list[float] = ()) -> str | None:
+          marks: Iterable[float] = ()) -> str | None:
     lines = [(label, xy, style) for label, xy, style in lines if xy[0]]
     if not lines:
         return None

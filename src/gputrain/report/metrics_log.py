@@ -38,8 +38,7 @@ class MetricsLog:
         if header:
             self.columns = header  # keep a resumed run's columns (widened ones included)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        self._csv_file = None
-        self._open_csv(write_header=not header)
+        self._open_csv(write_header=not header)  # sets _csv_file and _csv
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one log point to both files (a line of JSON, a CSV row) and flush them."""
@@ -53,8 +52,7 @@ class MetricsLog:
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._csv_file is not None:
-            self._csv_file.close()
+        self._csv_file.close()
 
     def __enter__(self) -> "MetricsLog":
         return self

@@ -55,7 +55,7 @@ class TrainProgress:
     def update(self, step: int, epoch: float | None = None, loss: float | None = None,
                samples_per_s: float | None = None, memory_bytes: int | None = None) -> None:
         """Show the state at optimizer step `step` (memory_bytes: the device's peak, None on the CPU)."""
-        if self._progress is None:
+        if self._progress is None or self._task is None:
             return
         self._progress.update(
             self._task, completed=step,

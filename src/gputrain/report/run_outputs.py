@@ -23,9 +23,12 @@ class RunOutputs:
     def __init__(self, run_dir: Path | None, config, enabled: bool, start_step: int = 0):
         self.run_dir = run_dir
         self.enabled = bool(enabled and run_dir is not None)
-        self.metrics = MetricsLog(run_dir, truncate_after_step=start_step) if self.enabled else None
-        self.tensorboard = (TensorBoardLog(run_dir, dataclasses.asdict(config), enabled=config.tensorboard,
-                                           truncate_after_step=start_step) if self.enabled else None)
+        self.metrics: MetricsLog | None = None
+        self.tensorboard: TensorBoardLog | None = None
+        if enabled and run_dir is not None:
+            self.metrics = MetricsLog(run_dir, truncate_after_step=start_step)
+            self.tensorboard = TensorBoardLog(run_dir, dataclasses.asdict(config), enabled=config.tensorboard,
+                                              truncate_after_step=start_step)
 
     def append(self, record: dict[str, Any]) -> None:
         if self.metrics:
@@ -43,14 +46,15 @@ class RunOutputs:
 
     def finish(self, history) -> None:
         """history.json, curves.png and report.html (after close)."""
-        if not self.enabled:
+        run_dir = self.run_dir
+        if not self.enabled or run_dir is None:
             return
-        history.save(self.run_dir / "history.json")
+        history.save(run_dir / "history.json")
         from gputrain.report.html import write_report
         from gputrain.report.plots import plot_history
 
-        for what, write in (("curves.png", lambda: plot_history(history, self.run_dir / "curves.png")),
-                            ("report.html", lambda: write_report(self.run_dir))):
+        for what, write in (("curves.png", lambda: plot_history(history, run_dir / "curves.png")),
+                            ("report.html", lambda: write_report(run_dir))):
             try:
                 write()
             except Exception as exc:  # the run itself succeeded; say what is missing

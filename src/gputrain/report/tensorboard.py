@@ -45,11 +45,13 @@ def tag_for(key: str) -> str:
 
 def _scalar(value: Any) -> float | None:
     """A record value as a float, or None when it is not a number (None, strings, lists; bools too)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy or torch scalar
-            return _scalar(value.item())
+    if isinstance(value, bool):
         return None
-    return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy or torch scalar
+        return _scalar(value.item())
+    return None
 
 
 def _hparam(value: Any) -> int | float | str | bool:
@@ -112,14 +114,16 @@ class TensorBoardLog:
     @property
     def path(self) -> Path | None:
         """The event file being written (None when disabled)."""
-        return Path(self._writer.file_writer.event_writer._file_name) if self._writer is not None else None
+        # SummaryWriter holds its file_writer from __init__ until its close(), when ours is None too.
+        file_writer = self._writer.file_writer if self._writer is not None else None
+        return Path(file_writer.event_writer._file_name) if file_writer is not None else None
 
     def append(self, record: dict[str, Any]) -> None:
         """Write every numeric key of `record` as a scalar at global_step=record["step"], and flush."""
         if self._writer is None:
             return
         step = record.get("step")
-        if _scalar(step) is None:
+        if step is None or _scalar(step) is None:
             raise ValueError(f"a TensorBoard record needs a numeric 'step' (the x axis), got {step!r}")
         step = int(step)
         for key, value in record.items():
@@ -151,8 +155,11 @@ class TensorBoardLog:
 
                 hp = {k: _hparam(v) for k, v in self.config.items()}
                 metrics = dict(self.last) or {"train/loss": float("nan")}
+                file_writer = self._writer.file_writer
+                if file_writer is None:  # never: SummaryWriter holds it until its close()
+                    raise RuntimeError("the TensorBoard event file was closed before the run's end")
                 for summary_pb in hparams(hp, metrics):
-                    self._writer.file_writer.add_summary(summary_pb)
+                    file_writer.add_summary(summary_pb)
         finally:
             self._writer.close()
             self._writer = None

@@ -25,6 +25,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,13 +144,17 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
         global _store, _groups_made
         if _store is None:  # one connection per process, kept for later groups
             use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                   is_master=(rank == 0 and not use_agent), timeout=timeout)
+            # dist.TCPStore, dist.PrefixStore: documented public API that torch's __init__ imports
+            # without re-exporting it.
+            _store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                is_master=(rank == 0 and not use_agent), timeout=timeout)
         _groups_made += 1
         # torch names the default group "0" again after destroy_process_group, so without the
         # group number a second group reads the first one's stale gloo addresses and hangs.
         prefix = f"gputrain/attempt-{restart}/group-{_groups_made}"
-        kwargs.update(store=dist.PrefixStore(prefix, _store), rank=rank, world_size=world)
+        kwargs.update(store=dist.PrefixStore(prefix, _store),  # pyright: ignore[reportPrivateImportUsage]
+                      rank=rank, world_size=world)
     dist.init_process_group(**kwargs)
     return DistInfo(True, rank, local_rank, world, dist.get_backend(), owns_group=True), device
 
@@ -411,8 +416,8 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
-def broadcast_object(obj, info: DistInfo):
-    """Rank 0's picklable `obj` on every rank. Single process: `obj`."""
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's picklable `obj` on every rank (unpickled: of any type). Single process: `obj`."""
     if not info.enabled:
         return obj
     box = [obj]
@@ -449,8 +454,7 @@ def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         stopped_by.append(signum)
         proc.send_signal(signum)
 
-    if in_main_thread:
-        previous = signal.signal(signal.SIGTERM, forward)
+    previous = signal.signal(signal.SIGTERM, forward) if in_main_thread else None
     try:
         try:
             code = proc.wait()
@@ -465,7 +469,8 @@ def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
                 code = proc.wait()
     finally:
         if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            # None: a handler installed from C, which Python cannot put back; the default is the closest.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if code < 0:
         return 128 - code  # killed by signal N: the shell's 128 + N
     if code != 0 and stopped_by:

@@ -131,10 +131,11 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
                              checkpointing=bool(config.checkpointing), optimizer=optimizer, model=model)
     if config.cuda_graphs == "auto":
         graphs = blocker is None
-        reasons["cuda_graphs"] = ("one graph launch per step instead of one launch per kernel" if graphs else blocker)
+        reasons["cuda_graphs"] = (blocker if blocker is not None
+                                  else "one graph launch per step instead of one launch per kernel")
     elif config.cuda_graphs:
         graphs = blocker is None
-        reasons["cuda_graphs"] = "requested" if graphs else blocker
+        reasons["cuda_graphs"] = blocker if blocker is not None else "requested"
     else:
         graphs = False
         reasons["cuda_graphs"] = "switched off (cuda_graphs=False)"

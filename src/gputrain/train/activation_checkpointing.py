@@ -165,7 +165,7 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
 
 def _segmented_forward(self: nn.Sequential, x):
     children = list(self.children())
-    spans = dict(self._gputrain_spans)  # start -> end
+    spans: dict[int, int] = dict(getattr(self, "_gputrain_spans"))  # start -> end
     i, grad = 0, torch.is_grad_enabled() and self.training
     while i < len(children):
         end = spans.get(i)
@@ -202,17 +202,19 @@ def apply_activation_checkpointing(model: nn.Module, targets: list[str] | None =
             module = unit.modules[0]
             if not getattr(module, "_gputrain_checkpointed", False):
                 module.forward = types.MethodType(_checkpointed_forward, module)
-                module._gputrain_checkpointed = True
+                # Plain attributes (not tensors or modules): setattr, as Module's stub takes only those.
+                setattr(module, "_gputrain_checkpointed", True)
         else:
             seq = unit.container
             spans = list(getattr(seq, "_gputrain_spans", []))
+            assert unit.span is not None, "a run of an nn.Sequential always has its span"
             a, b = unit.span
             for s, e in spans:
                 if (s, e) != (a, b) and s < b and a < e:
                     raise ConfigError(f"cannot checkpoint {unit.name!r}: it overlaps layers {s}:{e}, already checkpointed")
             if (a, b) not in spans:
                 spans.append((a, b))
-            seq._gputrain_spans = sorted(spans)
+            setattr(seq, "_gputrain_spans", sorted(spans))
             seq.forward = types.MethodType(_segmented_forward, seq)
         names.append(unit.name)
     return names

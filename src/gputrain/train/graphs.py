@@ -169,6 +169,7 @@ class GraphedStep:
             self._eager(micro_batches)
             return
         batch = micro_batches[0]
+        tensors: list[torch.Tensor] | None = None  # a plain batch's tensors; None: a deferred batch
         if isinstance(batch, DeferredBatch):
             key = ("deferred",) + tuple(batch.key)
         else:
@@ -182,8 +183,8 @@ class GraphedStep:
             key = batches.signature(batch)
         captured = self.graphs.get(key)
         if captured is not None:
-            if isinstance(batch, DeferredBatch):
-                batch.load(captured.static)  # its start position: one fill_
+            if tensors is None:
+                batch.load(captured.static)  # a deferred batch's start position: one fill_
             else:
                 captured.load(tensors)
             captured.graph.replay()

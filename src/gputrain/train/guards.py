@@ -55,13 +55,14 @@ class SpikeDetector:
     def __init__(self, ratio: float | None, window: int, patience: int, action: str):
         self.ratio, self.patience, self.action = ratio, patience, action
         self.history: deque[float] = deque(maxlen=window)
+        self.min_points = max(3, window // 2)  # log points seen before a spike can be judged
         self.in_a_row = 0
         self.spikes: list[dict] = []
 
     def update(self, step: int, loss: float) -> None:
         if self.ratio is None or not math.isfinite(loss):
             return
-        if len(self.history) >= max(3, self.history.maxlen // 2):
+        if len(self.history) >= self.min_points:
             median = statistics.median(self.history)
             if median > 0 and loss > self.ratio * median:
                 self.in_a_row += 1

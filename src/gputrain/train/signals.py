@@ -23,7 +23,8 @@ import logging
 import signal
 import threading
 import weakref
-from typing import Iterable
+from types import FrameType
+from typing import Any, Callable, Iterable, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
+# What signal.signal takes and returns: a Python callable, SIG_DFL / SIG_IGN, or None (from C).
+PythonHandler = Callable[[int, FrameType | None], Any]
+Handler = PythonHandler | int | signal.Handlers | None
 
-def _is_chainable(handler) -> bool:
+
+def _is_chainable(handler: Handler) -> TypeGuard[PythonHandler]:
     """A Python callable someone installed before us, to be called from our handler.
 
     Not chained: SIG_DFL and SIG_IGN (not callables: the default would kill the process, which is
@@ -66,7 +71,7 @@ class StopSignals:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self._requested: signal.Signals | None = None
         self.count = 0  # every signal received while active, the first included
-        self._previous: dict[signal.Signals, object] = {}
+        self._previous: dict[signal.Signals, Handler] = {}
         self.installed = False
 
     # ------------------------------------------------------------ what was received
@@ -96,14 +101,14 @@ class StopSignals:
             log.debug("StopSignals: not in the main thread (%s), where Python runs signal handlers; "
                       "signals keep their current handlers", threading.current_thread().name)
             return self
-        installed: dict[signal.Signals, object] = {}
-        try:
-            for sig in self.signals:
+        installed: dict[signal.Signals, Handler] = {}
+        for sig in self.signals:
+            try:
                 installed[sig] = signal.signal(sig, self._handle)
-        except (ValueError, OSError) as exc:  # e.g. a subinterpreter, or a signal that cannot be caught
-            for sig, previous in installed.items():
-                signal.signal(sig, _restorable(previous))
-            raise ValueError(f"cannot install a handler for {sig.name}: {exc}") from None
+            except (ValueError, OSError) as exc:  # e.g. a subinterpreter, or a signal that cannot be caught
+                for done, previous in installed.items():
+                    signal.signal(done, _restorable(previous))
+                raise ValueError(f"cannot install a handler for {sig.name}: {exc}") from None
         self._previous = installed
         self.installed = True
         return self
@@ -139,7 +144,7 @@ class StopSignals:
             pass
 
 
-def _restorable(previous) -> object:
+def _restorable(previous: Handler) -> Handler:
     # signal.signal returns None for a handler installed from C, which cannot be put back from
     # Python; the default is the closest.
     return signal.SIG_DFL if previous is None else previous

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -80,10 +80,9 @@ class TrainStep:
             return [c / total for c in counts]
         counts = [torch.as_tensor(self.num_items(p), device=self.device, dtype=torch.float32) for p in pieces]
         total = torch.stack(counts).sum()
-        world = self.dist.world_size if self.dist is not None else 1
-        if world > 1:
+        if self.dist is not None and self.dist.world_size > 1:
             # DDP averages gradients over ranks; scale so the result is the mean over all ranks' items.
-            total = distributed.all_reduce_sum(total, self.dist) / world
+            total = distributed.all_reduce_sum(total, self.dist) / self.dist.world_size
         return [c / total.clamp_min(1.0) for c in counts]
 
     def run(self, micro_batches: Sequence[Any], clock=None) -> None:
@@ -110,6 +109,8 @@ class TrainStep:
             term = loss.detach().float()  # .float(): no kernel when the loss is already fp32
             term = term if whole else term * weight
             step_loss = term if step_loss is None else step_loss + term
+        if step_loss is None:
+            raise GputrainError("a training step needs at least one micro-batch; got none")
         norm = None
         if self.max_grad_norm is not None:
             self.precision.unscale_(self.optimizer)
@@ -126,8 +127,10 @@ class TrainStep:
         probe = step_loss if norm is None else step_loss + _local(norm)
         bad = (probe - probe).ne(0)  # bool, shape ()
         if self.skip_nonfinite:
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = bad.float()
+            # Attributes Optimizer does not declare: torch's fused kernels read them with getattr, as
+            # GradScaler sets them.
+            setattr(self.optimizer, "grad_scale", None)
+            setattr(self.optimizer, "found_inf", bad.float())
             step_loss = step_loss.masked_fill(bad, 0.0)  # keep the mean finite
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -175,4 +178,4 @@ class TrainStep:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a norm over sharded (FSDP2 DTensor) gradients: the full value, on every rank."""
     full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
+    return cast(torch.Tensor, full()) if callable(full) else t  # DTensor.full_tensor() -> Tensor

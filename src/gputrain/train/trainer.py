@@ -12,17 +12,18 @@ The run's position lives in one `RunState` that checkpoints save and load.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
-from gputrain.data import BatchStream, BatchTransform, make_loader
+from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
 from gputrain.data.deferred import num_samples
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
@@ -102,8 +103,9 @@ class Trainer:
         if cfg.compile:
             from gputrain.runtime.recompiles import RecompileWatcher
 
-            kwargs = {"mode": cfg.compile_mode} if cfg.compile_mode else {}
-            self.model = torch.compile(self.model, **kwargs)
+            # Compiling a Module gives an OptimizedModule (a Module); torch's stub only says "a callable".
+            # mode None: torch's default.
+            self.model = cast(nn.Module, torch.compile(self.model, mode=cfg.compile_mode or None))
             self.recompiles = RecompileWatcher().start()
 
     def _setup_data(self, train_data, eval_data, transform: BatchTransform | None) -> None:
@@ -111,15 +113,14 @@ class Trainer:
         # Data given as a workload's DataSplits carries its own normalization and augmentation.
         transform, train_data, eval_data = _unpack_splits(train_data, eval_data, transform)
         transform.channels_last = self.speed.channels_last
-        common = dict(device=self.device, seed=cfg.seed, rank=self.dist.rank, world_size=self.dist.world_size,
-                      on_device=cfg.data_on_device, memory_fraction=cfg.device_memory_fraction,
-                      num_workers=cfg.num_workers)
-        self.train_loader, self.placement = make_loader(train_data, cfg.batch_size, train=True, transform=transform,
-                                                        **common)
+        load = functools.partial(make_loader, device=self.device, seed=cfg.seed, rank=self.dist.rank,
+                                 world_size=self.dist.world_size, on_device=cfg.data_on_device,
+                                 memory_fraction=cfg.device_memory_fraction, num_workers=cfg.num_workers)
+        self.train_loader, self.placement = load(train_data, cfg.batch_size, train=True, transform=transform)
         self.eval_loader = None
         if eval_data is not None:
-            self.eval_loader, _ = make_loader(eval_data, max(cfg.batch_size, 256), train=False,
-                                              transform=transform.for_eval(), **common)
+            self.eval_loader, _ = load(eval_data, max(cfg.batch_size, 256), train=False,
+                                       transform=transform.for_eval())
         self.batches_per_epoch = len(self.train_loader)
         if cfg.steps is not None:
             self.total_steps = cfg.steps
@@ -152,7 +153,7 @@ class Trainer:
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
         self.graphed = GraphedStep(self.train_step, self.device) if self.speed.cuda_graphs else None
-        if self.graphed is not None and cfg.accumulate == 1 and hasattr(self.train_loader, "defer"):
+        if self.graphed is not None and cfg.accumulate == 1 and isinstance(self.train_loader, TensorBatches):
             # Resident batches are assembled inside the step's graph (data/deferred.py).
             self.train_loader.defer = True
         self.step_fn: Callable = self.graphed if self.graphed is not None else self.train_step

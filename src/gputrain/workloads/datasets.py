@@ -63,7 +63,8 @@ def _split_indices(targets: np.ndarray, test_fraction: float, seed: int) -> tupl
     from sklearn.model_selection import train_test_split
 
     idx = np.arange(len(targets))
-    return train_test_split(idx, test_size=test_fraction, stratify=targets, random_state=seed)
+    train, test = train_test_split(idx, test_size=test_fraction, stratify=targets, random_state=seed)
+    return np.asarray(train), np.asarray(test)  # already arrays (no copy); the stub says "list"
 
 
 # ---------------------------------------------------------------- small tabular / image sets (sklearn)
@@ -112,10 +113,11 @@ def _generate_mnist1d(num_samples: int, seed: int) -> dict[str, np.ndarray]:
     `random` and `numpy.random` states; they are put back afterwards.
     """
     from mnist1d.data import get_dataset_args, make_dataset
+    from mnist1d.utils import ObjectView
 
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    args.seed = seed
+    settings = get_dataset_args(as_dict=True)
+    assert isinstance(settings, dict), "get_dataset_args(as_dict=True) gives a dict"
+    args = ObjectView({**settings, "num_samples": num_samples, "seed": seed})  # make_dataset reads attributes
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         data = make_dataset(args)
@@ -131,7 +133,7 @@ def _write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only, as np.load reads them
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -359,6 +361,8 @@ def find_mnist(data_dir: str | os.PathLike | None = None) -> Path:
 
 def _read_mnist_pair(folder: Path, images_name: str, labels_name: str) -> tuple[np.ndarray, np.ndarray]:
     images_path, labels_path = _idx_file(folder, images_name), _idx_file(folder, labels_name)
+    if images_path is None or labels_path is None:
+        raise DataError(f"MNIST folder {folder} lacks {images_name} or {labels_name} (raw or .gz). {_mnist_help()}")
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
         raise DataError(f"{images_path}: expected uint8 images of shape (n, 28, 28), got {images.dtype} "

@@ -134,6 +134,8 @@ class GPTMini(nn.Module):
     can be set side by side, and one matrix of 65 rows is learned from both ends.
     """
 
+    positions: torch.Tensor  # (block_size,) int64, a buffer: 0, 1, ..., block_size - 1
+
     def __init__(self, vocab_size: int, block_size: int = 256, n_layer: int = 6, n_embd: int = 384,
                  n_head: int = 6, dropout: float = 0.1):
         super().__init__()
