@@ -500,7 +500,7 @@ def _median(rows: list[dict], key: str):
 
 
 def summarize_results(result: dict) -> None:
-    from gputrain.bench.common import summarize
+    from gputrain.runtime.timing import summarize
 
     out = []
     for wl in result["workloads"]:

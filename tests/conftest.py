@@ -60,3 +60,207 @@ def cache_dir(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("GPUTRAIN_CACHE", str(d))
     return d
+
+
+# ---------------------------------------------------------------- a CUDA stand-in (torch.cuda's queries, never kernels)
+
+GiB = 2**30
+
+# capability -> (name, total memory, SMs) of the GPU a test gets when it names only a capability.
+_GPU_PRESETS = {
+    (9, 0): ("NVIDIA H100 80GB HBM3", 80 * GiB, 132),
+    (8, 0): ("NVIDIA A100-SXM4-80GB", 80 * GiB, 108),
+    (7, 0): ("Tesla V100-SXM2-32GB", 32 * GiB, 80),
+}
+
+
+class FakeDeviceProperties:
+    """What torch.cuda.get_device_properties(i) returns: the fields gputrain reads, and a few more."""
+
+    def __init__(self, name: str, total_memory: int, major: int, minor: int, multi_processor_count: int,
+                 index: int):
+        self.name, self.total_memory = name, total_memory
+        self.major, self.minor, self.multi_processor_count = major, minor, multi_processor_count
+        self.uuid = f"00000000-0000-0000-0000-{index:012d}"
+        self.is_integrated, self.is_multi_gpu_board = False, False
+        self.L2_cache_size = 50 * 2**20
+
+    def __repr__(self) -> str:
+        return (f"FakeDeviceProperties(name={self.name!r}, major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // 2**20}MB, multi_processor_count={self.multi_processor_count})")
+
+
+class FakeGpu:
+    """One fake device: its facts and the caching allocator's counters (bytes), which tests move."""
+
+    def __init__(self, index: int, name: str, capability: tuple[int, int], total_memory: int, free_memory: int,
+                 multiprocessors: int):
+        self.index, self.name, self.capability = index, name, tuple(capability)
+        self.total_memory, self.free_memory = int(total_memory), int(free_memory)
+        self.properties = FakeDeviceProperties(name, self.total_memory, capability[0], capability[1],
+                                               multiprocessors, index)
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def free_now(self) -> int:
+        """What mem_get_info reports free: the free memory given, less what this process's cache holds."""
+        return max(0, self.free_memory - self.reserved)
+
+
+class FakeCuda:
+    """The machine `fake_cuda(...)` makes torch.cuda report. See the fixture for what is patched.
+
+    gpus: one FakeGpu per device; current: the current device's index; calls: how often each no-op
+    (set_device, synchronize, empty_cache) and gputrain's probe allocation ran.
+    """
+
+    def __init__(self, *, name: str | None = None, capability: tuple[int, int] = (9, 0),
+                 total_memory: int | None = None, free_memory: int | None = None, count: int = 1,
+                 multiprocessors: int | None = None, cuda_version: str = "12.6", cudnn_version: int = 90100,
+                 probe_error: str | None = None):
+        import collections
+
+        major, minor = capability
+        preset = _GPU_PRESETS.get((major, minor), (f"Fake GPU sm_{major}{minor}", 16 * GiB, 40))
+        name = name or preset[0]
+        total = int(total_memory if total_memory is not None else preset[1])
+        free = int(free_memory if free_memory is not None else max(0, total - GiB))  # the driver's context: ~1 GiB
+        if free > total:
+            raise ValueError(f"free_memory {free} > total_memory {total}")
+        self.gpus = [FakeGpu(i, name, capability, total, free, multiprocessors or preset[2]) for i in range(count)]
+        self.current = 0
+        self.cuda_version, self.cudnn_version, self.probe_error = cuda_version, cudnn_version, probe_error
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------ devices as torch.cuda takes them
+
+    def index(self, device=None, what: str = "query") -> int:
+        """The device index torch.cuda would use for `device` (None, int, "cuda:N", torch.device);
+        raises as torch does for a device that is not CUDA or does not exist."""
+        if device is None:
+            idx = self.current
+        elif isinstance(device, (str, torch.device)):
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"Expected a cuda device, but got: {device}")
+            idx = self.current if device.index is None else device.index
+        else:
+            idx = int(device)
+        if not 0 <= idx < len(self.gpus):
+            if what == "properties":
+                raise AssertionError("Invalid device id")
+            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{idx} on a machine with "
+                               f"{len(self.gpus)} device{'s' if len(self.gpus) != 1 else ''})")
+        return idx
+
+    def gpu(self, device=None) -> FakeGpu:
+        return self.gpus[self.index(device)]
+
+    # ------------------------------------------------ a step's memory, as a test wants the counters
+
+    def allocate(self, nbytes: int, device=None) -> None:
+        """Tensors of `nbytes` come alive on `device`: allocated, reserved (2 MiB blocks) and the peaks move."""
+        g = self.gpu(device)
+        g.allocated += int(nbytes)
+        g.reserved = max(g.reserved, -(-g.allocated // (2 * 2**20)) * 2 * 2**20)
+        g.peak_allocated = max(g.peak_allocated, g.allocated)
+        g.peak_reserved = max(g.peak_reserved, g.reserved)
+
+    def release(self, nbytes: int, device=None) -> None:
+        """Tensors of `nbytes` are freed; the cache keeps their blocks reserved (as PyTorch's does)."""
+        g = self.gpu(device)
+        g.allocated = max(0, g.allocated - int(nbytes))
+
+    # ------------------------------------------------ the torch.cuda functions
+
+    def _memory_stats(self, device=None) -> dict:
+        g = self.gpu(device)
+        return {"allocated_bytes.all.current": g.allocated, "allocated_bytes.all.peak": g.peak_allocated,
+                "reserved_bytes.all.current": g.reserved, "reserved_bytes.all.peak": g.peak_reserved,
+                "active_bytes.all.current": g.allocated, "num_alloc_retries": 0, "num_ooms": 0}
+
+    def _reset_peak(self, device=None) -> None:
+        g = self.gpu(device)
+        g.peak_allocated, g.peak_reserved = g.allocated, g.reserved
+
+    def _set_device(self, device) -> None:
+        self.calls["set_device"] += 1
+        if isinstance(device, int) and device < 0:
+            return  # torch: a no-op for a negative index
+        self.current = self.index(device)
+
+    def _is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        # As torch answers it: True at 8.0+; below, with emulation allowed (the default), whether a
+        # bf16 tensor can be made on the device, which on a real V100/T4 succeeds, so: True.
+        return self.gpu().capability[0] >= 8 or bool(including_emulation)
+
+    def _probe(self, device: torch.device) -> None:
+        """gputrain's test allocation (devices._probe): checks the index, allocates nothing."""
+        self.calls["probe"] += 1
+        self.index(device)
+        if self.probe_error:
+            raise RuntimeError(self.probe_error)
+
+    def install(self, monkeypatch) -> "FakeCuda":
+        from gputrain.runtime import devices
+
+        def count(name):
+            def no_op(*args, **kwargs):
+                self.calls[name] += 1
+            return no_op
+
+        cuda = {
+            "is_available": lambda: True,
+            "device_count": lambda: len(self.gpus),
+            "current_device": lambda: self.current,
+            "set_device": self._set_device,
+            "synchronize": count("synchronize"),
+            "empty_cache": count("empty_cache"),
+            "get_device_name": lambda device=None: self.gpus[self.index(device, "properties")].name,
+            "get_device_capability": lambda device=None: self.gpus[self.index(device, "properties")].capability,
+            "get_device_properties": lambda device=None: self.gpus[self.index(device, "properties")].properties,
+            "mem_get_info": lambda device=None: (self.gpu(device).free_now(), self.gpu(device).total_memory),
+            "memory_allocated": lambda device=None: self.gpu(device).allocated,
+            "memory_reserved": lambda device=None: self.gpu(device).reserved,
+            "max_memory_allocated": lambda device=None: self.gpu(device).peak_allocated,
+            "max_memory_reserved": lambda device=None: self.gpu(device).peak_reserved,
+            "memory_stats": self._memory_stats,
+            "reset_peak_memory_stats": self._reset_peak,
+            "is_bf16_supported": self._is_bf16_supported,
+            "get_arch_list": lambda: ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90"],
+        }
+        for attr, fn in cuda.items():
+            assert hasattr(torch.cuda, attr), f"torch.cuda.{attr} does not exist: the stand-in must only replace"
+            monkeypatch.setattr(torch.cuda, attr, fn)
+        monkeypatch.setattr(torch.version, "cuda", self.cuda_version)
+        monkeypatch.setattr(torch.backends.cudnn, "version", lambda: self.cudnn_version)
+        monkeypatch.setattr(devices, "_probe", self._probe)
+        return self
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A factory that makes torch.cuda REPORT CUDA devices on a CPU-only machine, undone after the test.
+
+        gpu = fake_cuda()                                  # one NVIDIA H100 80GB HBM3, capability 9.0
+        gpu = fake_cuda(capability=(7, 0), count=4)        # four Tesla V100-SXM2-32GB
+        gpu = fake_cuda(total_memory=16 * GiB, free_memory=2 * GiB, name="Tesla T4", capability=(7, 5))
+        gpu.allocate(3 * GiB); gpu.release(1 * GiB)        # move the allocator's counters (and peaks)
+        gpu.gpus[0].free_memory = 10 * GiB                 # change a fact mid-test; gpu.current, gpu.calls
+
+    Patched (monkeypatch): torch.cuda's queries (is_available, device_count, current_device,
+    get_device_name / _capability / _properties, mem_get_info, memory_allocated / _reserved,
+    max_memory_allocated / _reserved, memory_stats, reset_peak_memory_stats, is_bf16_supported,
+    get_arch_list), set_device / synchronize / empty_cache as counted no-ops, torch.version.cuda
+    (a CUDA build), torch.backends.cudnn.version, and gputrain's test allocation `devices._probe`.
+    gputrain's other probes (_cuda_built, _cuda_available, _cuda_count, _cuda_name) are left real:
+    they read the patched torch, so a broken probe fails here too.
+
+    Never faked: tensors, streams, events, graphs, generators, autocast kernels. Anything that makes a
+    real CUDA tensor still fails ("Torch not compiled with CUDA enabled"); that code stays in `gpu` tests.
+    torch.cuda.is_initialized() stays False (nothing real was initialized), so torch's lazy CUDA
+    calls (seeding) are queued, never run.
+    """
+    def make(**kwargs) -> FakeCuda:
+        return FakeCuda(**kwargs).install(monkeypatch)
+
+    return make

@@ -5,25 +5,11 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import tiny_workload
 from torch import nn
 
 from gputrain.config import TrainConfig
 from gputrain.diagnostics import autotune as at
-from gputrain.workloads import DataSplits, Workload
-
-
-def tiny_workload() -> Workload:
-    def make_data():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=g)
-        y = torch.randint(0, 4, (256,), generator=g)
-        return DataSplits(train=(x, y), mean=(127.5,), std=(64.0,))
-
-    def make_model():
-        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
-
-    return Workload(name="tiny", description="test", make_data=make_data, make_model=make_model,
-                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
 
 
 def config(**kw) -> TrainConfig:
@@ -151,3 +137,33 @@ def test_cli_autotune_json(tmp_path, monkeypatch, capsys):
     assert "does not change the effective batch" in rep["batch"]
     assert out["summary"]["workload"] == "digits-cnn"
     assert (tmp_path / "autotune.json").exists()
+
+
+def test_render_report_shows_every_trial_and_marks_the_choice():
+    """The table `fit --autotune` prints: one row per trial with its numbers, the chosen one marked,
+    graphs that were asked for but not used said so, an error row with its status, the cache named."""
+    import io
+
+    from rich.console import Console
+
+    report = {"cached": True, "cache_path": "/c/autotune.json", "rows": [
+        {"overrides": {"cuda_graphs": True, "channels_last": True, "precision": "bf16", "compile": False},
+         "graphs": "on", "samples_per_s": 12345.6, "step_ms": 1.234, "peak_memory": 3 * 2**20,
+         "compile_s": None, "status": "ok", "chosen": True},
+        {"overrides": {"cuda_graphs": True, "channels_last": False, "precision": "fp32", "compile": True,
+                       "compile_mode": "reduce-overhead"},
+         "graphs": "off: a forward hook", "samples_per_s": 100.0, "step_ms": 10.0, "peak_memory": None,
+         "compile_s": 4.5, "status": "ok"},
+        {"overrides": {"cuda_graphs": False, "channels_last": False, "precision": "fp16", "compile": False},
+         "samples_per_s": None, "step_ms": None, "peak_memory": None, "compile_s": None,
+         "status": "error: RuntimeError: boom"},
+    ]}
+    buf = io.StringIO()
+    at.render_report(report, Console(file=buf, width=200, color_system=None))
+    out = buf.getvalue()
+    assert "cached: /c/autotune.json" in out
+    rows = {name: next(line for line in out.splitlines() if name in line) for name in ("bf16", "fp32", "fp16")}
+    cells = {name: [c.strip() for c in line.strip(" │|").split("│")] for name, line in rows.items()}
+    assert cells["bf16"] == ["on", "on", "bf16", "off", "12,346", "1.23", "3 MiB", "-", "* chosen"]
+    assert cells["fp32"] == ["on (not used)", "off", "fp32", "reduce-overhead", "100", "10.00", "-", "4.50", "ok"]
+    assert cells["fp16"] == ["off", "off", "fp16", "off", "-", "-", "-", "-", "error: RuntimeError: boom"]

@@ -17,7 +17,8 @@ import torch
 
 from gputrain import cli
 from gputrain.bench import common
-from gputrain.bench.common import measure, result_stem, saved_tensor_bytes
+from gputrain.bench.common import result_stem, saved_tensor_bytes
+from gputrain.runtime.timing import measure
 from gputrain.bench.crossover import mlp, step_flops
 from gputrain.bench.matmul import matmul_flops, run_matmul
 from gputrain.bench.transfer import HOST_MEMCPY, run_transfer
@@ -189,8 +190,8 @@ def test_bench_all_precision(bench_all):
 
 def test_bench_all_memory(bench_all):
     r = _result(bench_all, "memory")
-    plain = [x for x in r["rows"] if not x["checkpointing"]]
-    ckpt = [x for x in r["rows"] if x["checkpointing"]]
+    plain = [x for x in r["rows"] if not x["recompute"]]
+    ckpt = [x for x in r["rows"] if x["recompute"]]
     assert [x["batch"] for x in plain] == r["config"]["batch_sizes"]
     saved = [x["saved_activation_bytes"] for x in plain]
     assert all(b > a for a, b in zip(saved, saved[1:]))  # grows with the batch
@@ -402,5 +403,5 @@ def test_gpu_memory_finds_largest_batch_under_a_memory_cap():
     for mode, v in r["summary"]["largest_batch"].items():
         assert v["hit_out_of_memory"] and v["largest_batch"] >= 64, (mode, v)
     plain = r["summary"]["largest_batch"]["plain"]["largest_batch"]
-    assert r["summary"]["largest_batch"]["checkpointing"]["largest_batch"] >= plain
+    assert r["summary"]["largest_batch"]["recompute"]["largest_batch"] >= plain
     assert any(x["status"] == "out of memory" for x in r["rows"])

@@ -1,12 +1,40 @@
-"""The house rules of the layout: the training core does not import workloads, bench or diagnostics."""
+"""The house rules of the layout, checked on the code's own imports and calls:
+
+- the training core (train, data, runtime, io) imports no workloads, bench, diagnostics or commands;
+- diagnostics imports no bench or commands (the benchmarks build on the diagnostics, not back);
+- nothing outside io/ opens a file for writing: files are written whole or not at all through
+  io/atomic.py (allow-listed: logs that only append);
+- no module is over 500 lines (allow-listed while their authors are changing them: a few files, each
+  still under the old bound of 700).
+"""
 
 import ast
 from pathlib import Path
 
 import gputrain
 
+ROOT = Path(gputrain.__file__).parent
 CORE = ("train", "data", "runtime", "io")
 FORBIDDEN = ("gputrain.workloads", "gputrain.bench", "gputrain.diagnostics", "gputrain.commands")
+
+# Files that open a file for writing themselves, and why that is safe.
+WRITES_ALLOWED = {
+    "report/metrics_log.py": "metrics.jsonl and metrics.csv only grow, one line per log point (append mode); a crash "
+                             "leaves at most a cut last line, which readers skip; rewrites go through io/atomic.py",
+}
+MAX_LINES = 500
+# Over MAX_LINES while other work changes them (issue 20): the lead clears this list. Each stays <= 700.
+LONG_ALLOWED = {
+    "runtime/distributed.py": "Slurm's environment is being added beside torchrun's",
+    "train/trainer.py": "the trainer's seams (issue 20, item 2) and the callbacks are being changed",
+    "io/checkpoint_store.py": "the DCP format is being added beside the one-file format",
+    "train/step.py": "the step's per-step overhead is being cut",
+}
+OLD_BOUND = 700
+
+
+def _modules(*folders: str) -> list[Path]:
+    return sorted(p for f in folders for p in (ROOT / f).rglob("*.py")) if folders else sorted(ROOT.rglob("*.py"))
 
 
 def _imports(path: Path) -> list[str]:
@@ -19,16 +47,76 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
+def _offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT)} imports {name}"
+            for path in _modules(*folders) for name in _imports(path) if name.startswith(forbidden)]
+
+
 def test_the_training_core_imports_no_workloads_bench_or_diagnostics():
-    root = Path(gputrain.__file__).parent
-    offenders = [f"{path.relative_to(root)} imports {name}"
-                 for pkg in CORE for path in sorted((root / pkg).rglob("*.py"))
-                 for name in _imports(path) if name.startswith(FORBIDDEN)]
-    assert offenders == []
+    assert _offenders(CORE, FORBIDDEN) == []
+
+
+def test_diagnostics_import_no_bench_or_commands():
+    assert _offenders(("diagnostics",), ("gputrain.bench", "gputrain.commands")) == []
+
+
+def _mode(call: ast.Call, position: int) -> str | None:
+    """The mode string of an open-like call (positional `position` or mode=), when it is a literal."""
+    args = [a for a in call.args if not isinstance(a, ast.Starred)]
+    node = args[position] if len(args) > position else next((k.value for k in call.keywords if k.arg == "mode"), None)
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def file_writes(source: str) -> list[tuple[int, str]]:
+    """(line, call) of every call in `source` that writes a file without io/atomic.py: open() or
+    os.fdopen() in a write/append/create mode, Path.open() likewise, Path.write_text/write_bytes."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if name in ("write_text", "write_bytes") and isinstance(f, ast.Attribute):
+            found.append((node.lineno, name))
+        elif name in ("open", "fdopen"):
+            # open(path, mode) and os.fdopen(fd, mode); a method open (Path.open(mode)) takes the mode first
+            function = isinstance(f, ast.Name) or name == "fdopen" or ast.unparse(f) in ("io.open", "os.open")
+            position = 1 if function else 0
+            mode = _mode(node, position)
+            if mode is not None and any(c in mode for c in "wax+"):
+                found.append((node.lineno, f"{ast.unparse(f)}(..., {mode!r})"))
+    return found
+
+
+def test_the_check_for_file_writes_finds_each_kind():
+    src = ("open(p, 'w')\nopen(p, mode='ab')\nos.fdopen(fd, 'wb')\nPath(p).open('w')\np.write_text('x')\n"
+           "q.write_bytes(b'')\nopen(p)\nopen(p, 'rb')\nPath(p).open()\nf.write('x')\n")
+    assert [line for line, _ in file_writes(src)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_nothing_outside_io_writes_a_file_without_the_atomic_helper():
+    outside = [(rel, path) for path in _modules()
+               if (rel := str(path.relative_to(ROOT))).split("/")[0] != "io" and rel not in WRITES_ALLOWED]
+    offenders = [f"{rel}:{line} {call}" for rel, path in outside for line, call in file_writes(path.read_text())]
+    assert offenders == [], "write through gputrain.io.atomic (atomic_file / write_text), or allow-list with a reason"
 
 
 def test_modules_stay_small():
-    root = Path(gputrain.__file__).parent
-    big = {str(p.relative_to(root)): n for p in root.rglob("*.py")
-           if (n := len(p.read_text().splitlines())) > 700}
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules()}
+    big = {name: n for name, n in lines.items() if n > MAX_LINES and name not in LONG_ALLOWED}
     assert big == {}, "split these by concern"
+    assert {name: lines[name] for name in LONG_ALLOWED if lines.get(name, 0) > OLD_BOUND} == {}
+
+
+def test_every_public_name_resolves_and_an_unknown_one_is_an_attribute_error():
+    """The names `gputrain` loads on first use (its module __getattr__) each import and are the objects
+    of the module they name; __all__ lists only names that exist; a misspelling says what is missing."""
+    import importlib
+
+    import pytest
+
+    for name, module in gputrain._LAZY.items():
+        assert getattr(gputrain, name) is getattr(importlib.import_module(module), name), name
+    assert all(hasattr(gputrain, name) for name in gputrain.__all__)
+    with pytest.raises(AttributeError, match="module 'gputrain' has no attribute 'fitt'"):
+        gputrain.fitt  # noqa: B018

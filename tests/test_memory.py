@@ -11,10 +11,11 @@ from torch import nn
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.diagnostics.advice import recommendations
 from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
-from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate, measure_step_memory
+from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate
+from gputrain.diagnostics.probe import StepProbe, as_loss_rule, measure_step_memory
 from gputrain.diagnostics.memory_stats import memory_stats
 from gputrain.runtime.oom import free_after_oom, is_oom
-from gputrain.train.activation_checkpointing import apply_activation_checkpointing
+from gputrain.train.activation_checkpointing import apply_activation_checkpointing, checkpoint_units
 
 
 @pytest.fixture(autouse=True)
@@ -182,8 +183,9 @@ def test_batch_trial_with_a_limit_matches_the_estimate():
     model = mlp()
     est = estimate_memory(model, torch.randn(8, 10), "adamw")
     limit = 200_000
-    trial = batch_trial(model, lambda b: (torch.randn(b, 10), None), limit_bytes=limit)
-    found = find_max_batch(trial, start=8, device="cpu")
+    with StepProbe(model, as_loss_rule(), precision="fp32") as probe:
+        found = find_max_batch(batch_trial(probe, lambda b: torch.randn(b, 10), limit_bytes=limit), start=8,
+                               device="cpu")
     assert found == max_batch_from_estimate(est, limit) == (limit - 5200) // 120
     step = measure_step_memory(model, torch.randn(found, 10))
     assert not step["measured"] and "estimate" in step["method"]
@@ -205,7 +207,7 @@ def test_recommendations_each_save_bytes():
     est = estimate_memory(model, torch.randn(8, 4), batch_size=4096)
     recs = recommendations(est, device_total_bytes=None, precision="fp32")
     actions = [r["action"] for r in recs]
-    assert set(actions) == {"bf16", "accumulate", "checkpointing", "smaller-batch"}
+    assert set(actions) == {"bf16", "accumulate", "recompute", "smaller-batch"}
     assert all(r["saves_bytes"] > 0 and r["total_bytes_after"] == est["total_bytes"] - r["saves_bytes"] for r in recs)
     assert [r["saves_bytes"] for r in recs] == sorted((r["saves_bytes"] for r in recs), reverse=True)
     acc = next(r for r in recs if r["action"] == "accumulate")
@@ -236,6 +238,7 @@ def test_checkpointing_repeated_blocks_gives_identical_gradients():
     wrapped = copy.deepcopy(model)
     names = apply_activation_checkpointing(wrapped)
     assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert [repr(u) for u in checkpoint_units(model)] == [f"_Unit('blocks.{i}')" for i in range(4)]
     assert list(wrapped.state_dict()) == list(model.state_dict())  # parameter names unchanged
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
     g1, b1 = grads_and_buffers(model, x, y)
@@ -345,15 +348,17 @@ def test_find_max_batch_is_within_10_percent_of_the_real_limit_on_synthetic_cifa
     # The cap counts every tensor of the process: what earlier tests left alive is not room for the
     # search (the model's parameters are in the estimate's own fixed part).
     held = torch.cuda.memory_allocated(device) - sum(p.numel() * p.element_size() for p in model.parameters())
+    probe = StepProbe(model, as_loss_rule(loss_fn=w.loss_fn), precision="fp32")  # the step fit runs, at lr 0
     torch.cuda.set_per_process_memory_fraction(budget / total, device)
     try:
-        trial = batch_trial(model, make_batch, w.loss_fn, "fp32")
+        trial = batch_trial(probe, make_batch)
         found = find_max_batch(trial, start=64, limit=2**20, device=device)
         trial(found)  # it really runs
         over = int(found * 1.1) + 1
         with pytest.raises(torch.OutOfMemoryError):
             trial(over)  # and 10% more does not
     finally:
+        probe.close()
         free_after_oom(device)
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     est = estimate_memory(model, make_batch(16), "adamw", "fp32", loss_fn=w.loss_fn)
@@ -370,3 +375,20 @@ def test_measured_peak_on_cuda_is_close_to_the_estimate():
     step = measure_step_memory(model, (x, y), nn.functional.cross_entropy)
     assert step["measured"]
     assert 0.7 * step["peak_bytes"] <= est["total_bytes"] <= 1.3 * step["peak_bytes"]
+
+
+def test_the_saved_tensor_meter_counts_each_storage_once_and_leaves_backward_unchanged():
+    """The meter's docstring example: a Linear layer's forward saves its input (the weight is
+    skipped); the same input saved twice counts once; a backward taken under the hooks gives the
+    gradients it gives without them (the unpack hook hands back the saved tensor)."""
+    from gputrain.diagnostics.saved_tensors import SavedTensorMeter, parameter_storages
+
+    torch.manual_seed(0)
+    model, x = nn.Linear(16, 4, bias=False), torch.randn(8, 16)
+    reference = torch.autograd.grad((model(x) * model(x)).sum(), model.weight)[0]
+    meter = SavedTensorMeter(parameter_storages(model.parameters()))
+    with meter.hooks():
+        out = model(x) * model(x)  # x saved by both matmuls, each output by the product
+        grad = torch.autograd.grad(out.sum(), model.weight)[0]
+    assert meter.total_bytes == 8 * 16 * 4 + 2 * 8 * 4 * 4
+    assert torch.equal(grad, reference)

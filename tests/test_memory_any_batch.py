@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
-from gputrain.diagnostics.estimate import _slice, _tile, estimate_memory, measure_step_memory
+from gputrain.diagnostics.estimate import estimate_memory
+from gputrain.diagnostics.probe import StepProbe, measure_step_memory
 from gputrain.train.loss import LossRule
 
 DICT_WL = textwrap.dedent("""
@@ -138,7 +139,7 @@ def test_memory_command_says_which_workloads_it_estimates(tmp_path, monkeypatch,
     assert len(err.splitlines()) == 1 and "gputrain profile" in err
 
 
-def test_the_estimate_takes_a_loss_rule_or_a_callable_and_slices_every_leaf():
+def test_the_estimate_takes_a_loss_rule_or_a_callable_and_halves_every_leaf():
     torch.manual_seed(0)
 
     class Own(nn.Module):
@@ -159,16 +160,11 @@ def test_the_estimate_takes_a_loss_rule_or_a_callable_and_slices_every_leaf():
     assert rule["measured_batches"] == [16, 8]
     full, half = rule["measured_activation_bytes"]
     assert full == pytest.approx(2 * half, rel=0.05)
-    cut = _slice({"p": (batch["a"], [batch["b"]]), "labels": batch["labels"], "k": torch.tensor(3.0)}, 5)
-    assert cut["p"][0].shape[0] == cut["p"][1][0].shape[0] == cut["labels"].shape[0] == 5
-    assert cut["k"].dim() == 0  # no batch dimension: passed through
-    tiled = _tile({"a": batch["a"][:3], "labels": batch["labels"][:3]}, 7)
-    assert tiled["a"].shape[0] == tiled["labels"].shape[0] == 7
-    assert torch.equal(tiled["a"][3:6], batch["a"][:3])
     # the real step and the search run on dict batches too
     step = measure_step_memory(model, batch, loss=LossRule())
     assert step["batch_size"] == 16 and step["peak_bytes"] > rule["parameter_bytes"]
     make = lambda b: {k: v[torch.arange(b) % 16] for k, v in batch.items()}  # noqa: E731
     limit = measure_step_memory(model, make(40), loss=LossRule())["peak_bytes"]
-    found = find_max_batch(batch_trial(model, make, loss=LossRule(), limit_bytes=limit), start=4, limit=1000)
+    with StepProbe(model, LossRule(), precision="fp32") as probe:
+        found = find_max_batch(batch_trial(probe, make, limit_bytes=limit), start=4, limit=1000)
     assert 40 <= found < 1000

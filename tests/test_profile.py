@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_workload
 from torch import nn
 
 from gputrain.config import TrainConfig
@@ -13,7 +14,6 @@ from gputrain.diagnostics.profile import PHASES, profile_workload
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import trace_summary
 from gputrain.diagnostics.verdict import VERDICTS, diagnose
-from gputrain.workloads.base import DataSplits, Workload
 
 
 @pytest.fixture(autouse=True)
@@ -22,22 +22,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_workload() -> Workload:
-    """uint8 'images' normalized on the device, a small conv net: exercises the whole step."""
-
-    def make_data():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=g)
-        y = torch.randint(0, 4, (256,), generator=g)
-        return DataSplits(train=(x, y), mean=(127.5,), std=(64.0,))
-
-    def make_model():
-        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
-
-    return Workload(name="tiny", description="test", make_data=make_data, make_model=make_model,
-                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
 
 
 # ---------------------------------------------------------------- profile_workload

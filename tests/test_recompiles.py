@@ -9,19 +9,14 @@ records look the same there.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from helpers import mlp
 
 from gputrain.runtime.recompiles import RecompileWatcher, explain_guard_failure
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
 def test_partial_last_batch_is_reported_with_reason_and_hint():
     torch._dynamo.reset()
-    compiled = torch.compile(_model(), dynamic=False, backend="eager")
+    compiled = torch.compile(mlp(4, 2, hidden=8), dynamic=False, backend="eager")
     with RecompileWatcher() as watcher:
         compiled(torch.randn(8, 4))
         first = watcher.report()
@@ -43,7 +38,7 @@ def test_partial_last_batch_is_reported_with_reason_and_hint():
 
 def test_nothing_before_start_or_after_stop_counts():
     torch._dynamo.reset()
-    compiled = torch.compile(_model(), dynamic=False, backend="eager")
+    compiled = torch.compile(mlp(4, 2, hidden=8), dynamic=False, backend="eager")
     compiled(torch.randn(8, 4))
     compiled(torch.randn(5, 4))  # a recompile before the watcher starts
     watcher = RecompileWatcher().start()
@@ -77,7 +72,7 @@ def test_inductor_with_backward_reports_the_same():
     from torch._dynamo.utils import get_compilation_metrics
 
     torch._dynamo.reset()
-    compiled = torch.compile(_model(), dynamic=False)
+    compiled = torch.compile(mlp(4, 2, hidden=8), dynamic=False)
     # Caches off: a backward graph loaded from the caches leaves no record of its own.
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         with RecompileWatcher() as watcher:

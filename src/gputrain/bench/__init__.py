@@ -9,7 +9,7 @@
 | run_transfer    | host <-> device GB/s: pageable vs pinned, blocking vs non_blocking        |
 | run_crossover   | one MLP training step CPU vs GPU (eager, CUDA graph) over width x data    |
 | run_precision   | training samples/s, memory, final loss per precision, vs fp32             |
-| run_memory      | memory vs batch size with/without activation checkpointing, largest batch |
+| run_memory      | memory vs batch size with/without recompute, largest batch               |
 
 Plots: gputrain.bench.plots; JSON: gputrain.bench.common.write_json; `bench all`: gputrain.bench.index.
 """

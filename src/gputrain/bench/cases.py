@@ -1,6 +1,6 @@
-"""The models and data the precision and memory benchmarks train: seed 000's CNN and a wide MLP.
+"""The models and data the precision and memory benchmarks train: the CIFAR CNN and a wide MLP.
 
-"cifar-cnn": the synthetic-cifar workload (seed 000's CifarCNN on random CIFAR-shaped uint8 images,
+"cifar-cnn": the synthetic-cifar workload (cifar10-cnn's CifarCNN on random CIFAR-shaped uint8 images,
 normalized on the device). "wide-mlp": 3072 -> width -> width -> 10 (ReLU) on random 3072-float
 inputs whose labels come from a fixed random linear teacher, so the loss has something to learn.
 """
@@ -42,7 +42,7 @@ def _cifar_cnn() -> Case:
         x = (x.to(device).float() - mean.to(device)) / std.to(device)
         return x, y.to(device)
 
-    return Case("cifar-cnn", "synthetic-cifar: seed 000's CifarCNN on random CIFAR-shaped images",
+    return Case("cifar-cnn", "synthetic-cifar: cifar10-cnn's CifarCNN on random CIFAR-shaped images",
                 w.make_model, data, (3, 32, 32))
 
 

@@ -1,9 +1,8 @@
-"""What every benchmark shares: choosing devices, timing, statistics, the environment record, files.
+"""What every benchmark shares: choosing devices, saved-activation bytes, the environment record, files.
 
-Timing follows the project's measuring protocol (BENCHMARKS.md): warm up first, then time with CUDA events on a CUDA
-device (host clock plus a synchronize elsewhere, bound once per device), repeat, and report the
-median with min, max and n. A result is a plain dict (JSON-serializable): the environment, the
-exact config, the rows, a summary and notes. Rendering lives in gputrain.commands.bench.
+Timing is runtime/timing.py's (warm-up, CUDA events or a synchronized host clock, the median of
+repeats). A result is a plain dict (JSON-serializable): the environment, the exact config, the
+rows, a summary and notes. Rendering lives in gputrain.commands.bench.
 """
 
 from __future__ import annotations
@@ -15,15 +14,15 @@ import math
 import os
 import platform
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from gputrain.runtime.devices import cpu_model_name, device_name, pick_device, synchronizer, torch_build
+from gputrain.diagnostics.saved_tensors import SavedTensorMeter, parameter_storages
+from gputrain.io.atomic import write_text
+from gputrain.runtime.devices import cpu_model_name, device_name, pick_device, torch_build
 from gputrain.runtime.precision import matmul_settings
 
 NO_GPU = "no GPU"  # what a GPU cell says when there is no GPU to measure
@@ -70,80 +69,6 @@ def reference_slug(gpus: list[torch.device]) -> str:
     return device_slug(gpus[0]) if gpus else "cpu"
 
 
-# ---------------------------------------------------------------- timing
-
-
-def clock(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
-    """`elapsed(fn, inner) -> seconds` for `inner` back-to-back calls of fn, bound once per device.
-
-    CUDA: two CUDA events around the calls (device time, no host sleep in the figure). Elsewhere:
-    the host's perf_counter with a synchronize before each reading (a no-op on the CPU).
-    """
-    if device.type == "cuda":
-        def elapsed_cuda(fn, inner: int) -> float:
-            with torch.cuda.device(device):  # events go on this device's current stream
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(inner):
-                    fn()
-                end.record()
-                end.synchronize()
-            return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
-
-        return elapsed_cuda
-
-    sync = synchronizer(device)
-
-    def elapsed_host(fn, inner: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        return time.perf_counter() - t0
-
-    return elapsed_host
-
-
-def summarize(samples: list[float]) -> dict[str, Any]:
-    """median, min, max, n (and spread = (max - min) / median) of a list of seconds."""
-    med = statistics.median(samples)
-    return {
-        "median_s": med,
-        "min_s": min(samples),
-        "max_s": max(samples),
-        "n": len(samples),
-        "spread": (max(samples) - min(samples)) / med if med > 0 else None,
-    }
-
-
-def measure(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, repeats: int = 10,
-            min_sample_s: float = 2e-3, max_inner: int = 1000, budget_s: float | None = None) -> dict[str, Any]:
-    """Time one call of fn on `device`: warm-up calls, then `repeats` samples of `inner` calls each.
-
-    `inner` is chosen so one sample lasts at least min_sample_s (short calls are then not swamped by
-    the clock's own cost); `budget_s` caps the total by lowering repeats (never below 3) and ends
-    the warm-up early (after at least one call) once it has taken a quarter of the budget.
-    Returns summarize() of the per-call seconds, plus "inner" (calls per sample).
-    """
-    elapsed = clock(device)
-    sync = synchronizer(device)
-    t0 = time.perf_counter()
-    for i in range(max(warmup, 0)):
-        fn()
-        if budget_s is not None and i + 1 < warmup:
-            sync()
-            if time.perf_counter() - t0 > budget_s / 4:
-                break
-    once = max(elapsed(fn, 1), 1e-9)
-    inner = int(min(max_inner, max(1, math.ceil(min_sample_s / once))))
-    if budget_s is not None:
-        repeats = max(3, min(repeats, int(budget_s / (once * inner))))
-    samples = [elapsed(fn, inner) / inner for _ in range(repeats)]
-    return {**summarize(samples), "inner": inner}
-
-
 # ---------------------------------------------------------------- activation bytes
 
 
@@ -152,33 +77,13 @@ def saved_tensor_bytes(step: Callable[[], Any], exclude: list[torch.Tensor] | tu
 
     A device-independent measure of activation memory: what a forward pass holds until its backward
     frees it. Storages shared with `exclude` (pass the model's parameters) are not counted, so
-    weights are not mistaken for activations. With activation checkpointing, only each region's
+    weights are not mistaken for activations. With activation recomputation, only each region's
     inputs are saved (what is computed inside is recomputed in backward): the figure shows the saving.
-    Uses gputrain.diagnostics.estimate.SavedTensorMeter (views of one storage counted once).
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    try:
-        from gputrain.diagnostics.estimate import SavedTensorMeter
-    except ImportError:  # a minimal stand-in: one count per storage
-        return _saved_storage_bytes(step, skip)
-    meter = SavedTensorMeter(skip_storages=skip)
+    meter = SavedTensorMeter(skip_storages=parameter_storages(exclude))
     with meter.hooks():
         step()
     return int(meter.total_bytes)
-
-
-def _saved_storage_bytes(step: Callable[[], Any], skip: set[int]) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip and storage.data_ptr() != 0:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return int(sum(seen.values()))
 
 
 # ---------------------------------------------------------------- environment and results
@@ -286,8 +191,7 @@ def write_json(result: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result_stem(result)}.json"
     result["files"]["json"] = path.name
-    path.write_text(to_json(result) + "\n")
-    return path
+    return write_text(path, to_json(result) + "\n")
 
 
 def on_device(device: torch.device):

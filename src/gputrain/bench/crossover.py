@@ -1,6 +1,6 @@
 """Where the GPU starts to win: one MLP training step on the CPU vs the GPU over width x data size.
 
-Seed 003's lesson as a picture: its iris MLP (4 features, 150 samples, a few dozen hidden units)
+The iris-mlp workload's lesson as a picture: an iris MLP (4 features, 150 samples, a few dozen hidden units)
 trains slower on an RTX 3080 Ti than on a CPU, because each step is a few dozen tiny kernels whose
 launch cost (microseconds each) exceeds their arithmetic. The grid runs from that corner to CIFAR
 size (3072 features, large batches, 4096 wide), where the GPU is tens to hundreds of times faster.
@@ -11,7 +11,7 @@ it. GPU modes, each against the same CPU step:
   gpu_eager       the step with CUDA graphs off, kernels launched one by one from Python
   gpu_graph       the same step captured once in a CUDA graph and replayed (one launch per step),
                   what `fit` does by default on CUDA
-  gpu_eager_sync  the eager step plus a read of the loss every step: deliberately the seed's loop
+  gpu_eager_sync  the eager step plus a read of the loss every step: deliberately the tutorials' loop
                   (loss.item() per step, a host sync per step), not what fit does
 """
 
@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gputrain.bench.common import accelerators, device_name, free_device_memory, measure, new_result, on_device
+from gputrain.bench.common import accelerators, device_name, free_device_memory, new_result, on_device
+from gputrain.runtime.timing import measure
 
 # (label, features, classes, batch): iris-sized to CIFAR-sized problems
 DEFAULT_DATA = (("iris", 4, 3, 150), ("digits", 64, 10, 256), ("mnist", 784, 10, 512),
@@ -34,7 +35,7 @@ GPU_MODES = ("gpu_eager", "gpu_graph", "gpu_eager_sync")
 
 
 def mlp(features: int, width: int, classes: int) -> nn.Sequential:
-    """features -> width -> width -> classes with ReLU: the seed's iris MLP, scaled."""
+    """features -> width -> width -> classes with ReLU: the iris-mlp workload's MLP, scaled."""
     return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, classes))
 
@@ -115,7 +116,7 @@ def _modes(gpu: torch.device | None, shape: tuple[int, int, int, int]) -> dict[s
 
         def step() -> None:
             trainer.train_one_step()
-            trainer.train_step.loss_sum.item()  # the seed's per-step loss read: a host <-> device sync
+            trainer.train_step.loss_sum.item()  # the tutorials' per-step loss read: a host <-> device sync
 
         return step
 
@@ -160,7 +161,7 @@ def run_crossover(device: str = "auto", quick: bool = False, widths: list[int] |
     result["notes"] += [
         "One step = gputrain's TrainStep (forward + backward + fused AdamW) on one batch already on the device; "
         "fp32 on both sides.",
-        "gpu_eager_sync deliberately runs the seed's loop (a loss read every step), not what fit does.",
+        "gpu_eager_sync deliberately runs the tutorials' loop (a loss read every step), not what fit does.",
         "Speed-up = CPU step time / GPU step time (medians), measured side by side in this run; > 1: the GPU wins.",
         "gpu_graph: the whole step replayed from one CUDA graph; gpu_eager_sync: eager plus loss.item() per step.",
         f"CPU threads: {torch.get_num_threads()}.",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gputrain.bench.common import write_json
+from gputrain.io.atomic import write_text
 
 
 def _fmt(x, spec: str = ".3g") -> str:
@@ -94,18 +95,16 @@ def write_index(results: list[dict[str, Any]], out_dir: str | Path, elapsed_s: f
         lines.append("")
     path = out / "index.md"
     markdown = "\n".join(lines)
-    path.write_text(markdown)
+    write_text(path, markdown)
     write_index_html(markdown, out)
     return path
 
 
 def write_index_html(markdown: str, out_dir: str | Path) -> Path:
     """out_dir/index.html: index.md as one self-contained page (the plots inlined as data URIs)."""
-    from gputrain.report.html import markdown_page
+    from gputrain.report.markdown import markdown_page
 
-    path = Path(out_dir) / "index.html"
-    path.write_text(markdown_page(markdown, out_dir, "gputrain bench results"), encoding="utf-8")
-    return path
+    return write_text(Path(out_dir) / "index.html", markdown_page(markdown, out_dir, "gputrain bench results"))
 
 
 def run_all(runners: dict[str, Callable[..., dict[str, Any]]], out_dir: str | Path, *, device: str = "auto",

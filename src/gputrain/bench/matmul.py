@@ -1,6 +1,6 @@
 """Square matrix multiply C = A @ B on the CPU and each GPU: TFLOP/s, % of peak, GPU/CPU speed-up.
 
-Seed 004's benchmark done by the protocol: random (never zero) operands of the measured dtype,
+The tutorials' matmul benchmark done by the protocol: random (never zero) operands of the measured dtype,
 the output buffer allocated once, warm-up, CUDA events, median of repeats. One n x n product is
 2 n^3 floating-point operations (n^2 outputs, each n multiplies and n adds).
 """
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from gputrain.bench.common import (accelerators, device_name, free_device_memory, matmul_precision,
-                                   measure, new_result)
+from gputrain.bench.common import accelerators, device_name, free_device_memory, matmul_precision, new_result
 from gputrain.errors import ConfigError
 from gputrain.diagnostics.peaks import peak_tflops
 from gputrain.runtime.precision import resolve_precision
+from gputrain.runtime.timing import measure
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 STORAGE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,8 +1,9 @@
-"""Memory against batch size, with and without activation checkpointing, and the largest batch that fits.
+"""Memory against batch size, with and without recompute (activation checkpointing), and the largest batch
+that fits.
 
-Seed 004's exercise (memory across batch sizes) and its memory-saving table, measured. Each batch
+Memory across batch sizes and what recomputing blocks in backward saves, measured. Each batch
 size runs real training steps on random data of the workload's shape: gputrain's TrainStep built by
-the Trainer as `fit --precision fp32 [--checkpointing]` builds it (fused AdamW, channels_last for
+the Trainer as `fit --precision fp32 [--recompute]` builds it (fused AdamW, channels_last for
 conv nets), with CUDA graphs off so that every figure is an eager step's (a graph keeps its memory
 pool for the whole run) and OOM recovery off so that running out of memory ends the search.
 
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 
 from gputrain.bench.cases import CASES, get_case
-from gputrain.bench.common import (accelerators, device_name, free_device_memory, measure, new_result,
-                                   saved_tensor_bytes)
+from gputrain.bench.common import accelerators, device_name, free_device_memory, new_result, saved_tensor_bytes
 from gputrain.errors import ConfigError
+from gputrain.runtime.oom import is_oom
+from gputrain.runtime.timing import measure
 
 LR = 1e-3
 CUDA_START, CUDA_MAX = 64, 2**20  # doubling from CUDA_START until out of memory (or CUDA_MAX)
@@ -45,37 +47,29 @@ def config_for(quick: bool, device: torch.device, workload: str, batch_sizes: li
             "optimizer": f"AdamW lr {LR}", "precision": "fp32", "quick": quick}
 
 
-def _is_oom(exc: BaseException) -> bool:
-    try:
-        from gputrain.runtime.oom import is_oom
-    except ImportError:
-        return isinstance(exc, torch.cuda.OutOfMemoryError)
-    return is_oom(exc)
-
-
 def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar-cnn",
                batch_sizes: list[int] | None = None, max_batch: int | None = None) -> dict[str, Any]:
-    """Peak memory and saved-activation bytes per batch size, without and with activation
-    checkpointing. Rows: one per (checkpointing, batch size); summary: largest batch per mode."""
+    """Peak memory and saved-activation bytes per batch size, without and with recompute (activation
+    checkpointing). Rows: one per (recompute, batch size); summary: largest batch per mode."""
     if workload not in CASES:
         raise ConfigError(f"unknown benchmark workload {workload!r}: choose from {', '.join(CASES)}")
     gpus, no_gpu = accelerators(device)
     dev = gpus[0] if gpus else torch.device("cpu")
     cuda = dev.type == "cuda"
     cfg = config_for(quick, dev, workload, batch_sizes, max_batch)
-    result = new_result("memory", "Memory against batch size, with and without activation checkpointing",
+    result = new_result("memory", "Memory against batch size, with and without recompute (activation checkpointing)",
                         cfg, gpus, no_gpu)
     result["config"]["device"] = str(dev)
     result["config"]["device_name"] = device_name(dev)
     case = get_case(workload, mlp_width=cfg["mlp_width"])
     modes = [False, True]
     largest: dict[str, Any] = {}
-    for ckpt in modes:
-        label = "checkpointing" if ckpt else "plain"
+    for recompute in modes:
+        label = "recompute" if recompute else "plain"
         fits = None
         for B in cfg["batch_sizes"]:
-            row = {"workload": workload, "device": str(dev), "checkpointing": ckpt, "batch": B}
-            figures = _one_batch(case, B, dev, ckpt)
+            row = {"workload": workload, "device": str(dev), "recompute": recompute, "batch": B}
+            figures = _one_batch(case, B, dev, recompute)
             if figures is None:  # out of memory: the larger sizes will not fit either
                 free_device_memory(dev)
                 result["rows"].append({**row, "status": "out of memory", "checkpointed": None})
@@ -97,7 +91,7 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
         "saved_activation_bytes: tensors saved for backward in one forward pass (saved_tensors_hooks; "
         "parameters excluded): an honest, device-independent measure of activation memory.",
         "peak_bytes (CUDA only): torch.cuda.max_memory_allocated during one training step, everything included.",
-        "step_s: median seconds per training step (checkpointing recomputes the forward in backward).",
+        "step_s: median seconds per training step (recompute runs the forward again in backward).",
     ]
     if not cuda:
         result["notes"].append(f"Device memory is not measurable on {dev.type}: peak_bytes and the largest "
@@ -107,7 +101,7 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
     return result
 
 
-def _one_batch(case, B: int, dev: torch.device, checkpointing: bool) -> dict[str, Any] | None:
+def _one_batch(case, B: int, dev: torch.device, recompute: bool) -> dict[str, Any] | None:
     """Figures of one batch size (a fresh model from seed 0), or None when it ran out of memory."""
     from gputrain.config import TrainConfig
     from gputrain.train import Trainer
@@ -120,7 +114,7 @@ def _one_batch(case, B: int, dev: torch.device, checkpointing: bool) -> dict[str
         x = torch.randn(B, *case.input_shape)
         y = torch.randint(0, 10, (B,))
         config = TrainConfig(device=str(dev), precision="fp32", batch_size=B, steps=10**9, log_every=10**9, lr=LR,
-                             cuda_graphs=False, oom_recovery=False, data_on_device=True, checkpointing=checkpointing,
+                             cuda_graphs=False, oom_recovery=False, data_on_device=True, recompute=recompute,
                              seed=0)
         trainer = Trainer(case.make_model(), (x, y), loss_fn=torch.nn.CrossEntropyLoss(), config=config)
         if cuda:
@@ -135,7 +129,7 @@ def _one_batch(case, B: int, dev: torch.device, checkpointing: bool) -> dict[str
         t = measure(trainer.train_one_step, dev, warmup=0, repeats=3, min_sample_s=0.0, max_inner=1)
         checkpointed = list(trainer.checkpointed)
     except (RuntimeError, MemoryError) as exc:
-        if _is_oom(exc):
+        if is_oom(exc):
             return None
         raise
     finally:
@@ -147,10 +141,10 @@ def _one_batch(case, B: int, dev: torch.device, checkpointing: bool) -> dict[str
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    plain = {r["batch"]: r for r in rows if not r["checkpointing"] and r["status"] == "measured"}
+    plain = {r["batch"]: r for r in rows if not r["recompute"] and r["status"] == "measured"}
     for r in rows:
         base = plain.get(r["batch"])
-        if not r["checkpointing"] or r["status"] != "measured" or base is None:
+        if not r["recompute"] or r["status"] != "measured" or base is None:
             continue
         if base["saved_activation_bytes"]:
             r["activations_vs_plain"] = r["saved_activation_bytes"] / base["saved_activation_bytes"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.bench.common import result_stem
+from gputrain.io.atomic import atomic_file
 
 DTYPE_STYLE = {"fp32": "o-", "tf32": "s-", "bf16": "^-", "fp16": "v-"}
 
@@ -24,7 +25,8 @@ def _save(fig, result: dict[str, Any], out_dir: str | Path, what: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result_stem(result)}_{what}.png"
-    fig.savefig(path, dpi=110, format="png")
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
     result["files"].setdefault("plots", [])
     if path.name not in result["files"]["plots"]:
         result["files"]["plots"].append(path.name)
@@ -219,13 +221,13 @@ def plot_memory(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     use_peak = any(r.get("peak_bytes") for r in rows)
     fig = _figure()
     ax = fig.add_subplot()
-    for ckpt in (False, True):
-        label = "activation checkpointing" if ckpt else "plain"
+    for recompute in (False, True):
+        label = "recompute" if recompute else "plain"
         for key, style, what in (("peak_bytes", "-", "peak allocated"),
                                  ("saved_activation_bytes", "--", "saved for backward")):
             if key == "peak_bytes" and not use_peak:
                 continue
-            pts = sorted((r["batch"], r[key] / 2**20) for r in rows if r["checkpointing"] == ckpt and r.get(key))
+            pts = sorted((r["batch"], r[key] / 2**20) for r in rows if r["recompute"] == recompute and r.get(key))
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{label}: {what}")
     total = result["summary"].get("device_total_bytes")

@@ -1,6 +1,6 @@
 """Host <-> device copy bandwidth: pageable vs pinned host memory, blocking vs non_blocking copies.
 
-Why it matters (seeds 001/003/004): every `.to(device)` of a batch crosses PCIe. Pageable memory is
+Why it matters: every `.to(device)` of a batch crosses PCIe. Pageable memory is
 first staged by the driver through a pinned buffer; pinned (page-locked) memory is copied by DMA
 directly and is the only kind for which non_blocking=True really overlaps with the host.
 
@@ -17,7 +17,8 @@ from typing import Any
 import psutil
 import torch
 
-from gputrain.bench.common import accelerators, device_name, free_device_memory, measure, new_result
+from gputrain.bench.common import accelerators, device_name, free_device_memory, new_result
+from gputrain.runtime.timing import measure
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_SIZES = tuple(4 * KiB * 4**k for k in range(10))  # 4 KiB, 16 KiB, ... 256 MiB, 1 GiB

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--steps", type=_positive_int, help="timed training steps per precision (default 60)")
     pr.add_argument("--batch-size", type=_positive_int, help="default 256")
 
-    me = _sub(sub, "memory", common, "memory vs batch size, activation checkpointing, largest batch")
+    me = _sub(sub, "memory", common, "memory vs batch size, with and without recompute, largest batch")
     me.add_argument("--workload", default="cifar-cnn", choices=["cifar-cnn", "wide-mlp"])
     me.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="B")
     me.add_argument("--max-batch", type=_positive_int, help="CUDA: stop doubling here (default 2^20)")
@@ -295,14 +295,14 @@ def _precision_table(result, Table):
 def _memory_table(result, Table):
     cfg = result["config"]
     t = Table(title=f"Memory by batch size: {cfg['workload']} on {cfg['device']} ({cfg['device_name']})")
-    for col in ("ckpt", "batch", "peak MiB", "saved act. MiB", "KiB/sample", "step ms",
+    for col in ("recompute", "batch", "peak MiB", "saved act. MiB", "KiB/sample", "step ms",
                 "act. vs plain", "time vs plain"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
         if r["status"] != "measured":
-            t.add_row("on" if r["checkpointing"] else "off", str(r["batch"]), f"[red]{r['status']}[/red]", *[""] * 5)
+            t.add_row("on" if r["recompute"] else "off", str(r["batch"]), f"[red]{r['status']}[/red]", *[""] * 5)
             continue
-        t.add_row("on" if r["checkpointing"] else "off", str(r["batch"]),
+        t.add_row("on" if r["recompute"] else "off", str(r["batch"]),
                   _mib(r["peak_bytes"]) if r["peak_bytes"] is not None else "[dim]n/m[/dim]",
                   _mib(r["saved_activation_bytes"]), f"{r['saved_bytes_per_sample'] / 1024:.1f}",
                   f"{r['step_s'] * 1e3:.3g}", _num(r.get("activations_vs_plain"), ".2f"),

@@ -47,98 +47,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def device_capacity(device, stats: dict[str, Any], limit: int | None = None) -> tuple[int, str]:
+    """(bytes, label) a step's memory is judged against: --limit, else the CUDA device's total
+    memory, else the host's available memory (MPS and the CPU share it)."""
+    if limit is not None:
+        return limit, "--limit"
+    if device.type == "cuda":
+        return stats["total_bytes"], "device memory"
+    return stats["free_bytes"], "available host memory"
+
+
 def memory_report(args) -> dict[str, Any]:
-    """Everything `gputrain memory` shows, as data."""
+    """Everything `gputrain memory` shows, as data: the estimate, the step fit runs (the probe,
+    diagnostics/probe.py) measured at the batch size, the largest batch, and what would save memory."""
     import torch
 
-    from gputrain.data import BatchTransform
-    from gputrain.runtime.devices import pick_device
     from gputrain.diagnostics.advice import recommendations
-    from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
-    from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate, measure_step_memory
+    from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estimate
     from gputrain.diagnostics.memory_stats import memory_stats
+    from gputrain.diagnostics.probe import StepProbe, probe_batches
+    from gputrain.errors import ConfigError
+    from gputrain.runtime.devices import pick_device
     from gputrain.runtime.oom import free_after_oom, is_oom
-    from gputrain.runtime.precision import resolve_precision
+    from gputrain.train.fit import workload_config
+    from gputrain.train.loss import LossRule
     from gputrain.workloads import resolve_workload
 
     workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
     device = pick_device(args.device)
-    precision = resolve_precision(args.precision, device)
-    data = workload.make_data()
-    from gputrain.data.placement import as_columns
-    from gputrain.data.resident import column_length
-    from gputrain.errors import ConfigError
-    from gputrain.batch import map_tensors
-    from gputrain.train.loss import LossRule, is_pair
-
-    columns = as_columns(data.train)
-    if columns is None:
-        raise ConfigError(f"gputrain memory estimates workloads whose data are tensor columns (a tuple of tensors or "
-                          f"a dict of equal-length tensors); {workload.name} trains on a Dataset or DataLoader: "
-                          "measure it with `gputrain profile` (peak memory per step) or fit's summary "
-                          "(peak_memory_bytes)")
-    n = column_length(columns)
+    config = workload_config(workload).replace(device=str(device), precision=args.precision)
     if args.batch_size is not None:
-        batch_size = args.batch_size
-    elif workload.full_batch:
-        batch_size = n
-    else:
-        batch_size = int(workload.defaults.get("batch_size", 64))
-    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)
-    # The normalization applies to the inputs of pair workloads (as fit's pair loaders do).
-    pair = is_pair(columns) and workload.compute_loss is None
-    transform = BatchTransform(data.mean, data.std, None) if pair else None
-
-    def make_batch(b: int):
-        idx = torch.arange(b) % n  # batches larger than the data set repeat it
-        if transform is not None:  # a pair workload
-            x_all, y_all = columns
-            return transform(x_all[idx].to(device), train=True), y_all[idx].to(device)
-        return map_tensors(lambda t: t[idx].to(device), columns)  # every column, the same rows
-
+        config = config.replace(batch_size=args.batch_size)
+    batch_size = config.batch_size
+    data = workload.make_data()
     torch.manual_seed(0)
     model = workload.make_model().to(device)
-    sample = make_batch(min(SAMPLE, batch_size, n) if min(SAMPLE, batch_size, n) >= 2 else min(2, batch_size))
-    estimate = estimate_memory(model, sample, args.optimizer, precision, batch_size=batch_size, loss=loss)
-    stats = memory_stats(device)
-    if device.type == "cuda":
-        capacity, capacity_label = stats["total_bytes"], "device memory"
-    else:
-        capacity, capacity_label = stats["free_bytes"], "available host memory"
-    if args.limit is not None:
-        capacity, capacity_label = args.limit, "--limit"
-
-    try:
-        measured = measure_step_memory(model, make_batch(batch_size), None, precision, args.optimizer, loss=loss)
-    except Exception as exc:  # noqa: BLE001 - an OOM is a finding here, not a failure
-        if not is_oom(exc):
-            raise
-        measured = {"peak_bytes": None, "measured": device.type == "cuda", "batch_size": batch_size,
-                    "method": f"out of memory at batch {batch_size}"}
-    free_after_oom(device)
-
-    search: dict[str, Any] = {"requested": bool(args.find_max)}
-    predicted = max_batch_from_estimate(estimate, capacity)
-    search["predicted_from_estimate"] = predicted
-    if args.find_max:
-        if device.type != "cuda" and args.limit is None:
-            search["result"] = None
-            search["note"] = (f"finding the largest batch needs a device with bounded memory: on {device.type} the "
-                              "OS swaps instead of failing. Run it on a CUDA GPU, or pass --limit BYTES for a dry run "
-                              "against a pretend memory size")
-        else:
-            trial = batch_trial(model, make_batch, None, precision, args.optimizer, limit_bytes=args.limit,
-                                loss=loss)
-            result = find_max_batch(trial, start=max(1, min(batch_size, args.max_batch)), limit=args.max_batch,
-                                    device=device)
-            search["result"] = result
-            search["limit"] = args.max_batch
-            search["how"] = ("real training steps until CUDA ran out of memory" if args.limit is None
-                             else f"steps measured against --limit {args.limit:,} B"
-                             + (" (CUDA peak)" if device.type == "cuda" else " (CPU estimate)"))
-            if result >= args.max_batch:
-                search["note"] = f"stopped at --max-batch {args.max_batch:,}: a larger batch may fit"
-            free_after_oom(device)
+    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)
+    with StepProbe(model, loss, config, optimizer=args.optimizer) as probe:
+        make_batch = probe_batches(data, probe)
+        if make_batch is None:
+            raise ConfigError(f"gputrain memory estimates workloads whose data are tensor columns (a tuple of tensors "
+                              f"or a dict of equal-length tensors); {workload.name} trains on a Dataset or DataLoader: "
+                              "measure it with `gputrain profile` (peak memory per step) or fit's summary "
+                              "(peak_memory_bytes)")
+        precision = probe.precision.precision
+        few = min(SAMPLE, batch_size, make_batch.n)
+        estimate = estimate_memory(model, make_batch(few if few >= 2 else min(2, batch_size)), args.optimizer,
+                                   precision, batch_size=batch_size, loss=loss, probe=probe)
+        stats = memory_stats(device)
+        capacity, capacity_label = device_capacity(device, stats, args.limit)
+        try:
+            measured = probe.measure(make_batch(batch_size))
+        except Exception as exc:  # noqa: BLE001 - an OOM is a finding here, not a failure
+            if not is_oom(exc):
+                raise
+            measured = {"peak_bytes": None, "measured": device.type == "cuda", "batch_size": batch_size,
+                        "method": f"out of memory at batch {batch_size}"}
+        free_after_oom(device)
+        search = _max_batch(args, probe, make_batch, batch_size)
+    search["predicted_from_estimate"] = max_batch_from_estimate(estimate, capacity)
     return {
         "workload": workload.name,
         "device": str(device),
@@ -146,15 +113,44 @@ def memory_report(args) -> dict[str, Any]:
         "precision": precision.name,
         "precision_reason": precision.reason,
         "batch_size": batch_size,
+        "step": {"optimizer": probe.optimizer_desc, "switches": probe.speed.decisions(),
+                 "recompute": probe.recomputed},
         "capacity_bytes": capacity,
         "capacity_label": capacity_label,
         "estimate": estimate,
         "measured": measured,
         "max_batch": search,
-        "recommendations": recommendations(estimate, capacity, precision),
+        "recommendations": recommendations(estimate, capacity, precision, device),
     }
 
 
+def _max_batch(args, probe, make_batch, batch_size: int) -> dict[str, Any]:
+    """--find-max: the largest batch whose step runs (CUDA) or fits --limit; a note where it cannot run."""
+    from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
+    from gputrain.runtime.oom import free_after_oom
+
+    device = probe.device
+    search: dict[str, Any] = {"requested": bool(args.find_max)}
+    if not args.find_max:
+        return search
+    if device.type != "cuda" and args.limit is None:
+        search["result"] = None
+        search["note"] = (f"finding the largest batch needs a device with bounded memory: on {device.type} the "
+                          "OS swaps instead of failing. Run it on a CUDA GPU, or pass --limit BYTES for a dry run "
+                          "against a pretend memory size")
+        return search
+    trial = batch_trial(probe, make_batch, limit_bytes=args.limit)
+    result = find_max_batch(trial, start=max(1, min(batch_size, args.max_batch)), limit=args.max_batch,
+                            device=device)
+    search["result"] = result
+    search["limit"] = args.max_batch
+    search["how"] = ("real training steps until CUDA ran out of memory" if args.limit is None
+                     else f"steps measured against --limit {args.limit:,} B"
+                     + (" (CUDA peak)" if device.type == "cuda" else " (CPU estimate)"))
+    if result >= args.max_batch:
+        search["note"] = f"stopped at --max-batch {args.max_batch:,}: a larger batch may fit"
+    free_after_oom(device)
+    return search
 
 
 def render(report: dict[str, Any], console) -> None:
@@ -191,6 +187,10 @@ def render(report: dict[str, Any], console) -> None:
     m = report["measured"]
     label = "measured peak" if m["measured"] else "step estimate at this batch"
     console.print(f"{label}: [bold]{fmt_bytes(m['peak_bytes'])}[/] ({m['method']})")
+    step = report["step"]
+    switches = ", ".join(f"{d['name']} {d['value']}" for d in step["switches"])
+    console.print(f"[dim]the step fit runs: {step['optimizer']}, {switches}"
+                  + (f", recompute {', '.join(step['recompute'])}" if step["recompute"] else ""))
     console.print(f"{report['capacity_label']}: {fmt_bytes(cap)}")
     s = report["max_batch"]
     console.print(f"largest batch by the estimate: [bold]{s['predicted_from_estimate']:,}[/] "

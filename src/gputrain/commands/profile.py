@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--log-every", type=_positive_int, default=None,
-                   help="steps between reads of the loss on the host (1 = seed 003's loss.item() every step)")
+                   help="steps between reads of the loss on the host (1 = loss.item() every step, as tutorials do)")
     p.add_argument("--data-on-device", type=_tri, default=None, metavar="{auto,on,off}",
                    help="off: copy each batch from pinned host memory (shows the host-to-device cost)")
     p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")

@@ -1,7 +1,8 @@
 """What to change to need less memory, and what each change saves.
 
-`recommendations(estimate, device_total_bytes, precision)`: bf16, gradient accumulation,
-activation checkpointing and a smaller batch, each priced in bytes from a memory estimate
+`recommendations(estimate, device_total_bytes, precision, device)`: 16-bit autocast (bf16, or fp16 on a
+GPU without bf16), gradient accumulation,
+recompute (activation checkpointing) and a smaller batch, each priced in bytes from a memory estimate
 (`gputrain.diagnostics.estimate.estimate_memory`).
 """
 
@@ -10,16 +11,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gputrain.diagnostics.estimate import _precision_of, activation_bytes_at, max_batch_from_estimate
+import torch
 
-def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, precision=None) -> list[dict[str, Any]]:
+from gputrain.diagnostics.estimate import activation_bytes_at, max_batch_from_estimate, precision_of
+
+
+def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, precision=None,
+                    device: torch.device | None = None) -> list[dict[str, Any]]:
     """Ways to need less memory, each with the bytes it saves at the estimate's batch size.
 
-    Each item: action ("bf16" | "accumulate" | "checkpointing" | "smaller-batch"), what (one line),
+    `device`: the GPU the run trains on; one below compute capability 8.0 (V100, T4) has no bf16, and
+    fit refuses it there, so the 16-bit advice is fp16 with loss scaling.
+    Each item: action ("bf16" | "fp16" | "accumulate" | "recompute" | "smaller-batch"), what (one line),
     how (the setting), saves_bytes (> 0), total_bytes_after, fits_after (None without a device total).
     Sorted by bytes saved, largest first. Only changes that save something are listed.
     """
-    prec = _precision_of(precision)[0] if precision is not None else estimate.get("precision", "fp32")
+    prec = precision_of(precision)[0] if precision is not None else estimate.get("precision", "fp32")
     B = estimate["batch_size"]
     total = estimate["total_bytes"]
     act = estimate["activation_bytes"]
@@ -37,10 +44,14 @@ def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, pr
 
     if prec not in ("bf16", "fp16"):
         measured = estimate.get("bf16_activation_bytes_per_sample") is not None
-        bf16_act = activation_bytes_at(estimate, B, bf16=True)
-        add("bf16", "train with bf16 autocast: saved activations are stored in 16 bits "
+        bf16_act = activation_bytes_at(estimate, B, bf16=True)  # fp16 stores the same 16 bits
+        half = "bf16"
+        if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+            half = "fp16"
+        scaled = " with loss scaling" if half == "fp16" else ""
+        add(half, f"train with {half} autocast{scaled}: saved activations are stored in 16 bits "
             + ("(measured)" if measured else "(about half)"),
-            "--precision bf16 (TrainConfig(precision='bf16'))", act - bf16_act)
+            f"--precision {half} (TrainConfig(precision='{half}'))", act - bf16_act)
 
     if B >= 2:
         k = 2
@@ -55,7 +66,7 @@ def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, pr
 
     blocks = [b for b in estimate.get("blocks", []) if b["activation_bytes_per_sample"] > 0]
     if blocks:
-        # Per sample: without checkpointing every block's activations are stored. With it, each
+        # Per sample: without recompute every block's activations are stored. With it, each
         # block keeps its input, and backward holds one recomputed block at a time beside the
         # activations outside the blocks (`rest`).
         inside = sum(b["activation_bytes_per_sample"] for b in blocks)
@@ -63,9 +74,9 @@ def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, pr
         rest = max(0.0, per - inside)
         after = inputs + max(max(b["activation_bytes_per_sample"] for b in blocks), rest)
         names = ", ".join(b["name"] for b in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
-        add("checkpointing", f"activation checkpointing of {len(blocks)} block(s) ({names}): keep each block's "
-            "input, recompute the rest in backward (about one more forward pass)",
-            "--checkpointing (TrainConfig(checkpointing=True))", (rest + inside - after) * B)
+        add("recompute", f"recompute {len(blocks)} block(s) ({names}; activation checkpointing): keep each "
+            "block's input, compute the rest again in backward (about one more forward pass)",
+            "--recompute (TrainConfig(recompute=True))", (rest + inside - after) * B)
 
     if B >= 2:
         if budget is not None and total > budget:

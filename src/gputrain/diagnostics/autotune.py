@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gputrain.runtime.devices import device_name
+from gputrain.runtime.devices import cuda_capability_flags, device_name
 
 log = logging.getLogger("gputrain")
 
@@ -53,7 +53,9 @@ def candidates(config, device: torch.device, model: nn.Module, include_compile: 
     conv = _is_conv_net(model)
     out: list[dict] = []
     if device.type == "cuda":
-        low = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # The capability of `device`, as resolve_precision decides: torch.cuda.is_bf16_supported()
+        # asks the current device and says True on a V100/T4 too (bf16 emulated), where bf16 is refused.
+        low = "bf16" if cuda_capability_flags(*torch.cuda.get_device_capability(device))["bf16"] else "fp16"
         for graphs in (True, False):
             for precision in (low, "fp32"):
                 out.append({"cuda_graphs": graphs, "channels_last": False, "precision": precision, "compile": False})
@@ -136,7 +138,7 @@ def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
     cfg = config.to_dict()
     untried = {k: cfg[k] for k in sorted(cfg) if k not in TRIED_FIELDS and k in
                ("batch_size", "accumulate", "data_on_device", "cudnn_benchmark", "fused_optimizer",
-                "compile_mode", "checkpointing", "max_grad_norm", "shard")}
+                "compile_mode", "recompute", "max_grad_norm", "shard")}
     parts = {"model": type(model).__name__, "params": repr(params), "device": device_name(device) if device.type == "cuda" else f"{device.type}:{device_name(device)}",
              "batch": batch_sig, "torch": torch.__version__, "config": repr(untried)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -151,7 +153,7 @@ def _read_cache(path: Path) -> dict:
 
 
 def _write_cache(path: Path, key: str, entry: dict) -> None:
-    from gputrain.io.checkpoint import atomic_file
+    from gputrain.io.atomic import atomic_file
 
     data = _read_cache(path)
     data[key] = entry

@@ -1,9 +1,9 @@
 """The largest batch that fits: a search driven by out-of-memory errors.
 
 - `find_max_batch(try_batch, ...)`: doubling, then binary search, catching only OOM errors.
-- `batch_trial(model, make_batch, ...)`: a `try_batch` that runs one training step at batch b
-  (the step `estimate.measure_step_memory` measures), or compares that step's memory with a
-  limit to dry-run the search on any device.
+- `batch_trial(probe, make_batch, ...)`: a `try_batch` that runs the step fit runs (a
+  `probe.StepProbe`) at batch b, or compares that step's memory with a limit to dry-run the search
+  on any device.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
-from gputrain.diagnostics.estimate import _device_of, _probe_step, measure_step_memory
+from gputrain.diagnostics.probe import StepProbe
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.runtime.oom import free_after_oom, is_oom
 
@@ -78,7 +77,8 @@ def find_max_batch(try_batch: Callable[[int], None], start: int = 1, limit: int 
             where = f" on {device}" if device is not None else ""
             raise GputrainError(
                 f"out of memory{where} even with a batch of 1: the model, its gradients and optimizer state "
-                "do not fit; use bf16, activation checkpointing, a smaller model or a device with more memory")
+                "do not fit; use bf16, --recompute (activation checkpointing), a smaller model or a device with more "
+                "memory")
     while bad - good > 1:
         mid = (good + bad) // 2
         if runs(mid):
@@ -88,31 +88,23 @@ def find_max_batch(try_batch: Callable[[int], None], start: int = 1, limit: int 
     return good
 
 
+def batch_trial(probe: StepProbe, make_batch: Callable[[int], Any],
+                limit_bytes: int | None = None) -> Callable[[int], None]:
+    """A `try_batch` for `find_max_batch`: the step fit runs (`probe`'s) at batch size b.
 
-def batch_trial(model: nn.Module, make_batch: Callable[[int], Any], loss_fn: Callable | None = None, precision=None,
-                optimizer_name: str = "adamw", limit_bytes: int | None = None,
-                loss=None) -> Callable[[int], None]:
-    """A `try_batch` for `find_max_batch`: one training step at batch size b.
-
-    make_batch(b) -> a batch of b samples: (inputs, targets) with loss_fn, or any batch (a dict,
-    a tuple of tensors, nested containers) with `loss` (a LossRule or a callable
-    (model, batch) -> loss; without one, the model's own loss). Without limit_bytes the step just runs (on a
-    GPU a batch too large raises a real out-of-memory error). With limit_bytes the step's memory
-    (as `measure_step_memory` gets it: the real peak on CUDA, the estimate elsewhere) is compared
-    with limit_bytes and torch.OutOfMemoryError raised above it: a dry run of the search on any
-    device, or a smaller GPU simulated on a bigger one.
+    make_batch(b) -> a batch of b samples on the probe's device (`probe_batches`). Without
+    limit_bytes the step just runs to its steady state (on a GPU a batch too large raises a real
+    out-of-memory error). With limit_bytes the step's memory (`StepProbe.measure`: the real peak on
+    CUDA, the estimate elsewhere) is compared with limit_bytes and torch.OutOfMemoryError raised
+    above it: a dry run of the search on any device, or a smaller GPU simulated on a bigger one.
     """
-    device = _device_of(model)
-    step = _probe_step(model, loss_fn, precision, optimizer_name, loss=loss)
 
     def trial(b: int) -> None:
         batch = make_batch(b)
         if limit_bytes is None:
-            step(batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            probe.step(batch)
             return
-        need = measure_step_memory(model, batch, loss_fn, precision, optimizer_name, loss=loss)["peak_bytes"]
+        need = probe.measure(batch)["peak_bytes"]
         if need > limit_bytes:
             raise torch.OutOfMemoryError(f"out of memory (limit): a batch of {b} needs {need:,} bytes, "
                                          f"the limit is {limit_bytes:,}")

@@ -270,7 +270,7 @@ def measure(device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, Any]
     median). CPU: a 512^3 fp32 matmul in GFLOP/s; no copy test. Each timing takes about `budget_s`.
     Returns (measurements as plain data, checks).
     """
-    from gputrain.bench.common import measure as timeit
+    from gputrain.runtime.timing import measure as timeit
 
     results: dict[str, Any] = {"device": str(device)}
     if device.type != "cuda":

@@ -28,6 +28,7 @@ from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import _top_ops, trace_summary
 from gputrain.diagnostics.verdict import diagnose
+from gputrain.io.atomic import atomic_file
 from gputrain.runtime.devices import device_name
 
 PHASES = ("data", "h2d", "forward", "backward", "optimizer", "logging")
@@ -83,14 +84,6 @@ class _PhaseClock:
                 row[i] += a.elapsed_time(b)
             device.append(row)
         return host, device
-
-
-class _NullClock:
-    def start(self) -> None:
-        pass
-
-    def mark(self, phase: str) -> None:
-        pass
 
 
 # ---------------------------------------------------------------- the instrumented step
@@ -352,6 +345,6 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
         "verdict": diagnose(metrics),
         "files": {"trace": str(trace_path), "summary": str(summary_path)},
     }
-    with open(summary_path, "w") as f:
+    with atomic_file(summary_path, "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary

@@ -5,7 +5,7 @@ from an old summary JSON) and returns one verdict with the evidence behind it an
 
 - input-bound: getting the batch (data wait + host-to-device copy) takes a large share of the step.
 - launch-bound: the GPU is mostly idle and its kernels are short: the host cannot launch them as
-  fast as the GPU finishes them (seed 003's iris MLP).
+  fast as the GPU finishes them (the iris-mlp workload).
 - sync-bound: the host waits for the GPU every step (`.item()`, `print(loss)`, `.cpu()`), so the
   GPU runs dry while the host catches up.
 - compute-bound: the GPU is busy; the remaining lever is doing less or cheaper arithmetic.
@@ -76,7 +76,7 @@ def diagnose(metrics: dict[str, Any]) -> dict[str, Any]:
 
     def sync_advice() -> str:
         return ("remove per-step host reads: accumulate the loss on the device and call .item() every N "
-                "steps (seed 003 logs every 200 epochs); no print(loss), .cpu(), .tolist() or `if tensor:` "
+                "steps (--log-every N); no print(loss), .cpu(), .tolist() or `if tensor:` "
                 "in the loop; run `detect_syncs` to find each one's file and line")
 
     if data_share is not None and data_share >= INPUT_SHARE:
@@ -113,7 +113,7 @@ def diagnose(metrics: dict[str, Any]) -> dict[str, Any]:
                 "CUDA graphs (TrainConfig(cuda_graphs=True)) or torch.compile(mode='reduce-overhead'): one launch per step",
                 "a larger batch: the same number of launches does more work each",
                 "torch.compile fuses element-wise kernels: fewer launches",
-                "for a model this small the CPU may simply be faster (seed 003: iris trains faster on an i9 than on a 3080 Ti)",
+                "for a model this small the CPU may simply be faster (iris-mlp trains faster on a desktop CPU than on a 3080 Ti)",
             ]
             if syncs:
                 also.append(f"{syncs:g} sync(s) per step as well: {sync_advice()}")

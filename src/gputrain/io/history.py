@@ -75,7 +75,7 @@ class History:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write as JSON atomically (a reader never sees half a file); returns the path."""
-        from gputrain.io.checkpoint import atomic_file
+        from gputrain.io.atomic import atomic_file
 
         path = Path(path)
         with atomic_file(path, "w") as f:

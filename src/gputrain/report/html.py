@@ -11,22 +11,22 @@ samples/s / memory curves, every speed decision and its reason, data placement, 
 CUDA-graph status, peak memory against the device's memory, warnings (OOM splits, non-finite
 losses, loss spikes, recompilations), and the profile's time breakdown and verdict when present.
 Any of the summary's keys may be missing (older runs, a run that crashed): that part then says so.
+The document and its style are report/page.py's; the plots report/plots.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as _dt
-import html
-import io
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any, Iterable
 
 from gputrain.errors import GputrainError
+from gputrain.io.atomic import write_text
 from gputrain.report.format import format_bytes, format_duration
+from gputrain.report.page import escape as _e, page, with_code
+from gputrain.report.plots import breakdown_plot, line_plot
 from gputrain.report.summary import summary_rows
 
 REPORT_NAME = "report.html"
@@ -40,7 +40,7 @@ _DERIVED_DECISIONS = (("precision", "precision", "precision_reason"),
                       ("cuda_graphs", "cuda_graphs", None),
                       ("channels_last", "channels_last", None),
                       ("compile", "compile", None),
-                      ("activation checkpointing", "activation_checkpointing", None))
+                      ("recompute", "activation_checkpointing", None))
 
 
 # ---------------------------------------------------------------- reading a run directory
@@ -99,16 +99,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's report (default RUN_DIR/report.html) atomically; returns its path."""
-    from gputrain.io.checkpoint import atomic_file
-
     run = load_run(run_dir)
-    page = render_report(run["records"], run["summary"], run["config"], run["profile"],
+    text = render_report(run["records"], run["summary"], run["config"], run["profile"],
                          run_dir=run["run_dir"], notes=run["notes"])
-    path = Path(out) if out is not None else Path(run_dir) / REPORT_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path, "w") as f:
-        f.write(page)
-    return path
+    return write_text(Path(out) if out is not None else Path(run_dir) / REPORT_NAME, text)
 
 
 # ---------------------------------------------------------------- the page
@@ -145,43 +139,6 @@ def render_report(records: list[dict[str, Any]], summary: dict[str, Any] | None 
                 f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')} &middot; "
                 "this page is self-contained: no scripts, fonts or images from the network</footer>")
     return page(f"gputrain report: {name}", "\n".join(body))
-
-
-def page(title: str, body: str) -> str:
-    """A complete HTML document with the report's inline style around `body`."""
-    return ("<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
-            "<meta name='viewport' content='width=device-width, initial-scale=1'>\n"
-            f"<title>{_e(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n<main>\n"
-            f"{body}\n</main>\n</body>\n</html>\n")
-
-
-_CSS = """
-body{margin:0;background:#f6f7f9;color:#1d232b;font:15px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,
-'Helvetica Neue',Arial,sans-serif}
-main{max-width:1100px;margin:0 auto;padding:20px 28px 40px}
-h1{font-size:24px;margin:8px 0 2px}h2{font-size:18px;margin:0 0 10px}h3{font-size:15px;margin:14px 0 6px}
-.sub{color:#5b6573;margin:0 0 14px}.note{background:#fff6db;border-left:4px solid #e0a800;padding:6px 10px}
-section{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:14px 18px;margin:14px 0}
-table{border-collapse:collapse;width:100%;font-size:14px}
-td,th{border-bottom:1px solid #eceef1;padding:4px 8px;text-align:left;vertical-align:top}
-th{background:#f3f4f6;font-weight:600}td.k{font-weight:600;width:28%;white-space:nowrap}
-td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}
-.cards{display:flex;flex-wrap:wrap;gap:10px;margin:6px 0 4px}
-.card{background:#fff;border:1px solid #e1e4e8;border-radius:8px;padding:8px 14px;min-width:130px}
-.cards.three{display:grid;grid-template-columns:repeat(auto-fit,minmax(250px,1fr))}
-.card .v{font-size:20px;font-weight:600}.card .l{color:#5b6573;font-size:12px;text-transform:uppercase}
-.plots{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:10px}
-.plots figure,figure.wide{margin:0}figure.wide img{max-width:820px;width:100%}.plots img{width:100%;height:auto;border:1px solid #eceef1;border-radius:4px}
-figcaption{font-size:12px;color:#5b6573}
-.bar{background:#e9edf2;border-radius:4px;height:18px;position:relative;overflow:hidden;margin:6px 0}
-.bar span{display:block;height:100%;background:#3b7dd8}.bar.hot span{background:#d9822b}
-.bar.full span{background:#c0392b}
-.ok{color:#1e7d32}.warn{color:#a15c00}.bad{color:#b3261e}
-ul.w li{margin:3px 0}code{background:#f3f4f6;padding:0 3px;border-radius:3px}
-.verdict{font-size:18px;font-weight:600}
-details summary{cursor:pointer;color:#3b5b8a}
-footer{color:#7a8390;font-size:12px;margin-top:18px}
-"""
 
 
 # ---------------------------------------------------------------- sections
@@ -336,15 +293,15 @@ def _profile(p: dict[str, Any] | None) -> str:
     if v:
         out.append(f"<p>verdict: <span class='verdict'>{_e(v.get('verdict', '?'))}</span></p>")
         if v.get("evidence"):
-            out.append("<h3>evidence</h3><ul>" + "".join(f"<li>{_md_code(str(x))}</li>" for x in v["evidence"]) + "</ul>")
+            out.append("<h3>evidence</h3><ul>" + "".join(f"<li>{with_code(str(x))}</li>" for x in v["evidence"]) + "</ul>")
         if v.get("suggestions"):
-            out.append("<h3>try</h3><ul>" + "".join(f"<li>{_md_code(str(x))}</li>" for x in v["suggestions"]) + "</ul>")
+            out.append("<h3>try</h3><ul>" + "".join(f"<li>{with_code(str(x))}</li>" for x in v["suggestions"]) + "</ul>")
         if v.get("also"):
-            out.append("<ul class='sub'>" + "".join(f"<li>also: {_md_code(str(x))}</li>" for x in v["also"]) + "</ul>")
+            out.append("<ul class='sub'>" + "".join(f"<li>also: {with_code(str(x))}</li>" for x in v["also"]) + "</ul>")
     breakdown = [b for b in p.get("breakdown") or [] if isinstance(b, dict)]
     if breakdown:
         out.append("<h3>time breakdown</h3>")
-        img = _breakdown_png(breakdown)
+        img = breakdown_plot(breakdown)
         if img:
             out.append(_figure(img, "share of a step's time per phase", "time breakdown", wide=True))
         out.append(_table([(b.get("phase", "?"), _ms(b.get("ms")), _pct(b.get("share"))) for b in breakdown],
@@ -371,85 +328,24 @@ def _curves(records: list[dict[str, Any]], s: dict[str, Any]) -> str:
         return "<p>No log points to plot.</p>"
     figs = []
     marks = _steps_of(s.get("nonfinite_steps")) + _steps_of(s.get("loss_spikes"))
-    figs.append(_figure(_plot([("train loss", _series(recs, "loss"), {}),
+    figs.append(_figure(line_plot([("train loss", _series(recs, "loss"), {}),
                                ("eval loss", _series(recs, "eval_loss"), {"marker": "o", "markersize": 3})],
                               "loss", log_if_positive=True, marks=marks),
                         "loss against optimizer step" + (" (orange lines: warnings)" if marks else ""), "loss curve"))
     metrics = sorted({k for r in recs for k in r if k.startswith("eval_") and k != "eval_loss"
                       and isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)})
     for key in metrics:
-        figs.append(_figure(_plot([(key.replace("_", " "), _series(recs, key), {"marker": "o", "markersize": 3})],
+        figs.append(_figure(line_plot([(key.replace("_", " "), _series(recs, key), {"marker": "o", "markersize": 3})],
                                   key.replace("_", " ")), f"{key} against optimizer step", f"{key} curve"))
     for key, label, scale, unit in (("lr", "learning rate", 1, ""), ("samples_per_s", "samples/s", 1, ""),
                                     ("peak_memory_bytes", "peak memory", 2**20, "MiB")):
         xs, ys = _series(recs, key)
         if xs:
             ys = [y / scale for y in ys]
-            figs.append(_figure(_plot([(label, (xs, ys), {})], f"{label} ({unit})" if unit else label),
+            figs.append(_figure(line_plot([(label, (xs, ys), {})], f"{label} ({unit})" if unit else label),
                                 f"{label} at each log point", f"{label} curve"))
     figs = [f for f in figs if f]
     return "<div class='plots'>" + "".join(figs) + "</div>" if figs else "<p>No numeric series to plot.</p>"
-
-
-# ---------------------------------------------------------------- plots (matplotlib, PNG data URIs)
-
-def _new_figure(w: float = 5.2, h: float = 3.0):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h), dpi=100)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def png_data_uri(fig) -> str:
-    """A matplotlib Figure as a data:image/png;base64 URI."""
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _plot(lines: list[tuple[str, tuple[list, list], dict]], ylabel: str, log_if_positive: bool = False,
-          marks: Iterable[float] = ()) -> str | None:
-    lines = [(label, xy, style) for label, xy, style in lines if xy[0]]
-    if not lines:
-        return None
-    fig = _new_figure()
-    ax = fig.add_subplot(1, 1, 1)
-    values = []
-    for label, (x, y), style in lines:
-        ax.plot(x, y, label=label, **style)
-        values += y
-    for m in marks:
-        ax.axvline(m, color="#d9822b", alpha=0.6, linewidth=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(ylabel)
-    if log_if_positive and values and all(math.isfinite(v) and v > 0 for v in values):
-        ax.set_yscale("log")
-    if len(lines) > 1:
-        ax.legend()
-    ax.grid(alpha=0.3)
-    return png_data_uri(fig)
-
-
-def _breakdown_png(breakdown: list[dict[str, Any]]) -> str | None:
-    rows = [(str(b.get("phase", "?")), float(b.get("ms") or 0)) for b in breakdown]
-    if not rows or sum(ms for _, ms in rows) <= 0:
-        return None
-    fig = _new_figure(8, 0.45 * len(rows) + 0.9)
-    ax = fig.add_subplot(1, 1, 1)
-    names = [n for n, _ in rows][::-1]
-    ms = [m for _, m in rows][::-1]
-    bars = ax.barh(names, ms, color="#3b7dd8")
-    total = sum(ms)
-    for bar, m in zip(bars, ms):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {m:.2f} ms ({100 * m / total:.0f}%)",
-                va="center", fontsize=8)
-    ax.set_xlabel("ms per step")
-    ax.set_xlim(0, max(ms) * 1.3)
-    ax.grid(alpha=0.3, axis="x")
-    return png_data_uri(fig)
 
 
 def _series(recs: list[dict[str, Any]], key: str) -> tuple[list, list]:
@@ -469,10 +365,6 @@ def _steps_of(value: Any) -> list[float]:
 
 
 # ---------------------------------------------------------------- HTML helpers
-
-def _e(x: Any) -> str:
-    return html.escape(str(x), quote=True)
-
 
 def _section(title: str, content: str, anchor: str) -> list[str]:
     return [f"<section id='{anchor}'><h2>{_e(title)}</h2>\n{content}\n</section>"]
@@ -562,92 +454,3 @@ def _last(records: list[dict[str, Any]], key: str):
         if r.get(key) is not None:
             return r[key]
     return None
-
-
-# ---------------------------------------------------------------- markdown pages (bench index.html)
-
-_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
-_CODE = re.compile(r"`([^`]+)`")
-
-
-def markdown_page(markdown: str, base_dir: str | Path, title: str) -> str:
-    """The small markdown subset bench's index.md uses (headings, bullets, pipe tables, links,
-    images, `code`) as a self-contained HTML page: each local image is inlined as a data URI."""
-    base = Path(base_dir)
-    out: list[str] = []
-    lines = markdown.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("|"):
-            block = []
-            while i < len(lines) and lines[i].startswith("|"):
-                block.append(lines[i])
-                i += 1
-            out.append(_md_table(block, base))
-            continue
-        if line.startswith("- "):
-            items = []
-            while i < len(lines) and lines[i].startswith("- "):
-                items.append(f"<li>{_md_inline(lines[i][2:], base)}</li>")
-                i += 1
-            out.append("<ul>" + "".join(items) + "</ul>")
-            continue
-        m = re.match(r"(#{1,6}) (.*)", line)
-        if m:
-            n = len(m.group(1))
-            out.append(f"<h{n}>{_md_inline(m.group(2), base)}</h{n}>")
-        elif line.strip():
-            out.append(f"<p>{_md_inline(line, base)}</p>")
-        i += 1
-    return page(title, "\n".join(out))
-
-
-def _md_table(block: list[str], base: Path) -> str:
-    def cells(row: str) -> list[str]:
-        return [c.strip() for c in row.strip().strip("|").split("|")]
-
-    rows = [cells(r) for r in block if not re.fullmatch(r"\|?(\s*:?-+:?\s*\|)+\s*:?-*:?\s*", r.strip())]
-    if not rows:
-        return ""
-    head, body = rows[0], rows[1:]
-    out = ["<table><tr>" + "".join(f"<th>{_md_inline(c, base)}</th>" for c in head) + "</tr>"]
-    for r in body:
-        out.append("<tr>" + "".join(f"<td>{_md_inline(c, base)}</td>" for c in r) + "</tr>")
-    return "".join(out) + "</table>"
-
-
-def _md_inline(text: str, base: Path) -> str:
-    pieces, pos = [], 0
-    for m in _LINK.finditer(text):
-        pieces.append(_md_code(text[pos:m.start()]))
-        bang, label, target = m.groups()
-        if bang:
-            pieces.append(_inline_image(base / target, label) if _is_local(target)
-                          else f"<span>[image not inlined: {_e(target)}]</span>")
-        else:
-            pieces.append(f"<a href='{_e(target)}'>{_e(label)}</a>")
-        pos = m.end()
-    pieces.append(_md_code(text[pos:]))
-    return "".join(pieces)
-
-
-def _md_code(text: str) -> str:
-    return _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", _e(text))
-
-
-def _is_local(target: str) -> bool:
-    return not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I)
-
-
-def _inline_image(path: Path, alt: str) -> str:
-    mime = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}.get(
-        path.suffix.lower())
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return f"<p class='note'>missing image: {_e(path.name)}</p>"
-    if mime is None:
-        return f"<p class='note'>not an image: {_e(path.name)}</p>"
-    uri = f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
-    return f"<figure><img src='{uri}' alt='{_e(alt)}' style='max-width:100%'></figure>"

@@ -81,7 +81,7 @@ class MetricsLog:
 
     def _widen(self, new_keys: list[str]) -> None:
         """Rewrite the CSV with `new_keys` as extra columns (rare: the first time a metric appears)."""
-        from gputrain.io.checkpoint import atomic_file
+        from gputrain.io.atomic import atomic_file
 
         self._csv_file.close()
         rows = self._read_csv_rows()
@@ -94,7 +94,7 @@ class MetricsLog:
         self._open_csv(write_header=False)
 
     def _truncate(self, after_step: int) -> None:
-        from gputrain.io.checkpoint import atomic_file
+        from gputrain.io.atomic import atomic_file
 
         def keep(step) -> bool:
             try:

@@ -1,25 +1,25 @@
-"""A run's curves as a PNG (curves.png in the run directory)."""
+"""A run's plots, matplotlib on the Agg canvas: curves.png in the run directory (`plot_history`),
+and the line and bar plots report.html holds as PNG data URIs."""
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from pathlib import Path
+from typing import Any, Iterable
+
+from gputrain.io.atomic import atomic_file
 
 
 def plot_history(history, path: str | Path) -> Path | None:
     """Loss (train, and eval where present) and accuracy against step as a PNG.
 
-    Returns the path, or None when the history has no records. Uses matplotlib's Agg canvas
-    directly (no pyplot: no GUI backend, no global figure state).
+    Returns the path, or None when the history has no records.
     """
     recs = [r for r in history.records if r.get("step") is not None]
     if not recs:
         return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from gputrain.io.checkpoint import atomic_file
-
     def series(key: str) -> tuple[list, list]:
         points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         return [p[0] for p in points], [p[1] for p in points]
@@ -27,8 +27,7 @@ def plot_history(history, path: str | Path) -> Path | None:
     # Every evaluation metric but the loss: the built-in accuracy and the user's eval_<name> values.
     acc_keys = sorted({k for r in recs for k in r if k.startswith("eval_") and k != "eval_loss"
                        and isinstance(r[k], (int, float))})
-    fig = Figure(figsize=(10 if acc_keys else 6, 4), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure(10 if acc_keys else 6, 4)
     ax = fig.add_subplot(1, 2 if acc_keys else 1, 1)
     losses = []
     for key, label, style in (("loss", "train loss", {}), ("eval_loss", "eval loss", {"marker": "o", "markersize": 3})):
@@ -61,3 +60,68 @@ def plot_history(history, path: str | Path) -> Path | None:
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png")
     return path
+
+
+# ---------------------------------------------------------------- the report's plots, as PNG data URIs
+
+def new_figure(w: float = 5.2, h: float = 3.0):
+    """A matplotlib Figure on the Agg canvas (no pyplot: no GUI backend, no global figure state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png_data_uri(fig) -> str:
+    """A matplotlib Figure as a data:image/png;base64 URI."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def line_plot(lines: list[tuple[str, tuple[list, list], dict]], ylabel: str, log_if_positive: bool = False,
+          marks: Iterable[float] = ()) -> str | None:
+    """Lines [(label, (steps, values), matplotlib style)] against the optimizer step as a PNG data
+    URI (None when no line has a point); `marks`: steps marked with a vertical line."""
+    lines = [(label, xy, style) for label, xy, style in lines if xy[0]]
+    if not lines:
+        return None
+    fig = new_figure()
+    ax = fig.add_subplot(1, 1, 1)
+    values = []
+    for label, (x, y), style in lines:
+        ax.plot(x, y, label=label, **style)
+        values += y
+    for m in marks:
+        ax.axvline(m, color="#d9822b", alpha=0.6, linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    if log_if_positive and values and all(math.isfinite(v) and v > 0 for v in values):
+        ax.set_yscale("log")
+    if len(lines) > 1:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    return png_data_uri(fig)
+
+
+def breakdown_plot(breakdown: list[dict[str, Any]]) -> str | None:
+    """A profile's time per phase ([{phase, ms}]) as horizontal bars, a PNG data URI (None: no time)."""
+    rows = [(str(b.get("phase", "?")), float(b.get("ms") or 0)) for b in breakdown]
+    if not rows or sum(ms for _, ms in rows) <= 0:
+        return None
+    fig = new_figure(8, 0.45 * len(rows) + 0.9)
+    ax = fig.add_subplot(1, 1, 1)
+    names = [n for n, _ in rows][::-1]
+    ms = [m for _, m in rows][::-1]
+    bars = ax.barh(names, ms, color="#3b7dd8")
+    total = sum(ms)
+    for bar, m in zip(bars, ms):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {m:.2f} ms ({100 * m / total:.0f}%)",
+                va="center", fontsize=8)
+    ax.set_xlabel("ms per step")
+    ax.set_xlim(0, max(ms) * 1.3)
+    ax.grid(alpha=0.3, axis="x")
+    return png_data_uri(fig)

@@ -1,12 +1,12 @@
-"""Activation checkpointing: recompute blocks in backward instead of storing their activations.
+"""Recompute (activation checkpointing): recompute blocks in backward instead of storing their activations.
 
 - `apply_activation_checkpointing(model, targets)`: wrap the named blocks (or the repeated ones)
   so that their forward runs under torch.utils.checkpoint; gradients do not change.
 - `checkpoint_units(model)`: the blocks chosen when no names are given (the memory estimate also
   measures the activations per block with it).
 
-Part of training (the trainer applies it for TrainConfig(checkpointing=...)); the memory
-diagnostics use `checkpoint_units` to say what checkpointing would save.
+Part of training (the trainer applies it for TrainConfig(recompute=...), `fit --recompute`); the
+memory diagnostics use `checkpoint_units` to say what recomputing would save.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import random
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from gputrain.errors import DataError
+from gputrain.io.atomic import atomic_file
 from gputrain.workloads.base import DataSplits
 
 log = logging.getLogger("gputrain")
@@ -75,7 +75,7 @@ def load_iris(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     split's mean/std; a stratified held-out test split."""
     from sklearn.datasets import load_iris as sk_iris
 
-    x, y = sk_iris(return_X_y=True)
+    x, y = (np.asarray(a) for a in sk_iris(return_X_y=True))  # arrays (sklearn may type them as frames)
     tr, te = _split_indices(y, test_fraction, seed)
     mean, std = x[tr].mean(0), x[tr].std(0)
     x = ((x - mean) / std).astype(np.float32)
@@ -89,7 +89,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     training split's mean/std (in the same 0..16 units); a stratified held-out test split."""
     from sklearn.datasets import load_digits as sk_digits
 
-    x, y = sk_digits(return_X_y=True)
+    x, y = (np.asarray(a) for a in sk_digits(return_X_y=True))  # arrays (sklearn may type them as frames)
     x = x.astype(np.uint8).reshape(-1, 1, 8, 8)
     y = y.astype(np.int64)
     tr, te = _split_indices(y, test_fraction, seed)
@@ -127,19 +127,6 @@ def _generate_mnist1d(num_samples: int, seed: int) -> dict[str, np.ndarray]:
     return {k: data[k] for k in ("x", "y", "x_test", "y_test")}
 
 
-def _write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only, as np.load reads them
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def mnist1d_cache_path(num_samples: int = MNIST1D_SAMPLES, seed: int = MNIST1D_SEED) -> Path:
     return cache_root() / f"mnist1d-n{num_samples}-seed{seed}.npz"
 
@@ -162,7 +149,8 @@ def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = MNIST1D_SEED) -
         generated = _generate_mnist1d(num_samples, seed)
         arrays = {k: np.asarray(generated[k], np.int64 if k.startswith("y") else np.float32)
                   for k in ("x", "y", "x_test", "y_test")}
-        _write_npz_atomic(path, arrays)
+        with atomic_file(path, "wb") as f:  # a reader never sees half a file
+            np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only, as np.load reads them
     t = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64 if k.startswith("y") else np.float32))
          for k, v in arrays.items()}
     return DataSplits(train=(t["x"], t["y"]), test=(t["x_test"], t["y_test"]))
@@ -173,7 +161,7 @@ def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = MNIST1D_SEED) -
 
 def make_linear_regression(n: int = 1000, n_test: int = 200, features: int = 10, noise: float = 0.1,
                            seed: int = 0) -> DataSplits:
-    """Seeds 001/002's regression: x ~ randn(N, 10), y = x @ w + b + noise, float32 (N, 1).
+    """The linear-regression workload's data: x ~ randn(N, 10), y = x @ w + b + noise, float32 (N, 1).
 
     w ~ randn(10, 1) and b ~ randn(1) are fixed by `seed`; `noise` is the noise's std, so a perfect
     fit has MSE noise**2 (0.01 by default).
@@ -190,7 +178,7 @@ def make_linear_regression(n: int = 1000, n_test: int = 200, features: int = 10,
 
 
 def make_binary(n: int = 10000, n_test: int = 2000, features: int = 20, seed: int = 0) -> DataSplits:
-    """Seed 004's binary task: x ~ randn(N, 20), y = (x.sum(1) > 0) as float32 (N, 1)."""
+    """The mlp-binary workload's task: x ~ randn(N, 20), y = (x.sum(1) > 0) as float32 (N, 1)."""
     g = _generator(seed)
 
     def draw(m: int) -> tuple[torch.Tensor, torch.Tensor]:

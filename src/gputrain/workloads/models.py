@@ -12,11 +12,11 @@ from torch import nn
 
 
 class CifarCNN(nn.Module):
-    """Seed 000's `Prayer` for CIFAR-10: (B, 3, 32, 32) -> (B, 10) logits.
+    """The CIFAR-10 tutorial's `Prayer` net: (B, 3, 32, 32) -> (B, 10) logits.
 
-    Exactly the seed's layers: three 5x5 convolutions (32, 32, 64 channels, padding 2 keeps the
+    Exactly the tutorial's layers: three 5x5 convolutions (32, 32, 64 channels, padding 2 keeps the
     size) each followed by a 2x2 max-pool (32 -> 16 -> 8 -> 4), then Linear(64*4*4=1024, 64) and
-    Linear(64, 10). The seed has no ReLU anywhere, and neither has this model: max-pooling is its
+    Linear(64, 10). The tutorial has no ReLU anywhere, and neither has this model: max-pooling is its
     only non-linearity. That keeps the tutorial's speed figures comparable (same FLOPs, same kernels);
     it also caps accuracy (roughly 60-65% on CIFAR-10) below that of the same net with activations.
     """
@@ -97,7 +97,7 @@ class MNIST1DGRU(nn.Module):
 
 
 class IrisMLP(nn.Module):
-    """Seed 003's iris classifier: 4 -> hidden (ReLU) -> 3; (B, 4) -> (B, 3)."""
+    """The iris classifier (iris-mlp): 4 -> hidden (ReLU) -> 3; (B, 4) -> (B, 3)."""
 
     def __init__(self, hidden: int = 10):
         super().__init__()
@@ -149,7 +149,7 @@ class MNISTCNN(nn.Module):
 
 
 class LinearRegression(nn.Module):
-    """Seeds 001/002's linear model: Linear(10, 1); (B, 10) -> (B, 1)."""
+    """The linear-regression workload's model: Linear(10, 1); (B, 10) -> (B, 1)."""
 
     def __init__(self, in_features: int = 10):
         super().__init__()
@@ -160,9 +160,9 @@ class LinearRegression(nn.Module):
 
 
 class BinaryMLP(nn.Module):
-    """Seed 004's pipeline model 20 -> 64 -> 32 -> 1 (ReLU); (B, 20) -> (B, 1) logits.
+    """The mlp-binary workload's model 20 -> 64 -> 32 -> 1 (ReLU); (B, 20) -> (B, 1) logits.
 
-    The seed ends in nn.Sigmoid() and trains with nn.BCELoss. This model returns the logit and is
+    The tutorial's model ends in nn.Sigmoid() and trains with nn.BCELoss. This model returns the logit and is
     trained with nn.BCEWithLogitsLoss instead: the same loss mathematically, but computed with the
     log-sum-exp trick, so it neither saturates to log(0) for confident predictions nor fails under
     autocast (PyTorch refuses BCELoss inside a float16 autocast region because it is unsafe there).

@@ -53,11 +53,12 @@ def _as_bool(name: str, value: Any) -> bool:
 
 
 def iris_mlp() -> Workload:
-    # Seed 003 trains 20000 full-batch epochs (SGD); with AdamW a few hundred reach the same test
-    # accuracy. `epochs=20000` reproduces the seed's run length; log_every=200 is its logging rate.
+    # The tutorial this workload comes from trains 20000 full-batch epochs (SGD); with AdamW a few
+    # hundred reach the same test accuracy. `epochs=20000` reproduces its run length; log_every=200
+    # its logging rate.
     return Workload(
         name="iris-mlp",
-        description="seed 003: iris MLP 4-10-3, full batch (the run where the GPU loses to the CPU)",
+        description="iris MLP 4-10-3, full batch: the run where the GPU loses to the CPU",
         make_data=datasets.load_iris,
         make_model=models.IrisMLP,
         loss_fn=nn.CrossEntropyLoss(),
@@ -128,7 +129,7 @@ def linear_regression(n: int = 1000) -> Workload:
     n_test = max(1, n // 5)
     return Workload(
         name="linear-regression",
-        description="seeds 001/002: Linear(10, 1) on y = x @ w + b + noise (MSE; the noise floor is 0.01)",
+        description="Linear(10, 1) on y = x @ w + b + noise (MSE; the noise floor is 0.01)",
         make_data=partial(datasets.make_linear_regression, n=n, n_test=n_test),
         make_model=models.LinearRegression,
         loss_fn=nn.MSELoss(),
@@ -143,7 +144,7 @@ def mlp_binary(n: int = 10000) -> Workload:
     n_test = max(1, n // 5)
     return Workload(
         name="mlp-binary",
-        description="seed 004: MLP 20-64-32-1 on y = (x.sum(1) > 0), BCEWithLogitsLoss",
+        description="MLP 20-64-32-1 on y = (x.sum(1) > 0), BCEWithLogitsLoss",
         make_data=partial(datasets.make_binary, n=n, n_test=n_test),
         make_model=models.BinaryMLP,
         loss_fn=nn.BCEWithLogitsLoss(),
@@ -161,7 +162,7 @@ def cifar10_cnn(data_dir: str | None = None, augment: bool = False) -> Workload:
     augment = _as_bool("augment", augment)
     return Workload(
         name="cifar10-cnn",
-        description="seed 000: the `Prayer` CNN on CIFAR-10 (your cifar-10-batches-py folder)",
+        description="a 3-conv CNN on CIFAR-10 (your cifar-10-batches-py folder)",
         make_data=partial(datasets.load_cifar10, data_dir=data_dir, augment=augment),
         make_model=models.CifarCNN,
         loss_fn=nn.CrossEntropyLoss(),
@@ -176,7 +177,7 @@ def synthetic_cifar(n: int = 50000, n_test: int | None = None, size: int | None 
     n_test = _as_int("n_test", n_test) if n_test is not None else min(10000, max(1, n // 5))
     return Workload(
         name="synthetic-cifar",
-        description="seed 000's CNN on random CIFAR-sized images: speed and memory without the files",
+        description="cifar10-cnn's CNN on random CIFAR-sized images: speed and memory without the files",
         make_data=partial(datasets.make_synthetic_cifar, n=n, n_test=n_test),
         make_model=models.CifarCNN,
         loss_fn=nn.CrossEntropyLoss(),
@@ -188,7 +189,7 @@ def synthetic_cifar(n: int = 50000, n_test: int | None = None, size: int | None 
 def mnist_cnn(data_dir: str | None = None) -> Workload:
     return Workload(
         name="mnist-cnn",
-        description="small CNN on MNIST (your IDX files; seed 004's AMP exercise)",
+        description="small CNN on MNIST (your IDX files)",
         make_data=partial(datasets.load_mnist, data_dir=data_dir),
         make_model=models.MNISTCNN,
         loss_fn=nn.CrossEntropyLoss(),

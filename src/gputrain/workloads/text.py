@@ -13,7 +13,6 @@ reach, in nats per token) is known, so a falling loss can be checked against a f
 from __future__ import annotations
 
 import bisect
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,8 +163,3 @@ def corpus_splits(corpus: CharCorpus, block_size: int, test_fraction: float = TE
 def tokens_summary(n_tokens: int, block_size: int) -> str:
     n_windows = max(0, (n_tokens - int(n_tokens * TEST_FRACTION) - 1) // block_size)
     return f"{n_windows:,} windows of {block_size} tokens (int64)"
-
-
-def log_uniform(vocab_size: int) -> float:
-    """The loss of a model that has learned nothing (uniform over the vocabulary), in nats."""
-    return math.log(vocab_size)

@@ -1,4 +1,5 @@
-"""move() over nested containers and modules; optimizer state; check_devices naming the tensors."""
+"""batch.py: move() over nested containers and modules; optimizer state; check_devices naming the tensors;
+head() and tile() cutting every leaf that carries the batch dimension."""
 
 import collections
 import dataclasses
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from gputrain import DeviceError, check_devices, move, move_optimizer_state
+from gputrain.batch import head, tile
 
 META = torch.device("meta")
 Pair = collections.namedtuple("Pair", "inputs targets")
@@ -96,3 +98,29 @@ def test_check_devices_names_inputs_on_two_devices_for_a_parameterless_model():
 
 def test_check_devices_with_no_tensors_returns_none():
     assert check_devices(nn.ReLU(), {"n": 3}) is None
+
+
+def test_head_and_tile_cut_every_leaf_with_the_batch_dimension():
+    a, b, labels = torch.randn(16, 8), torch.randn(16, 8), torch.arange(16)
+    cut = head({"p": (a, [b]), "labels": labels, "k": torch.tensor(3.0)}, 5)
+    assert cut["p"][0].shape[0] == cut["p"][1][0].shape[0] == cut["labels"].shape[0] == 5
+    assert cut["k"].dim() == 0  # no batch dimension: passed through
+    tiled = tile({"a": a[:3], "labels": labels[:3], "table": torch.ones(4, 2)}, 7)
+    assert tiled["a"].shape[0] == tiled["labels"].shape[0] == 7
+    assert torch.equal(tiled["a"][3:6], a[:3]) and torch.equal(tiled["labels"], torch.tensor([0, 1, 2, 0, 1, 2, 0]))
+    assert tiled["table"].shape == (4, 2)  # dim 0 is not the batch's: shared, not tiled
+
+
+def test_split_and_map_keep_a_dataclass_batch_a_dataclass():
+    """A dataclass batch goes through the pytree walk (split for accumulation and OOM halving,
+    map_tensors): each part is the same dataclass, its tensors cut along dim 0, plain fields shared."""
+    from gputrain.batch import map_tensors, split
+
+    b = Batch(torch.arange(6.0).unsqueeze(1), {"y": torch.arange(6), "scale": torch.tensor(2.0)}, tag="t")
+    parts = split(b, 3)
+    assert [type(p) for p in parts] == [Batch] * 3
+    assert [p.x.squeeze(1).tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert [p.extra["y"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert all(p.extra["scale"] is b.extra["scale"] and p.tag == "t" for p in parts)  # no batch dim: shared
+    doubled = map_tensors(lambda t: t * 2, b)
+    assert isinstance(doubled, Batch) and doubled.x[-1].item() == 10.0 and doubled.tag == "t"

@@ -1,5 +1,7 @@
-"""Training that survives: stop signals, errors in user code, retention, fallback and preflight,
-through fit and the CLI (the subprocess fault runs are in test_faults.py)."""
+"""Stopping and resuming, through fit and the CLI: a stop signal finishes the step and checkpoints,
+an error in user code checkpoints the last finished step, retention keeps the last and the best, a
+damaged newest checkpoint falls back to the one before, preflight refuses a run directory early
+(the fault runs in subprocesses are in test_faults.py)."""
 
 import json
 import os
@@ -7,27 +9,13 @@ import signal
 
 import pytest
 import torch
+from helpers import data, mlp, params
 from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.cli import main
 from gputrain.errors import ConfigError, StopRequested
 from gputrain.io.checkpoint_store import CheckpointStore
-
-
-def _data(n=80, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return x, (x[:, 0] > 0).long()
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 class _SignalAt(nn.Module):
@@ -50,20 +38,20 @@ CFG = dict(device="cpu", batch_size=8, steps=30, log_every=5, seed=3)
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138), (signal.SIGINT, 130)])
 def test_a_stop_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, sig, code):
-    x, y = _data()
-    full = _model()
+    x, y = data(80)
+    full = mlp()
     h_full = fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
     before = signal.getsignal(sig)
     run_dir = str(tmp_path / "run")
     with pytest.raises(StopRequested) as info:
-        fit(_SignalAt(_model(), at=12, sig=sig), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        fit(_SignalAt(mlp(), at=12, sig=sig), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(**CFG, run_dir=run_dir))
     assert info.value.exit_code == code and info.value.step == 12  # step 12 was finished, then the stop
     assert "--resume" in str(info.value) and signal.getsignal(sig) is before  # handler given back
     assert CheckpointStore(run_dir).latest_path().name == "step-000012.pt"
-    resumed = _SignalAt(_model(seed=5), at=-1)
+    resumed = _SignalAt(mlp(seed=5), at=-1)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG, run_dir=run_dir, resume=True))
-    assert torch.equal(_params(resumed.inner), _params(full))
+    assert torch.equal(params(resumed.inner), params(full))
     assert [r["loss"] for r in h.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
 
 
@@ -72,7 +60,7 @@ def test_a_handler_installed_before_fit_is_chained_and_restored(tmp_path):
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
         with pytest.raises(StopRequested):
-            fit(_SignalAt(_model(), at=3, sig=signal.SIGUSR1), _data(), loss_fn=nn.CrossEntropyLoss(),
+            fit(_SignalAt(mlp(), at=3, sig=signal.SIGUSR1), data(80), loss_fn=nn.CrossEntropyLoss(),
                 config=TrainConfig(**CFG, run_dir=str(tmp_path / "r")))
         assert seen == [signal.SIGUSR1]
         handler = signal.getsignal(signal.SIGUSR1)
@@ -106,7 +94,7 @@ def test_an_error_in_user_code_checkpoints_the_last_step_and_says_where(tmp_path
     class Breaks(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner, self.n = _model(), 0
+            self.inner, self.n = mlp(), 0
 
         def forward(self, x):
             self.n += self.training
@@ -116,16 +104,16 @@ def test_an_error_in_user_code_checkpoints_the_last_step_and_says_where(tmp_path
 
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError) as info:
-        fit(Breaks(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG, run_dir=str(run_dir)))
+        fit(Breaks(), data(80), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG, run_dir=str(run_dir)))
     note = info.value.__notes__[-1]
-    assert "failed in step 9" in note and "test_survive.py" in note and "--resume" in note
+    assert "failed in step 9" in note and "test_stop_and_resume.py" in note and "--resume" in note
     assert CheckpointStore(run_dir).latest_path().name == "step-000008.pt"
 
 
 def test_retention_keeps_the_last_two_and_the_best(tmp_path):
-    x, y = _data(160)
+    x, y = data(160)
     run_dir = tmp_path / "run"
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
         config=TrainConfig(**{**CFG, "steps": 40}, run_dir=str(run_dir), checkpoint_every=5, eval_every=5,
                            best_metric="eval_loss", best_mode="min", lr=0.05))
     store = CheckpointStore(run_dir, best_metric="eval_loss", best_mode="min")
@@ -136,27 +124,27 @@ def test_retention_keeps_the_last_two_and_the_best(tmp_path):
 
 
 def test_resume_falls_back_when_the_newest_checkpoint_is_damaged(tmp_path):
-    x, y = _data()
-    full = _model()
+    x, y = data(80)
+    full = mlp()
     fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
     run_dir = tmp_path / "run"
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
         config=TrainConfig(**CFG, run_dir=str(run_dir), checkpoint_every=5, stop_at_step=20))
     newest = CheckpointStore(run_dir).latest_path()
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte
-    newest.write_bytes(bytes(data))
-    resumed = _model(seed=9)
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(raw))
+    resumed = mlp(seed=9)
     with pytest.warns(Warning, match="step-000020"):
         fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG, run_dir=str(run_dir), resume=True))
-    assert torch.equal(_params(resumed), _params(full))  # from step 15, and still exact
+    assert torch.equal(params(resumed), params(full))  # from step 15, and still exact
 
 
 def test_preflight_refuses_a_run_dir_that_cannot_be_created(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(ConfigError, match="run directory"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), data(80), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(**CFG, run_dir=str(blocker / "run")))
     code = main(["fit", "iris-mlp", "--device", "cpu", "--run-dir", str(blocker / "run"), "--steps", "2"])
     err = capsys.readouterr().err.strip()
@@ -165,7 +153,7 @@ def test_preflight_refuses_a_run_dir_that_cannot_be_created(tmp_path, capsys):
 
 def test_no_run_dir_stop_says_nothing_was_saved():
     with pytest.raises(StopRequested, match="nothing was saved"):
-        fit(_SignalAt(_model(), at=2), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
+        fit(_SignalAt(mlp(), at=2), data(80), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
 
 
 def test_json_summary_still_reports_after_a_normal_run(tmp_path, capsys):

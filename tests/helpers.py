@@ -1,0 +1,50 @@
+"""What many tests train: a small classification task, an MLP for it, a tiny conv-net workload.
+
+Import them as `from helpers import data, mlp, params, tiny_workload` (pytest puts tests/ on the
+path). Each is seeded, so two calls with the same arguments give the same tensors and weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gputrain.workloads.base import DataSplits, Workload
+
+
+def data(n: int = 96, d: int = 6, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): n samples of d standard-normal features, labelled by a random linear map (an MLP
+    learns it). x (n, d) float32, y (n,) int64 in [0, classes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, classes, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def mlp(d: int = 6, classes: int = 3, hidden: int = 16, dropout: float | None = None, seed: int = 0) -> nn.Module:
+    """d -> hidden (ReLU, then Dropout(dropout) when given) -> classes, with weights from `seed`."""
+    torch.manual_seed(seed)
+    middle = [nn.Dropout(dropout)] if dropout is not None else []
+    return nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), *middle, nn.Linear(hidden, classes))
+
+
+def params(m: nn.Module) -> torch.Tensor:
+    """All parameters of `m` as one flat tensor (to compare two models)."""
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+def tiny_workload() -> Workload:
+    """uint8 (256, 1, 8, 8) 'images' normalized on the device, 4 classes, a small conv net: exercises
+    the whole step (normalization, channels_last, a conv) in milliseconds."""
+
+    def make_data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 4, (256,), generator=g)
+        return DataSplits(train=(x, y), mean=(127.5,), std=(64.0,))
+
+    def make_model():
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+
+    return Workload(name="tiny", description="test", make_data=make_data, make_model=make_model,
+                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
