@@ -189,3 +189,94 @@ def test_a_dataset_of_dicts_goes_through_the_dataloader_and_resumes():
     assert all(torch.equal(b["x"][:, 0].long(), b["label"]) for b in batches)
     assert sorted(i for b in batches for i in b["label"].tolist()) == list(range(23))
     assert [b["label"].tolist() for b in loader.iter_epoch(1, 3)] == [b["label"].tolist() for b in batches[3:]]
+
+
+def test_as_tensors_takes_pairs_only():
+    from torch.utils.data import TensorDataset
+
+    from gputrain.data import as_tensors
+
+    x, y, z = torch.zeros(4, 3), torch.arange(4), torch.ones(4)
+    for data in ((x, y), [x, y], TensorDataset(x, y)):
+        got = as_tensors(data)
+        assert got is not None and got[0] is x and got[1] is y
+    for data in ((x, y, z), {"x": x, "y": y}, TensorDataset(x), [1, 2], None):
+        assert as_tensors(data) is None
+
+
+def test_data_splits_count_train_samples_and_stored_bytes():
+    from gputrain.data.splits import DataSplits
+
+    train = {"image": torch.zeros(10, 3, 4, 4, dtype=torch.uint8), "label": torch.zeros(10, dtype=torch.int64)}
+    test = (torch.zeros(5, 8), torch.zeros(5, dtype=torch.int64))
+    with_test = DataSplits(train=train, test=test)
+    assert with_test.num_train == 10
+    assert with_test.nbytes() == 10 * 48 * 1 + 10 * 8 + 5 * 8 * 4 + 5 * 8
+    assert DataSplits(train=train, test=None).nbytes() == 10 * 48 + 10 * 8
+
+
+def test_a_users_dataloader_is_used_as_is_and_resumes_by_reading_ahead(caplog):
+    """UserLoaderBatches: the loader's own batches (its batch size, order), its length, and a resume
+    at batch k of an epoch that skips the first k batches and says so."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gputrain.data import UserLoaderBatches
+
+    x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
+    batches = UserLoaderBatches(DataLoader(TensorDataset(x, y), batch_size=4), CPU, why="its sampler is its own")
+    assert len(batches) == 3 and batches.num_samples == 10 and batches.batch_size == 4
+    assert [b[1].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with caplog.at_level("WARNING", logger="gputrain"):
+        rest = [b[1].tolist() for b in batches.iter_epoch(1, start_batch=2)]
+    assert rest == [[8, 9]]
+    assert "by reading the 2 batches before it again (its sampler is its own)" in caplog.text
+
+
+def test_transform_of_a_mapping_batch_keeps_its_type_and_leaves_the_original_alone():
+    """A dict subclass (OrderedDict, a tokenizer's BatchEncoding) stays its type with the named leaf
+    transformed; a read-only Mapping becomes a dict; the batch given is never changed in place."""
+    import collections
+    import types
+
+    t = BatchTransform(mean=(128.0,), std=(64.0,), key="pixels")
+    pixels = torch.full((2, 1, 2, 2), 192, dtype=torch.uint8)
+    ordered = collections.OrderedDict(pixels=pixels, ids=torch.arange(2))
+    out = t(ordered, train=False)
+    assert type(out) is collections.OrderedDict and list(out) == ["pixels", "ids"]
+    assert torch.equal(out["pixels"], torch.ones(2, 1, 2, 2)) and out["ids"] is ordered["ids"]
+    assert ordered["pixels"] is pixels  # the original still holds the uint8 tensor
+
+    class ReadOnly(collections.abc.Mapping):
+        def __init__(self, **kw):
+            self._d = types.MappingProxyType(dict(kw))
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+        def __iter__(self):
+            return iter(self._d)
+
+        def __len__(self):
+            return len(self._d)
+
+    frozen = ReadOnly(pixels=pixels, ids=torch.arange(2))
+    out = t(frozen, train=False)
+    assert type(out) is dict and torch.equal(out["pixels"], torch.ones(2, 1, 2, 2))
+    assert frozen["pixels"] is pixels
+
+
+def test_iterating_a_loader_directly_is_its_first_epoch():
+    """`for batch in loader` is epoch 0 from its first batch, for the slices, the DataLoader path and
+    deferred rows alike (a deferred batch prints as the rows it stands for)."""
+    x, y = torch.randn(10, 2), torch.arange(10)
+    slices = TensorBatches((x, y), 4, device=CPU, shuffle=True, seed=3)
+    loader = LoaderBatches(ColumnsByIndex((x, y), 10), 4, device=CPU, shuffle=True, seed=3, num_workers=0,
+                           batched_dataset=True)
+    for source in (slices, loader):
+        assert torch.cat([b[1] for b in source]).tolist() == _ids(source, 0)
+    first = _ids(slices, 0)
+    slices.defer = True
+    rows = list(slices)
+    assert [repr(r) for r in rows] == ["ResidentRows(start=0, size=4)", "ResidentRows(start=4, size=4)",
+                                       "ResidentRows(start=8, size=2)"]
+    assert torch.cat([r.materialize()[1] for r in rows]).tolist() == first

@@ -1,16 +1,22 @@
-"""Feeding the device: resident tensors, DataLoaders with a prefetcher, transforms, the memory rule.
+"""Feeding the device: resident tensors, DataLoaders with a prefetcher, iterables, Hugging Face
+datasets, transforms, the memory rule.
 
 Every loader yields batches already on the device and transformed, and can start at any (epoch,
-batch) so that a resumed run sees exactly the batches it would have seen.
+batch) so that a resumed run sees exactly the batches it would have seen (`BatchStream` holds that
+position, data/stream.py). For an IterableDataset: `my_part`, `take_part` and `Sharded` give each
+process and DataLoader worker its own part of the stream (data/iterable.py).
 """
 
+from gputrain.data.iterable import IterableBatches, Sharded, my_part, take_part
 from gputrain.data.loader import CudaPrefetcher, LoaderBatches, UserLoaderBatches, default_workers
 from gputrain.data.placement import (Placement, as_columns, as_tensors, choose_device_resident, fits_on_device,
                                      make_loader)
 from gputrain.data.resident import TensorBatches
 from gputrain.data.stream import BatchStream, epoch_seed
+from gputrain.data.tokens import count_tokens
 from gputrain.data.transforms import BatchTransform, random_crop_flip
 
-__all__ = ["BatchStream", "BatchTransform", "CudaPrefetcher", "LoaderBatches", "Placement", "TensorBatches",
-           "UserLoaderBatches", "as_columns", "as_tensors", "choose_device_resident", "default_workers",
-           "epoch_seed", "fits_on_device", "make_loader", "random_crop_flip"]
+__all__ = ["BatchStream", "BatchTransform", "CudaPrefetcher", "IterableBatches", "LoaderBatches", "Placement",
+           "Sharded", "TensorBatches", "UserLoaderBatches", "as_columns", "as_tensors", "choose_device_resident",
+           "count_tokens", "default_workers", "epoch_seed", "fits_on_device", "make_loader", "my_part",
+           "random_crop_flip", "take_part"]

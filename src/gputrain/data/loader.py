@@ -1,25 +1,30 @@
 """Host-fed batches: a DataLoader driven epoch by epoch, copied to the GPU by a side-stream prefetcher.
 
 Two kinds: `LoaderBatches` builds the DataLoader itself (pinned memory, workers from the CPU count,
-an epoch batch sampler that can start at any batch, so a resumed run sees the same batches);
-`UserLoaderBatches` uses the user's DataLoader as is. Batches may be any nesting (dicts of tensors
-from a tokenizer, tuples, ...); `CudaPrefetcher` copies every tensor leaf of batch i+1 on a side
-stream while batch i computes.
+an epoch batch sampler that can start at any batch, so a resumed run sees the same batches), also
+for a user's DataLoader rebuilt with its own settings (data/user_loader.py); `UserLoaderBatches`
+uses a user's DataLoader as is (a resume then reads up to its position). Batches may be any nesting
+(dicts of tensors from a tokenizer, tuples, ...); `CudaPrefetcher` copies every tensor leaf of batch
+i+1 on a side stream while batch i computes. Without workers and pinning the batches are fetched and
+collated in this process directly, as the DataLoader would, without its per-batch bookkeeping.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from gputrain import batch as batches
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
 from gputrain.errors import DataError
+
+log = logging.getLogger("gputrain")
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
@@ -35,7 +40,7 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         self.epoch, self.start_batch = epoch, start_batch
 
     def __len__(self) -> int:
-        if self.drop_last:
+        if self.drop_last and self.per_rank:
             return max(1, self.per_rank // self.batch_size)
         return -(-self.per_rank // self.batch_size)
 
@@ -82,32 +87,58 @@ def _to_device(source: Iterator, device: torch.device) -> Iterator:
 
 
 class LoaderBatches:
-    """A DataLoader driven epoch by epoch; batches land on the device (prefetched on CUDA)."""
+    """A DataLoader driven epoch by epoch; batches land on the device (prefetched on CUDA).
+
+    The DataLoader is gputrain's (pinned, workers from the CPU count), or a user's rebuilt with
+    gputrain's sampler (`loader_settings`: its batch size, workers, collate_fn, pin_memory,
+    drop_last, ...; data/user_loader.py). Either way the sampler shards by rank and starts at any
+    batch of a (seed, epoch) permutation, as a DistributedSampler with set_epoch does, and the
+    DataLoader's generator is seeded per epoch from the run's seed: the workers' seeds never draw
+    from the global RNG, so a resumed run's dropout sees the same random numbers.
+    """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, device: torch.device, shuffle: bool,
                  drop_last: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  num_workers: int | None = None, transform: BatchTransform | None = None,
-                 batched_dataset: bool = False) -> None:
+                 batched_dataset: bool = False, collate_fn: Callable[[list], Any] | None = None,
+                 loader_settings: dict[str, Any] | None = None, describe: str | None = None) -> None:
         if not isinstance(dataset, collections.abc.Sized):
             raise DataError(f"{type(dataset).__name__} has no len(): pass a map-style Dataset (with __len__ and "
                             "__getitem__), or a DataLoader of it")
         self.device = device
         self.transform = transform or BatchTransform()
         self.sampler = EpochBatchSampler(len(dataset), batch_size, shuffle, drop_last, seed, rank, world_size)
+        if len(dataset) and not self.sampler.per_rank:
+            raise DataError(f"{len(dataset)} samples cannot be shared by {world_size} processes: each needs at "
+                            "least one; use fewer processes or more data")
         self.batch_size = batch_size
         self.train = shuffle
         self.seed = seed
+        self.describe = describe or type(dataset).__name__
         workers = default_workers() if num_workers is None else num_workers
-        pin = device.type == "cuda"
+        settings: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda",
+                                        persistent_workers=workers > 0)
+        settings.update(loader_settings or {})
+        for name in ("batch_size", "drop_last", "shuffle", "sampler", "batch_sampler"):
+            settings.pop(name, None)  # the sampler decides these
+        if collate_fn is not None:
+            settings["collate_fn"] = collate_fn
+        self._loader_gen = torch.Generator()  # the workers' base seed, per epoch (not the global RNG)
         if batched_dataset:
             # The dataset takes an index list: the sampler's lists are the batches, no collation.
-            self.loader = DataLoader(dataset, sampler=self.sampler, batch_size=None, num_workers=workers,
-                                     pin_memory=pin, persistent_workers=workers > 0)
+            settings.setdefault("collate_fn", None)
+            self.loader = DataLoader(dataset, sampler=self.sampler, batch_size=None, generator=self._loader_gen,
+                                     **settings)
         else:
-            self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=workers,
-                                     pin_memory=pin, persistent_workers=workers > 0)
-        self.num_workers = workers
+            self.loader = DataLoader(dataset, batch_sampler=self.sampler, generator=self._loader_gen, **settings)
+        self.num_workers = settings["num_workers"]
         self._gen = torch.Generator(device=device)
+        # No workers and nothing to pin: the DataLoader's iterator would only add its per-batch
+        # bookkeeping (~10 us: profiler annotations, fetcher objects) to what this loop does itself,
+        # the same fetch and collate in the same order.
+        self._dataset, self._batched = dataset, batched_dataset
+        self._direct = self.num_workers == 0 and not settings.get("pin_memory")
+        self._collate = settings.get("collate_fn") or (default_convert if batched_dataset else default_collate)
 
     @property
     def num_samples(self) -> int:
@@ -118,26 +149,46 @@ class LoaderBatches:
 
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         self.sampler.set_epoch(epoch, start_batch)
-        for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
+        self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
+        batches_on_device = _to_device(self._fetch() if self._direct else iter(self.loader), self.device)
+        if self.transform.is_identity:  # the batches as they come: no per-batch work here
+            yield from batches_on_device
+            return
+        for i, batch in enumerate(batches_on_device):
             if self.train and self.transform.augment:
                 self._gen.manual_seed(epoch_seed(self.seed, epoch, salt=1 + start_batch + i))
             yield self.transform(batch, self.train, self._gen)
+
+    def _fetch(self) -> Iterator[Any]:
+        """The batches of the sampler's epoch, fetched and collated here (no workers, no pinning)."""
+        dataset, collate = self._dataset, self._collate
+        for idx in self.sampler:
+            yield collate(dataset[idx] if self._batched else [dataset[i] for i in idx])
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)
 
 
 class UserLoaderBatches:
-    """A DataLoader the user built: used as is (its own batching and shuffling)."""
+    """A DataLoader the user built, used as is (its own batching, shuffling and sampler).
+
+    A resumed run reaches its position by reading the batches before it again (a warning says how
+    many); the order then matches only when the loader's sampler is seeded (shuffle=False, or a
+    generator of its own). gputrain rebuilds most map-style loaders instead (data/user_loader.py).
+    """
 
     def __init__(self, loader: DataLoader, device: torch.device, transform: BatchTransform | None = None,
-                 train: bool = True):
+                 train: bool = True, why: str = "", seed: int = 0):
         self.loader = loader
         self.device = device
         self.transform = transform or BatchTransform()
         self.train = train
         self.batch_size = loader.batch_size or 1
+        self.describe = f"the DataLoader over {type(loader.dataset).__name__}"
+        self.why = why  # why it is used as is (for the resume warning)
+        self.seed = seed
         self._gen = torch.Generator(device=device)
+        self._loader_gen = adopt_generator(loader) if train else None
 
     @property
     def num_samples(self) -> int:
@@ -156,13 +207,29 @@ class UserLoaderBatches:
         set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)  # a DistributedSampler's
         if set_epoch is not None:
             set_epoch(epoch)
+        if self._loader_gen is not None:  # the workers' seed from the run, not the global RNG
+            self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
+        if start_batch and self.train:
+            log.warning("resuming %s at batch %d of epoch %d by reading the %d batches before it again%s",
+                        self.describe, start_batch, epoch, start_batch, f" ({self.why})" if self.why else "")
         for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
             if i < start_batch:
-                continue  # a user loader can only be fast-forwarded by reading it
+                continue  # a loader used as is can only be fast-forwarded by reading it
             yield self.transform(batches.move(batch, self.device), self.train, self._gen)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)
+
+
+def adopt_generator(loader: Any) -> torch.Generator | None:
+    """The run's generator for a DataLoader that has none (None when it has its own, or is no
+    DataLoader): seeded per epoch by the caller, it makes the workers' base seed (and an iterable's
+    shared seed) without drawing from the global RNG, which a resumed run would otherwise draw at
+    another moment than the uninterrupted one (dropout then differs)."""
+    if not isinstance(loader, DataLoader) or loader.generator is not None:
+        return None
+    loader.generator = torch.Generator()
+    return loader.generator
 
 
 class CudaPrefetcher:

@@ -49,6 +49,8 @@ class TensorBatches:
     length, so every rank runs the same number of steps.
     """
 
+    uniform_batches = True  # slices of the same columns: the stream need not check their structure
+
     def __init__(self, columns: Any, batch_size: int, *, device: torch.device, shuffle: bool = True,
                  drop_last: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  transform: BatchTransform | None = None) -> None:
@@ -64,8 +66,12 @@ class TensorBatches:
         self.world_size = world_size
         self.transform = transform or BatchTransform()
         self.per_rank = self.n // world_size if world_size > 1 else self.n
+        if self.n == 0:
+            raise DataError("the data have 0 samples (tensors with an empty dim 0): check the data you "
+                            "pass (a filter or a split that removed everything)")
         if self.per_rank == 0:
-            raise DataError(f"{self.n} samples cannot be shared by {world_size} processes")
+            raise DataError(f"{self.n} samples cannot be shared by {world_size} processes: each needs at least one; "
+                            "use fewer processes or more data")
         # Generators live on the data's device so randperm and augmentation never touch the host.
         self._gen = torch.Generator(device=device)
         # Hand out DeferredBatch (assembled by the graph that runs the step): set by the trainer only
@@ -127,8 +133,12 @@ class TensorBatches:
     def rows(self, lo: int, hi: int) -> Any:
         """Positions [lo, hi) of the planned epoch, assembled eagerly (slices of the plan: views)."""
         rows = slice(lo, hi)
-        return self._assemble(rows, None if self._order is None else self._order[rows],
-                              None if self._aug is None else self._aug[rows])
+        aug = None if self._aug is None else self._aug[rows]
+        if self._order is None and lo == 0 and hi == self.n:  # the whole data set, in order: no slicing
+            if aug is None and type(self.columns) is tuple and self.transform.is_identity:
+                return self.columns  # a tuple of the columns themselves (nothing to copy: it cannot change)
+            return self._assemble(None, None, aug)
+        return self._assemble(rows, None if self._order is None else self._order[rows], aug)
 
     def rows_at(self, start: torch.Tensor | None, size: int) -> Any:
         """Positions [start, start + size) of the planned epoch, with `start` a device scalar: device

@@ -1,0 +1,323 @@
+"""Bring your own data: iterables of any kind, bad data said clearly, and what the run says it used.
+
+(Exact resume of each kind of data: test_data_resume.py; Hugging Face datasets: test_hf_data.py.)
+"""
+
+import logging
+import os
+import re
+
+import pytest
+import torch
+from helpers import data, mlp, params
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+import gputrain
+from gputrain import TrainConfig, fit
+from gputrain.data import Sharded, make_loader, take_part
+from gputrain.errors import ConfigError, DataError, StopRequested
+from gputrain.io.checkpoint_store import CheckpointStore
+
+CPU = torch.device("cpu")
+
+
+class Stream(IterableDataset):
+    """n samples of helpers.data (x, y) in order, no length: what a new user writes."""
+
+    def __init__(self, n=96):
+        self.x, self.y = data(n)
+
+    def __iter__(self):
+        for i in range(len(self.x)):
+            yield self.x[i], self.y[i]
+
+
+def _batches(n=96, size=16):
+    x, y = data(n)
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------- 1. iterables of any kind
+
+
+def test_a_dataloader_over_an_iterable_dataset_trains_for_its_steps_with_its_batch_size():
+    model = mlp()
+    before = params(model).clone()
+    h = fit(model, DataLoader(Stream(), batch_size=32), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=10, log_every=5))
+    assert h.summary["steps"] == 10 and h.summary["batch_size"] == 32 and h.summary["data"] == "iterable"
+    assert h.summary["samples"] == 10 * 32  # 3 batches of 32 per pass: it started new passes
+    assert h.records[-1]["epoch"] == 3.0  # passes done (no length: no fraction)
+    assert not torch.equal(params(model), before)
+
+
+def test_an_iterable_dataset_given_directly_is_batched_by_the_config():
+    h = fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=7, batch_size=16))
+    assert h.summary["steps"] == 7 and h.summary["batch_size"] == 16 and h.summary["samples"] == 7 * 16
+
+
+def test_without_a_length_steps_are_required():
+    with pytest.raises(ConfigError, match=r"no length.*TrainConfig\(steps=N\)"):
+        fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=2))
+
+
+def test_a_list_of_batches_has_a_length_so_epochs_work_and_passes_repeat():
+    h = fit(mlp(), _batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=3))
+    assert h.summary["steps"] == 18 and h.summary["samples"] == 3 * 96 and h.summary["batch_size"] is None
+
+
+def test_a_reiterable_object_starts_a_new_pass():
+    class Batches:
+        passes = 0
+
+        def __iter__(self):
+            Batches.passes += 1
+            return iter(_batches())
+
+    h = fit(mlp(), Batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20))
+    assert h.summary["steps"] == 20 and Batches.passes == 4 and not h.summary["stopped_early"]
+
+
+def test_a_generator_ends_the_run_when_it_runs_out_with_a_message(tmp_path, caplog):
+    def gen():
+        yield from _batches()  # 6 batches
+
+    caplog.set_level(logging.WARNING, "gputrain")
+    h = fit(mlp(), gen(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20, log_every=4,
+                                                                           run_dir=str(tmp_path / "run")))
+    assert h.summary["steps"] == 6 and h.summary["stopped_early"]
+    assert any("ran out after 6 batches" in w and "read only once" in w for w in h.summary["warnings"])
+    assert "ran out after 6 batches" in caplog.text
+    assert CheckpointStore(tmp_path / "run").latest_path().name == "step-000006.pt"  # saved as any run end
+
+
+def test_a_generator_of_batches_trains_like_the_same_batches_in_a_list():
+    a, b = mlp(), mlp()
+    fit(a, iter(_batches()), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+    fit(b, _batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+    assert torch.equal(params(a), params(b))
+
+
+def test_a_one_shot_eval_iterable_is_refused():
+    with pytest.raises(DataError, match="read only once"):
+        fit(mlp(), _batches(), eval_data=iter(_batches()), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=2))
+
+
+def test_progress_bar_and_summary_without_a_known_length(capsys):
+    h = fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=6, batch_size=16, log_every=2, progress=True))
+    assert "6/6" in capsys.readouterr().err  # the bar counts steps, which are known
+    assert h.summary["samples_per_s"] > 0 and h.summary["steps"] == 6
+
+
+def test_workers_and_ranks_each_read_their_own_part():
+    class Numbers(IterableDataset):
+        def __iter__(self):
+            return iter(range(40))
+
+    def seen(world, rank, workers):
+        loader = DataLoader(Sharded(Numbers()), batch_size=4, num_workers=workers)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        try:
+            return [int(v) for b in loader for v in b]
+        finally:
+            del os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+    one = seen(1, 0, 2)
+    assert sorted(one) == list(range(40))  # 2 workers: every sample once, not twice
+    ranks = [seen(2, r, 2) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 20 and sorted(ranks[0] + ranks[1]) == list(range(40))
+    # take_part drops a short last round for everybody, so every reader gets as many items
+    parts = [list(take_part(range(10), i, 3)) for i in range(3)]
+    assert parts == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+
+
+def test_an_iterable_dataset_with_workers_that_does_not_shard_gets_no_workers_by_default():
+    loader, placement = make_loader(Stream(), 16, device=CPU, train=True)
+    assert "0 workers" in placement.reason
+
+
+# ---------------------------------------------------------------- 5. bad data, said clearly
+
+
+def test_empty_data_say_so():
+    x, y = data(10)
+    with pytest.raises(DataError, match="0 samples"):
+        fit(mlp(), (x[:0], y[:0]), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=2))
+    with pytest.raises(DataError, match="empty"):
+        fit(mlp(), TensorDataset(x[:0], y[:0]), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu"))
+    with pytest.raises(DataError, match="no batch in epoch 0"):
+        fit(mlp(), iter([]), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=2))
+
+
+def test_a_batch_whose_dtype_or_structure_changes_is_named():
+    batches = _batches()
+    batches[3] = (batches[3][0], batches[3][1].float())
+    with pytest.raises(DataError, match=r"batch 3 of epoch 0 .*batch\[1\] was int64 with 1 dim and is now float32"):
+        fit(mlp(), batches, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+    x, y = data(32)
+    dicts = [{"x": x[:16], "labels": y[:16]}, {"x": x[16:]}]
+    with pytest.raises(DataError, match="batch 1 of epoch 0 .*structure changed"):
+        fit(mlp(), dicts, compute_loss=lambda m, b: m(b["x"]).sum(), config=TrainConfig(device="cpu", steps=2))
+
+
+def _first_step_error(model, batches_or_data, exc_type, **kw):
+    with pytest.raises(exc_type) as info:
+        fit(model, batches_or_data, loss_fn=kw.pop("loss_fn", nn.CrossEntropyLoss()),
+            config=TrainConfig(device="cpu", steps=2, batch_size=8, **kw))
+    return str(info.value), "\n".join(getattr(info.value, "__notes__", []))
+
+
+def test_labels_out_of_range_keep_torchs_message_and_say_the_range_and_the_last_layer():
+    x, y = data(32, classes=3)
+    message, note = _first_step_error(mlp(classes=3), (x, y + 3), IndexError)
+    assert "out of bounds" in message  # PyTorch's own
+    assert re.search(r"targets int64 in \[[3-5], [3-5]\]", note)  # the batch's labels, all >= 3 outputs
+    assert "last layer 2: Linear(in_features=16, out_features=3" in note and "first training step" in note
+
+
+def test_float_targets_to_a_classification_loss_show_their_dtype():
+    x, y = data(32, classes=3)
+    message, note = _first_step_error(mlp(), (x, y.float().unsqueeze(1)), RuntimeError)
+    assert "targets float32" in note and "int64 class indices" in note
+
+
+def test_a_feature_size_the_model_does_not_take_shows_the_shapes_and_the_first_layer():
+    x, y = data(32, d=7)
+    message, note = _first_step_error(mlp(d=6), (x, y), RuntimeError)
+    assert "mat1 and mat2" in message
+    assert "batch[0]: (8, 7) float32" in note and "in_features=6" in note
+
+
+class Breaks(Dataset):
+    """helpers.data as a Dataset whose sample `bad` raises (or kills its worker: how="exit")."""
+
+    def __init__(self, bad, how="raise"):
+        self.x, self.y = data(96)
+        self.bad, self.how = bad, how
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            if self.how == "exit":
+                os._exit(3)  # a worker that dies (an OOM kill, a segfault in a decoder)
+            raise ValueError(f"cannot decode sample {i}")
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_raises_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path, workers):
+    # Without shuffling sample 50 is in batch 6 (batches of 8): steps 1-6 finish, loading step 7 fails.
+    loader = DataLoader(Breaks(bad=50), batch_size=8, num_workers=workers)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="cannot decode sample 50") as info:
+        fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20,
+                                                                           run_dir=str(run_dir)))
+    notes = "\n".join(info.value.__notes__)
+    assert "loading batch 6 of epoch 0" in notes and "a checkpoint of step 6" in notes
+    assert CheckpointStore(run_dir).latest_path().name == "step-000006.pt"
+
+
+def test_a_worker_that_dies_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path):
+    loader = DataLoader(Breaks(bad=50, how="exit"), batch_size=8, num_workers=2)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited unexpectedly") as info:
+        fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20,
+                                                                           run_dir=str(run_dir)))
+    notes = "\n".join(info.value.__notes__)
+    assert "loading batch" in notes and "of epoch 0" in notes and "a checkpoint of step" in notes
+    assert CheckpointStore(run_dir).latest_path() is not None
+
+
+# ---------------------------------------------------------------- 6. say what is used
+
+
+def test_a_user_dataloaders_own_batch_size_is_in_the_log_and_the_summary(caplog):
+    x, y = data(96)
+    caplog.set_level(logging.INFO, "gputrain")
+    h = fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", epochs=1))
+    assert h.summary["batch_size"] == 32 and h.summary["effective_batch"] == 32 and h.summary["samples"] == 96
+    assert "3 steps of 32 x 1 samples" in caplog.text and not h.summary["warnings"]
+
+
+def test_a_batch_size_given_beside_a_dataloader_that_differs_is_warned_about(caplog):
+    x, y = data(96)
+    caplog.set_level(logging.WARNING, "gputrain")
+    h = fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=32), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", epochs=1, batch_size=16))
+    assert "batch_size=16 is not used" in caplog.text and "batches of 32" in caplog.text
+    assert any("batch_size=16 is not used" in w for w in h.summary["warnings"])
+
+
+def test_a_resume_whose_target_is_reached_says_so(tmp_path, caplog):
+    run_dir = str(tmp_path / "run")
+    fit(mlp(), data(96), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=8, run_dir=run_dir))
+    caplog.set_level(logging.WARNING, "gputrain")
+    h = fit(mlp(), data(96), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=6, run_dir=run_dir, resume=True))
+    assert h.summary["steps"] == 8 and h.summary["total_steps"] == 6
+    assert "already reaches this run's 6 steps" in caplog.text
+    assert any("nothing to train" in w for w in h.summary["warnings"])
+
+
+def test_a_stop_from_python_says_how_to_resume_from_python(tmp_path):
+    import signal
+
+    class StopAt3(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.n = mlp(), 0
+
+        def forward(self, x):
+            self.n += 1
+            if self.n == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return self.inner(x)
+
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(StopRequested) as info:
+        fit(StopAt3(), data(96), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=9,
+                                                                                  run_dir=run_dir))
+    text = str(info.value)
+    assert f"--resume {run_dir}" in text and f"TrainConfig(..., run_dir={run_dir!r}, resume=True)" in text
+
+
+def test_count_tokens_counts_what_a_causal_lm_loss_averages_over():
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    batch = {"input_ids": labels.clamp_min(0), "labels": labels}
+    assert gputrain.count_tokens(batch).item() == 5
+    assert gputrain.count_tokens(batch, shift=True).item() == 3  # the first label of a row is not predicted
+    assert gputrain.count_tokens((labels, labels), shift=True).item() == 3
+    with pytest.raises(DataError, match="no 'targets'"):
+        gputrain.count_tokens(batch, key="targets")
+
+
+def test_the_readmes_token_weighting_equals_one_batch_of_the_full_size():
+    """A causal LM (Hugging Face, shifting inside) on rows with different numbers of tokens: two
+    micro-batches weighted by count_tokens(shift=True) make the same step as the whole batch; the
+    count without the shift (the README's old lambda) does not."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (4, 10), generator=g)
+    labels = ids.clone()
+    for row, keep in enumerate([10, 2, 7, 3]):  # very different token counts per row
+        labels[row, keep:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=10, n_embd=16, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def train(batch_size, accumulate, count):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        fit(model, batch, num_items=count, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+            config=TrainConfig(device="cpu", steps=1, batch_size=batch_size, accumulate=accumulate))
+        return params(model)
+
+    whole = train(4, 1, None)
+    assert torch.allclose(train(2, 2, lambda b: gputrain.count_tokens(b, shift=True)), whole, atol=1e-6)
+    assert not torch.allclose(train(2, 2, lambda b: (b["labels"] != -100).sum()), whole, atol=1e-6)
