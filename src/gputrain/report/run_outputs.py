@@ -1,9 +1,11 @@
-"""Everything a run writes into its run directory, behind one object the trainer feeds.
+"""Everything a run writes, behind one object the trainer feeds.
 
-At each log point: a row in metrics.jsonl / metrics.csv and TensorBoard scalars. At the end:
-history.json, curves.png and report.html. Only the main process writes; a resumed run drops rows
-logged after its checkpoint (they are logged again). A failing plot or report never fails a
-finished run: it is logged as a warning.
+At each log point: every tracker the run names (`TrainConfig.loggers`, report/trackers.py): by
+default a row in metrics.jsonl / metrics.csv and TensorBoard scalars; MLflow and W&B when asked. At
+the end: history.json, curves.png and report.html in the run directory, then each tracker's finish
+(the summary, and those files as artifacts). Only the main process writes; a resumed run drops rows
+logged after its checkpoint (they are logged again). A failing plot, report or tracker never fails
+a run: it is logged as a warning.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gputrain.report.metrics_log import MetricsLog
-from gputrain.report.tensorboard import TensorBoardLog
+from gputrain.report.trackers import Trackers, open_trackers
 
 log = logging.getLogger("gputrain")
 
@@ -23,29 +24,26 @@ class RunOutputs:
     def __init__(self, run_dir: Path | None, config, enabled: bool, start_step: int = 0):
         self.run_dir = run_dir
         self.enabled = bool(enabled and run_dir is not None)
-        self.metrics: MetricsLog | None = None
-        self.tensorboard: TensorBoardLog | None = None
-        if enabled and run_dir is not None:
-            self.metrics = MetricsLog(run_dir, truncate_after_step=start_step)
-            self.tensorboard = TensorBoardLog(run_dir, dataclasses.asdict(config), enabled=config.tensorboard,
-                                              truncate_after_step=start_step)
+        names = tuple(getattr(config, "loggers", ("csv", "tensorboard")))
+        if not getattr(config, "tensorboard", True):  # --no-tensorboard
+            names = tuple(n for n in names if n != "tensorboard")
+        opened = open_trackers(names, run_dir, dataclasses.asdict(config), start_step) \
+            if self.enabled and run_dir is not None else []
+        self.trackers = Trackers(opened)
 
     def append(self, record: dict[str, Any]) -> None:
-        if self.metrics:
-            self.metrics.append(record)
-        if self.tensorboard:
-            self.tensorboard.append(record)
+        self.trackers.log(record)
 
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        if self.metrics:
-            self.metrics.close()
-            self.metrics = None
-        if self.tensorboard:
-            self.tensorboard.close(summary)
-            self.tensorboard = None
+    def close(self, summary: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
+        """No more log points (TensorBoard writes `summary` as text when given). With `error` (the run
+        failed or was stopped by a signal) the trackers end here, marked failed; otherwise `finish`
+        ends them."""
+        self.trackers.close(summary)
+        if error is not None:
+            self.trackers.fail(error)
 
     def finish(self, history) -> None:
-        """history.json, curves.png and report.html (after close)."""
+        """history.json, curves.png and report.html (after close), then the trackers' finish."""
         run_dir = self.run_dir
         if not self.enabled or run_dir is None:
             return
@@ -59,3 +57,5 @@ class RunOutputs:
                 write()
             except Exception as exc:  # the run itself succeeded; say what is missing
                 log.warning("could not write %s: %s: %s", what, type(exc).__name__, exc)
+        files = [run_dir / name for name in ("report.html", "curves.png", "history.json")]
+        self.trackers.finish(dict(history.summary), files)

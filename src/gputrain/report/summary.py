@@ -38,6 +38,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         total = summary.get("total_steps")
         add("steps", (f"{steps} of {total}" if total is not None else str(steps))
             + (" (stopped early)" if summary.get("stopped_early") else ""))
+    add("stopped by", summary.get("stopped_by"))
     if summary.get("time_s") is not None:
         add("time", format_duration(summary["time_s"]))
     if summary.get("samples_per_s") is not None:
@@ -55,10 +56,24 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     peak = summary.get("peak_memory_bytes")
     add("peak device memory", format_bytes(peak) if peak else "not measured on this device")
     add("CUDA graphs", summary.get("cuda_graphs"))
+    if summary.get("checkpoint_saves"):
+        blocked, written = summary.get("checkpoint_blocked_s_per_save"), summary.get("checkpoint_write_s_per_save")
+        how = f"{summary.get('checkpoint_format')}{', async' if summary.get('checkpoint_async') else ''}"
+        text = f"{summary['checkpoint_saves']} saves ({how}): training blocked {_short(blocked)} per save (median)"
+        if written is not None and summary.get("checkpoint_async"):
+            text += f"; writing took {_short(written)}"
+        add("checkpoints", text)
+    add("callbacks", summary.get("callbacks"))
     if (summary.get("oom_splits") or 1) > 1:
         add("OOM recovery", f"micro-batches split {summary['oom_splits']}x")
     add("run directory", summary.get("run_dir"))
     return rows
+
+
+def _short(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else format_duration(seconds)
 
 
 def _num(value) -> str:

@@ -1,0 +1,38 @@
+"""`gputrain predict RUN_DIR --data ...`: a run's model applied to data; the outputs go to a file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gputrain.commands import trained
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    trained.add_run_arguments(p)
+    p.add_argument("--data", required=True, metavar="test|train|FILE",
+                   help="the workload's test or train split, or a .pt / .npy file of inputs (raw, as the workload "
+                        "stores them: its normalization is applied)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="where the outputs go: .pt (torch.save) or .npy (default RUN_DIR/predictions.pt)")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--batch-size", type=int, default=256)
+
+
+def run(args) -> int:
+    import torch
+
+    from gputrain.batch import describe
+    from gputrain.train.inference import predict
+    from gputrain.workloads.from_run import run_data
+
+    r = trained.load(args)
+    out = Path(args.out) if args.out else r.run_dir / "predictions.pt"
+    data = run_data(r, args.data)
+    w = r.workload
+    outputs = predict(r.model, data, loss_fn=w.loss_fn, compute_loss=w.compute_loss, batch_size=args.batch_size,
+                      device=args.device, out=out)
+    print(trained.describe(r))
+    shape = f"{tuple(outputs.shape)} {outputs.dtype}" if isinstance(outputs, torch.Tensor) else describe(outputs)
+    print(f"predictions {shape} -> {out}")
+    return 0

@@ -1,0 +1,35 @@
+"""What `gputrain eval`, `predict` and `export` share: a run directory and which of its weights."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `gputrain fit` (with checkpoints)")
+    p.add_argument("--checkpoint", default="best", metavar="best|last|FILE",
+                   help="the run's best checkpoint (by its best_metric; the newest when none), the newest, or a file")
+    p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
+                   help="auto: the EMA weights when the run kept them (--ema), else the trained ones")
+    p.add_argument("--workload", default=None,
+                   help="the workload (name or module:function) when RUN_DIR/workload.json does not say")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a workload option (repeatable)")
+
+
+def load(args):
+    """The TrainedRun the arguments name (workloads/from_run.py)."""
+    from gputrain.errors import ConfigError
+    from gputrain.workloads.from_run import load_run
+
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE")
+        options[key.replace("-", "_")] = value
+    return load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
+                    options=options)
+
+
+def describe(run) -> str:
+    return (f"{run.workload.name}: {run.weights} weights of step {run.step} from {run.checkpoint}")

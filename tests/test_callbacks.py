@@ -1,0 +1,507 @@
+"""Callbacks (issue 23): hooks at log points that keep the fast path, EarlyStopping, EMA, your scheduler.
+
+Each test checks a behaviour a user relies on and fails without it: the hooks' calls and order, a
+callback's state through a checkpoint, the same host reads and CUDA-graph decision with a log-point
+callback, the cost of a per-step one, a requested stop that a resume honours, a learning-rate change
+that survives a resume, EMA computed on the device inside the (stand-in) graph, EarlyStopping and EMA
+on the digits-cnn workload, and a user scheduler resumed bit-equal.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import gputrain
+from gputrain import TrainConfig, fit
+from gputrain.errors import ConfigError
+from gputrain.train.callbacks import Callback, CallbackList
+
+CPU = torch.device("cpu")
+
+
+def _data(n=96, d=6, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(d, classes, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class Recorder(Callback):
+    """Records every hook call; keeps a counter in the checkpoint."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.logged = 0
+
+    def on_run_start(self, run):
+        self.calls.append(("start", run.step))
+
+    def on_evaluate(self, run, metrics):
+        self.calls.append(("evaluate", run.step, sorted(metrics)))
+        return {"eval_twice_loss": 2 * metrics["eval_loss"]}
+
+    def on_log(self, run, record):
+        self.logged += 1
+        self.calls.append(("log", record["step"], "eval_twice_loss" in record))
+
+    def on_checkpoint_save(self, run):
+        return {"logged": self.logged}
+
+    def on_checkpoint_load(self, run, state):
+        self.calls.append(("load", state["logged"]))
+        self.logged = state["logged"]
+
+    def on_run_end(self, run, history):
+        self.calls.append(("end", run.step, len(history.records)))
+
+
+# ---------------------------------------------------------------- the hooks
+
+
+def test_hooks_run_at_log_points_in_order_and_their_state_comes_back_on_resume(tmp_path):
+    x, y = _data()
+    rec = Recorder()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, run_dir=str(tmp_path), tensorboard=False)
+    history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec],
+                  config=cfg.replace(stop_at_step=8))
+    assert rec.calls == [("start", 0),
+                         ("evaluate", 4, ["eval_accuracy", "eval_loss"]), ("log", 4, True),
+                         ("evaluate", 8, ["eval_accuracy", "eval_loss"]), ("log", 8, True),
+                         ("end", 8, 2)]
+    # what on_evaluate returned is in the record, the files and the summary
+    assert history.records[-1]["eval_twice_loss"] == pytest.approx(2 * history.records[-1]["eval_loss"])
+    assert "eval_twice_loss" in (tmp_path / "metrics.jsonl").read_text()
+    assert history.summary["callbacks"] == "Recorder (at log points)"
+    rec2 = Recorder()
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec2],
+        config=cfg.replace(resume=True))
+    assert rec2.calls[0] == ("load", 2)  # the counter saved at step 8
+    assert rec2.calls[1] == ("start", 8) and rec2.logged == 3
+
+
+def test_callbacks_are_checked_with_a_message():
+    with pytest.raises(ConfigError, match="instances"):
+        CallbackList([Recorder])
+    with pytest.raises(ConfigError, match="none of the callback hooks"):
+        CallbackList([object()])
+    assert CallbackList(Recorder()).keys == ["Recorder"]  # one callback without a list
+    assert CallbackList([Recorder(), Recorder()]).keys == ["Recorder", "Recorder#2"]
+
+
+def test_a_log_point_callback_keeps_the_host_reads_and_the_graph_decision():
+    """The same reads per log point with and without a callback that reads every record, and the
+    same CUDA-graph decision (runtime/speed.py); a per-step callback turns graphs off and says why."""
+    from gputrain.diagnostics.syncs import count_host_reads
+    from gputrain.runtime.speed import decide_speed
+
+    x, y = _data(64)
+
+    class Watch(Callback):
+        def __init__(self):
+            self.best = float("inf")
+
+        def on_log(self, run, record):
+            self.best = min(self.best, record["loss"])  # a host float: no read
+            if record["loss"] > 1e9:
+                run.request_stop("diverged")
+
+    def run(steps, callbacks):
+        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks,
+            config=TrainConfig(device="cpu", batch_size=4, steps=steps, log_every=10))
+
+    without = count_host_reads(lambda: run(60, []), steps=1)
+    with_cb = count_host_reads(lambda: run(60, [Watch()]), steps=1)
+    assert without["total"] == with_cb["total"] == 6, (without["sites"], with_cb["sites"])  # one per log point
+
+    cuda = torch.device("cuda")  # the decision is a pure function of the device type: no GPU needed
+    cfg, net = TrainConfig(), _model()
+    plain = decide_speed(cfg, net, cuda)
+    logged = decide_speed(cfg, net, cuda, step_hooks=CallbackList([Watch()]).per_step)
+    assert plain.cuda_graphs and logged.cuda_graphs and plain.reasons == logged.reasons
+
+    class EveryStep(Callback):
+        every_step = True
+
+        def on_step(self, run):
+            pass
+
+    stepped = decide_speed(cfg, net, cuda, step_hooks=CallbackList([EveryStep()]).per_step)
+    assert not stepped.cuda_graphs and "EveryStep" in stepped.reasons["cuda_graphs"]
+
+
+def test_a_per_step_callback_runs_every_step_and_the_run_log_says_what_it_costs(caplog):
+    x, y = _data()
+    steps = []
+
+    class EveryStep(Callback):
+        every_step = True
+
+        def on_step(self, run):
+            steps.append(run.step)
+
+    with caplog.at_level("INFO", logger="gputrain"):
+        history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EveryStep()],
+                      config=TrainConfig(device="cpu", batch_size=16, steps=5, log_every=5))
+    assert steps == [1, 2, 3, 4, 5]
+    cost = [r.getMessage() for r in caplog.records if "every step" in r.getMessage() and "host sync" in r.getMessage()]
+    assert cost and "no CUDA graph" in cost[0], [r.getMessage() for r in caplog.records]
+    row = next(d for d in history.summary["decisions"] if d["name"] == "callbacks")
+    assert row["value"] == "EveryStep (every step)" and "no CUDA graph" in row["reason"]
+
+
+# ---------------------------------------------------------------- what a callback may change
+
+
+class StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_log(self, run, record):
+        if run.step >= self.step:
+            run.request_stop(f"enough at {run.step}")
+
+
+def test_a_requested_stop_checkpoints_and_a_resume_trains_no_further(tmp_path):
+    x, y = _data()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=30, log_every=5, run_dir=str(tmp_path), tensorboard=False)
+    model = _model()
+    history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[StopAt(10)], config=cfg)
+    s = history.summary
+    assert s["steps"] == 10 and s["stopped_early"] and s["stopped_by"] == "enough at 10"
+    stopped = _params(model)
+    again = _model(seed=1)
+    h2 = fit(again, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg.replace(resume=True))  # no callbacks now
+    assert h2.summary["steps"] == 10 and h2.summary["stopped_by"] == "enough at 10"
+    assert torch.equal(_params(again), stopped)  # the checkpoint's weights, not one step more
+
+
+class HalveLr(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_log(self, run, record):
+        if run.step == self.at:
+            run.scale_lr(0.5)
+
+
+@pytest.mark.parametrize("scheduler", [None, lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.9)])
+def test_a_callback_changes_the_learning_rate_and_a_resume_keeps_it(tmp_path, scheduler):
+    x, y = _data()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=16, log_every=4, lr=0.01, tensorboard=False)
+    base = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=scheduler, config=cfg)
+    full_model = _model()
+    full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
+               config=cfg.replace(run_dir=str(tmp_path / "full")))
+    lrs = [r["lr"] for r in full.records]
+    assert lrs[1] == pytest.approx(base.records[1]["lr"] * 0.5) and lrs[3] == pytest.approx(base.records[3]["lr"] * 0.5)
+    part = cfg.replace(run_dir=str(tmp_path / "part"))
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
+        config=part.replace(stop_at_step=8))
+    resumed_model = _model()
+    resumed = fit(resumed_model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
+                  config=part.replace(resume=True))
+    assert [r["lr"] for r in resumed.records] == lrs
+    assert torch.equal(_params(resumed_model), _params(full_model))
+
+
+def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
+    """RunControl as a callback reads it at each log point: steps done and planned, fractional
+    epochs, the config, model, optimizer, device, history so far, rank, eval data, the lr in force,
+    no stop requested (the history holds this log point's record already); set_lr(x) makes x the rate in force from then on."""
+    x, y = _data()  # 96 samples, batch 16: 6 steps an epoch
+
+    class Watch(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_log(self, run, record):
+            self.seen.append({"step": run.step, "total": run.total_steps, "epoch": run.epoch,
+                              "batch": run.config.batch_size, "model": run.model, "optimizer": run.optimizer,
+                              "device": run.device, "records": len(run.history.records), "main": run.is_main,
+                              "eval": run.has_eval_data, "lr": run.lr, "stop": run.stop_reason})
+            if run.step == 4:
+                run.set_lr(0.003)
+
+    watch, model = Watch(), _model()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, lr=0.01, schedule="constant",
+                      tensorboard=False)
+    history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[watch], config=cfg)
+    assert [(s["step"], s["total"], s["epoch"], s["records"]) for s in watch.seen] == [
+        (4, 12, pytest.approx(4 / 6), 1), (8, 12, pytest.approx(8 / 6), 2), (12, 12, pytest.approx(2.0), 3)]
+    first = watch.seen[0]
+    assert first["batch"] == 16 and first["model"] is model and first["device"] == CPU
+    assert first["main"] and not first["eval"] and first["stop"] == ""
+    assert [p for g in first["optimizer"].param_groups for p in g["params"]] == list(model.parameters())
+    assert [s["lr"] for s in watch.seen] == [pytest.approx(0.01), pytest.approx(0.003), pytest.approx(0.003)]
+    assert [r["lr"] for r in history.records][1:] == [pytest.approx(0.003)] * 2
+    assert first["optimizer"].param_groups[0]["lr"] == pytest.approx(0.003)
+
+
+# ---------------------------------------------------------------- your scheduler
+
+
+def test_a_user_scheduler_steps_per_optimizer_step_and_resumes_bit_equal(tmp_path):
+    x, y = _data()
+
+    def sched(opt):
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 7, 11], gamma=0.5)
+
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=14, log_every=2, lr=0.02, accumulate=2, tensorboard=False)
+    full_model = _model()
+    full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched,
+               config=cfg.replace(run_dir=str(tmp_path / "full")))
+    lrs = {r["step"]: r["lr"] for r in full.records}
+    assert lrs[2] == pytest.approx(0.02) and lrs[4] == pytest.approx(0.01) and lrs[8] == pytest.approx(0.005)
+    assert lrs[12] == pytest.approx(0.0025)  # per optimizer step (accumulate=2 micro-batches each)
+    assert full.summary["schedule"].startswith("MultiStepLR (given)")
+    part = cfg.replace(run_dir=str(tmp_path / "part"))
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched, config=part.replace(stop_at_step=5))
+    resumed_model = _model(seed=3)  # other initial weights: everything must come from the checkpoint
+    resumed = fit(resumed_model, (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched,
+                  config=part.replace(resume=True))
+    assert torch.equal(_params(resumed_model), _params(full_model))
+    assert [r["lr"] for r in resumed.records] == [r["lr"] for r in full.records]
+
+
+def test_a_bad_scheduler_is_refused_with_a_message():
+    x, y = _data()
+    with pytest.raises(ConfigError, match="lacks"):
+        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=lambda opt: object(),
+            config=TrainConfig(device="cpu", steps=1))
+
+
+def test_the_linear_schedule_decays_to_zero_after_its_warmup():
+    from gputrain.train.optim import make_schedule
+
+    f = make_schedule("linear", total_steps=10, warmup_steps=2)
+    assert [round(f(s), 3) for s in range(10)] == [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
+
+
+# ---------------------------------------------------------------- EarlyStopping
+
+
+def test_early_stopping_counts_evaluations_without_improvement():
+    from gputrain.train.early_stopping import EarlyStopping
+
+    class Run:
+        step = 0
+        stopped = None
+
+        def request_stop(self, reason):
+            self.stopped = reason
+
+    es, run = EarlyStopping("eval_loss", patience=2, min_delta=0.01), Run()
+    for step, value in [(1, 1.0), (2, 0.5), (3, 0.495), (4, None), (5, 0.3), (6, 0.31)]:
+        run.step = step
+        es.on_log(run, {"step": step} if value is None else {"step": step, "eval_loss": value})
+        assert run.stopped is None, step  # 0.495: within min_delta (1 of 2); step 4: not evaluated
+    run.step = 7
+    es.on_log(run, {"eval_loss": 0.295})  # better, but by less than min_delta: the second in a row
+    assert run.stopped and "eval_loss" in run.stopped and "best 0.3 at step 5" in run.stopped
+    assert EarlyStopping("eval_accuracy").mode == "max" and EarlyStopping("eval_loss").mode == "min"
+    with pytest.raises(ConfigError, match="patience"):
+        EarlyStopping(patience=0)
+
+
+def test_early_stopping_needs_eval_data():
+    from gputrain.train.early_stopping import EarlyStopping
+
+    x, y = _data()
+    with pytest.raises(ConfigError, match="no eval data"):
+        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EarlyStopping()],
+            config=TrainConfig(device="cpu", steps=2))
+
+
+# ---------------------------------------------------------------- EMA
+
+
+def test_ema_is_the_average_of_the_weights_after_each_step():
+    """The update the step runs equals ema = decay_t * ema + (1 - decay_t) * w, step after step."""
+    from gputrain.train.ema import EMA
+
+    x, y = _data()
+    seen = []
+
+    class Snap(Callback):
+        every_step = True
+
+        def on_step(self, run):
+            seen.append(_params(run.model).clone())
+
+    ema = EMA(0.9)
+    model = _model()
+    start = _params(model).clone()
+    fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Snap(), ema],
+        config=TrainConfig(device="cpu", batch_size=16, steps=6, log_every=6))
+    expected = start
+    for n, w in enumerate(seen, start=1):
+        d = min(0.9, n / (n + 9))  # the warm-up: (1 + m) / (10 + m) for the m-th update counted from 0
+        expected = d * expected + (1 - d) * w
+    assert ema.model is not None
+    assert torch.allclose(_params(ema.model), expected, atol=1e-6)
+    assert not torch.allclose(_params(ema.model), seen[-1], atol=1e-4)  # an average, not the last weights
+
+
+class CallGraphs:
+    """CudaGraphs' stand-in: capture records the callable without running it, replay calls it."""
+
+    def __init__(self):
+        self.replaying = False
+
+    def eager(self, fn):
+        fn()
+
+    def capture(self, fn, share_pool_with=None):
+        owner = self
+
+        class Recorded:
+            def replay(self):
+                owner.replaying = True
+                try:
+                    fn()
+                finally:
+                    owner.replaying = False
+
+            def pool(self):
+                return None
+
+        return Recorded()
+
+    def synchronize(self):
+        pass
+
+
+def test_ema_runs_inside_the_captured_step():
+    """With the step captured (a stand-in graph on the CPU), the EMA update is part of every replay:
+    the host runs no tensor op for it between replays, and the average equals the eager run's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gputrain.runtime.precision import RunPrecision, resolve_precision
+    from gputrain.train.ema import EMA
+    from gputrain.train.graphs import GraphedStep
+    from gputrain.train.loss import LossRule
+    from gputrain.train.optim import make_optimizer
+    from gputrain.train.step import TrainStep
+
+    x, y = _data(32)
+
+    class HostOps(TorchDispatchMode):
+        def __init__(self, backend):
+            super().__init__()
+            self.backend, self.n = backend, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.backend is not None and not self.backend.replaying:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def train(graphed, with_ema):
+        model = _model()
+        opt, _ = make_optimizer(None, model.parameters(), lr=0.05, weight_decay=0.0, device=CPU, capturable=True)
+        ema = EMA(0.8)
+        updates = [ema.step_update(model)] if with_ema else []
+        step = TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt,
+                         RunPrecision(resolve_precision("fp32", CPU), CPU), device=CPU, after_step=updates)
+        backend = CallGraphs() if graphed else None
+        runner = GraphedStep(step, CPU, backend=backend) if graphed else step
+        for _ in range(5):  # 3 eager warm-up steps, the capture (and its replay), one replay
+            runner([(x, y)])
+        counter = HostOps(backend)
+        with counter:
+            for _ in range(3):
+                runner([(x, y)])
+        return ema, counter.n
+
+    graphed_ema, host_ops = train(True, True)
+    _, host_ops_without = train(True, False)
+    eager_ema, _ = train(False, True)
+    assert host_ops == host_ops_without  # nothing of EMA's runs on the host between replays
+    assert graphed_ema.model is not None and eager_ema.model is not None
+    assert torch.equal(_params(graphed_ema.model), _params(eager_ema.model))
+    assert float(graphed_ema.updates) == 8.0
+
+
+
+@pytest.mark.gpu
+def test_ema_inside_a_real_cuda_graph_equals_the_eager_average():
+    """On a GPU: the EMA update captured with the step (CUDA graphs on) gives the eager run's average."""
+    from gputrain.train.ema import EMA
+
+    x, y = _data(512)
+
+    def run(graphs):
+        ema = EMA(0.9)
+        history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[ema],
+                      config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=40, log_every=20,
+                                         cuda_graphs=graphs, data_on_device=True))
+        assert ema.model is not None
+        return _params(ema.model).cpu(), history.summary["cuda_graphs"]
+
+    graphed, status = run(True)
+    eager, _ = run(False)
+    assert status.startswith("on")
+    assert torch.allclose(graphed, eager, atol=1e-5)
+
+# ---------------------------------------------------------------- on the digits-cnn workload
+
+
+def _digits(tmp_path, capsys, name, *flags):
+    from gputrain import cli
+
+    d = tmp_path / name
+    args = ["fit", "digits-cnn", "--run-dir", str(d), "--device", "cpu", "--precision", "fp32", "--progress", "off",
+            "--json", "--no-tensorboard", *flags]
+    assert cli.main(args) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    return summary, json.loads((d / "history.json").read_text())["records"], args
+
+
+@pytest.mark.slow
+def test_digits_cnn_early_stopping_stops_before_the_last_epoch_and_stays_stopped(tmp_path, capsys):
+    """`gputrain fit digits-cnn --early-stop eval_loss --patience 2`, evaluated every epoch (--log-every
+    23): stops before the last of its 20 epochs; a resume after the stop trains no further."""
+    from gputrain import cli
+
+    s, records, args = _digits(tmp_path, capsys, "es", "--early-stop", "eval_loss", "--patience", "2",
+                               "--log-every", "23")
+    epochs = [r["epoch"] for r in records]
+    with capsys.disabled():
+        print(f"\ndigits-cnn EarlyStopping(eval_loss, patience=2): stopped after step {s['steps']} of "
+              f"{s['total_steps']} (epoch {epochs[-1]:g} of 20); eval accuracy {s['final_eval_accuracy']:.4f}")
+    assert s["stopped_early"] and s["steps"] < s["total_steps"] and epochs[-1] <= 19, (s["steps"], epochs)
+    assert s["stopped_by"].startswith("EarlyStopping: eval_loss did not improve by more than 0 in 2")
+    losses = [r["eval_loss"] for r in records]
+    assert min(losses[-2:]) >= min(losses[:-2])  # two evaluations in a row without a new best
+    assert cli.main(args + ["--resume", str(tmp_path / "es")]) == 0
+    again = json.loads(capsys.readouterr().out)["summary"]
+    assert again["steps"] == s["steps"] and again["final_eval_accuracy"] == s["final_eval_accuracy"]
+
+
+@pytest.mark.slow
+def test_digits_cnn_ema_is_no_worse_than_the_raw_weights(tmp_path, capsys):
+    """`gputrain fit digits-cnn --ema 0.99` (its 20 epochs): the average's eval accuracy at the end is
+    at least the raw weights'."""
+    s, records, _ = _digits(tmp_path, capsys, "ema", "--ema", "0.99")
+    with capsys.disabled():
+        print(f"\ndigits-cnn EMA(0.99): eval accuracy raw {s['final_eval_accuracy']:.4f}, EMA "
+              f"{s['final_eval_ema_accuracy']:.4f}; eval loss raw {s['final_eval_loss']:.4f}, EMA "
+              f"{s['final_eval_ema_loss']:.4f}; per evaluation "
+              f"{[(r['step'], round(r['eval_accuracy'], 4), round(r['eval_ema_accuracy'], 4)) for r in records]}")
+    assert s["steps"] == s["total_steps"] == 460
+    assert s["final_eval_ema_accuracy"] >= s["final_eval_accuracy"] >= 0.97, s
+
+
+def test_public_names():
+    for name in ("Callback", "EarlyStopping", "EMA", "evaluate", "predict", "RunControl"):
+        assert name in gputrain.__all__ and getattr(gputrain, name) is not None

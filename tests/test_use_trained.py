@@ -1,0 +1,248 @@
+"""Use what it trained: gputrain.evaluate / predict, and `gputrain eval / predict / export RUN_DIR`."""
+
+import json
+import re
+import runpy
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gputrain
+from gputrain import TrainConfig, fit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _data(n=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, :2].sum(1) > 0).long()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+# ---------------------------------------------------------------- the Python API
+
+
+def test_evaluate_gives_fits_numbers_and_predict_the_outputs_in_order(tmp_path):
+    x, y = _data()
+    model = _model()
+    history = fit(model, (x[:150], y[:150]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[150:], y[150:]),
+                  config=TrainConfig(device="cpu", batch_size=16, epochs=3))
+    metrics = gputrain.evaluate(model, (x[150:], y[150:]), loss_fn=nn.CrossEntropyLoss(), batch_size=7)
+    assert metrics["eval_loss"] == pytest.approx(history.records[-1]["eval_loss"], rel=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx(history.records[-1]["eval_accuracy"])
+    # inputs alone (a tensor), batched: the outputs of the whole tensor, in order, on the CPU
+    out = gputrain.predict(model, x[150:], batch_size=7, out=tmp_path / "p.npy")
+    with torch.no_grad():
+        assert torch.allclose(out, model(x[150:]), atol=1e-6)
+    assert out.device.type == "cpu" and out.shape == (50, 2)
+    assert (out.argmax(1) == y[150:]).float().mean().item() == pytest.approx(metrics["eval_accuracy"])
+    import numpy as np
+
+    assert np.allclose(np.load(tmp_path / "p.npy"), out.numpy())
+    # a pair with loss_fn: the targets are ignored; a .pt file round-trips
+    pairs = gputrain.predict(model, (x[150:], y[150:]), loss_fn=nn.CrossEntropyLoss(), out=tmp_path / "p.pt")
+    assert torch.allclose(pairs, out, atol=1e-6) and torch.equal(torch.load(tmp_path / "p.pt"), pairs)
+
+
+def test_predict_follows_fits_batch_rule_for_dict_batches_and_nested_outputs():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)
+
+        def forward(self, image, meta):
+            return {"logits": self.a(image) + self.b(meta), "extra": (self.a(image), meta.sum(1))}
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    batch = {"image": torch.randn(10, 3), "meta": torch.randn(10, 4)}
+    out = gputrain.predict(model, batch, batch_size=4)  # model(**batch); its ["logits"]
+    with torch.no_grad():
+        assert torch.allclose(out, model(**batch)["logits"], atol=1e-6) and out.shape == (10, 2)
+
+    def compute_loss(m, b):
+        outputs = m(b["image"], b["meta"])
+        return outputs["logits"].sum(), outputs["extra"]
+
+    nested = gputrain.predict(model, batch, compute_loss=compute_loss, batch_size=4)
+    assert isinstance(nested, tuple) and nested[0].shape == (10, 2) and torch.allclose(nested[1], batch["meta"].sum(1))
+
+
+# ---------------------------------------------------------------- the commands, on a digits-cnn run
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """`gputrain fit digits-cnn --steps 30 --ema 0.9`: a run directory with EMA weights in its checkpoint."""
+    from gputrain import cli
+
+    d = tmp_path_factory.mktemp("trained") / "digits"
+    rc = cli.main(["fit", "digits-cnn", "--run-dir", str(d), "--steps", "30", "--log-every", "15", "--ema", "0.9",
+                   "--device", "cpu", "--precision", "fp32", "--no-tensorboard", "--json", "--progress", "off"])
+    assert rc == 0
+    import logging
+
+    logger = logging.getLogger("gputrain")
+    logger.handlers.clear()
+    logger.propagate = True
+    return d
+
+
+def _cli_json(capsys, *args):
+    from gputrain import cli
+
+    assert cli.main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_command_reproduces_the_runs_evaluation(digits_run, capsys):
+    last = json.loads((digits_run / "history.json").read_text())["records"][-1]
+    ema = _cli_json(capsys, "eval", str(digits_run), "--json", "--device", "cpu")
+    assert ema["weights"] == "ema" and ema["step"] == 30
+    assert ema["metrics"]["eval_loss"] == pytest.approx(last["eval_ema_loss"], rel=1e-5)
+    assert ema["metrics"]["eval_accuracy"] == pytest.approx(last["eval_ema_accuracy"])
+    raw = _cli_json(capsys, "eval", str(digits_run), "--weights", "raw", "--json", "--device", "cpu")
+    assert raw["metrics"]["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert raw["metrics"]["eval_loss"] != ema["metrics"]["eval_loss"]
+
+
+def test_predict_command_writes_the_outputs(digits_run, tmp_path, capsys):
+    from gputrain import cli
+    from gputrain.workloads import get_workload
+
+    out = tmp_path / "preds.pt"
+    assert cli.main(["predict", str(digits_run), "--data", "test", "--out", str(out), "--device", "cpu"]) == 0
+    assert "predictions (360, 10)" in capsys.readouterr().out
+    preds = torch.load(out)
+    labels = get_workload("digits-cnn").make_data().test[1]
+    accuracy = (preds.argmax(1) == labels).float().mean().item()
+    last = json.loads((digits_run / "history.json").read_text())["records"][-1]
+    assert accuracy == pytest.approx(last["eval_ema_accuracy"])
+    # a file of raw inputs (uint8 images, as the workload stores them) gets the workload's normalization
+    raw = tmp_path / "images.pt"
+    torch.save(get_workload("digits-cnn").make_data().test[0][:5], raw)
+    assert cli.main(["predict", str(digits_run), "--data", str(raw), "--out", str(tmp_path / "five.pt"),
+                     "--device", "cpu"]) == 0
+    assert torch.allclose(torch.load(tmp_path / "five.pt"), preds[:5], atol=1e-5)
+
+
+def test_export_safetensors_loads_into_a_fresh_model(digits_run, tmp_path, capsys):
+    pytest.importorskip("safetensors", reason="safetensors is not installed (pip install 'gputrain[export]')")
+    from safetensors.torch import load_file
+
+    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.workloads import get_workload
+    from gputrain.workloads.from_run import checkpoint_path
+
+    info = _cli_json(capsys, "export", str(digits_run), "--format", "safetensors", "--out",
+                     str(tmp_path / "m.safetensors"), "--json")
+    assert info["weights"] == "ema"
+    fresh = get_workload("digits-cnn").make_model()
+    state = load_file(tmp_path / "m.safetensors")
+    fresh.load_state_dict(state)
+    saved = load_checkpoint(checkpoint_path(digits_run))["callbacks"]["EMA"]["weights"]
+    assert set(state) == set(saved) and all(torch.equal(state[k], saved[k].cpu()) for k in state)
+    raw = _cli_json(capsys, "export", str(digits_run), "--weights", "raw", "--out", str(tmp_path / "r.safetensors"),
+                    "--json")
+    assert raw["weights"] == "raw"
+    raw_state = load_file(tmp_path / "r.safetensors")
+    assert not torch.equal(raw_state["net.0.weight"], state["net.0.weight"])
+
+
+def test_export_onnx_matches_torch_under_onnxruntime(digits_run, tmp_path, capsys):
+    pytest.importorskip("onnx", reason="onnx is not installed (pip install 'gputrain[export]')")
+    info = _cli_json(capsys, "export", str(digits_run), "--format", "onnx", "--out", str(tmp_path / "m.onnx"), "--json")
+    if info["check"] == "onnx.checker":
+        pytest.skip("onnxruntime is not installed: the file was checked with onnx.checker only")
+    assert info["check"] == "onnxruntime" and info["max_abs_diff"] <= 1e-4
+    import onnxruntime as ort
+
+    from gputrain.data import BatchTransform
+    from gputrain.workloads import get_workload
+    from gputrain.workloads.from_run import load_run
+
+    splits = get_workload("digits-cnn").make_data()
+    x = BatchTransform(splits.mean, splits.std).tensor(splits.test[0][:37], train=False)  # another batch size
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input": x.numpy()})
+    with torch.no_grad():
+        expected = load_run(digits_run).model(x)
+    assert got.shape == (37, 10) and torch.allclose(torch.from_numpy(got), expected, atol=1e-4)
+
+
+def test_export_hf_round_trips_through_from_pretrained(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")
+    (tmp_path / "tiny_bert.py").write_text(textwrap.dedent('''
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification
+        import gputrain
+
+        def data(n, seed):
+            g = torch.Generator().manual_seed(seed)
+            labels = torch.randint(0, 2, (n,), generator=g)
+            ids = torch.randint(5, 30, (n, 6), generator=g)
+            ids[:, 1] = torch.where(labels == 1, 3, 4)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+        def make():
+            config = BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32, max_position_embeddings=8, num_labels=2)
+            return gputrain.Workload(
+                name="tiny-bert", description="", loss_fn=None, task=None,
+                make_data=lambda: gputrain.workloads.base.DataSplits(train=data(64, 1), test=data(32, 2)),
+                make_model=lambda: BertForSequenceClassification(config),
+                defaults={"batch_size": 16, "steps": 4, "log_every": 2})
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from gputrain import cli
+
+    d = tmp_path / "run"
+    assert cli.main(["fit", "tiny_bert:make", "--run-dir", str(d), "--device", "cpu", "--no-tensorboard", "--json",
+                     "--progress", "off"]) == 0
+    capsys.readouterr()
+    info = _cli_json(capsys, "export", str(d), "--format", "hf", "--out", str(tmp_path / "hf"), "--json")
+    assert info["workload"] == "tiny-bert" and (tmp_path / "hf" / "config.json").exists()
+    from transformers import BertForSequenceClassification
+
+    from gputrain.workloads.from_run import load_run
+
+    loaded = BertForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    trained = load_run(d).model
+    ids = torch.randint(5, 30, (3, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a = loaded(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        b = trained(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert torch.equal(a, b)
+    assert json.loads((d / "workload.json").read_text())["workload"] == "tiny_bert:make"
+    from gputrain.errors import ConfigError
+    from gputrain.io.export import export_hf
+
+    with pytest.raises(ConfigError, match="not one: use --format safetensors"):
+        export_hf(nn.Linear(2, 2), tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- the README's examples
+
+
+@pytest.mark.parametrize("name, section", [("callbacks_and_tracking", "## Extend and track"),
+                                           ("use_the_trained_model", "## Use the trained model")])
+def test_readme_examples_run_and_are_the_ones_in_the_readme(name, section, tmp_path, monkeypatch, capsys):
+    path = ROOT / "docs" / "examples" / f"{name}.py"
+    source = path.read_text().strip()
+    readme = (ROOT / "README.md").read_text()
+    text = readme.split(section, 1)[1].split("\n## ", 1)[0]
+    assert f"```python\n{source}\n```" in text, f"README's {section} section differs from {path}"
+    monkeypatch.chdir(tmp_path)  # the examples write into runs/ under the working directory
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    runpy.run_path(str(path), run_name="__main__")
+    printed = capsys.readouterr().out
+    accuracy = float(re.search(r"eval accuracy ([0-9.]+)", printed).group(1))
+    assert accuracy >= 0.9, printed
