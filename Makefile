@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup fit test test-gpu info doctor
+.PHONY: setup fit test test-gpu coverage info doctor
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,12 @@ test:
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# Line coverage of src/gputrain under the CPU suite (subprocesses included) and the functions it never
+# runs: coverage-out/ (report.txt, coverage.json, html/, uncovered_functions.txt). See docs/gpu_checklist.md.
+coverage:
+	@bash scripts/setup.sh --with-browser
+	@bash scripts/coverage.sh
 
 info: setup
 	$(BIN)/gputrain info

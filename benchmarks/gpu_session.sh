@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything a session with the GPU machine runs, results under $OUT (or ./gpu-out). One device
-# command may run 10 minutes, so the work is split: `gpu_session.sh tests|speed|iris|bench`
+# command may run 10 minutes, so the work is split: `gpu_session.sh smoke|tests|speed|iris|bench`
 # (also speed-compile|probe|real-resnet|real-gpt; each fits one command; `all` runs them in a row where there is no such limit).
+# Start with `smoke` (< 9 min on an H100): every `gpu` test plus each CLI command on cuda
+# (benchmarks/gpu_smoke.py), one summary in $OUT/gpu_smoke.json and $OUT/gpu_smoke.md.
 # The GPU machine has torch with CUDA, Lightning, Accelerate and most dependencies but no network:
 # bring the mnist1d wheel (pure Python) in .whl/, e.g.
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl mnist1d
@@ -17,7 +19,13 @@ export PYTHONPATH="$PWD/src:/tmp/site:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 part=${1:-all}
-if [[ $part == tests || $part == all ]]; then   # ~45 s on an H100
+if [[ $part == smoke || $part == all ]]; then   # the gpu tests and a smoke of every command: 480 s budget
+  $PY benchmarks/gpu_smoke.py --out "$OUT" > "$OUT/gpu_smoke.log" 2>&1
+  cp "$OUT/smoke/logs/gpu-tests.log" "$OUT/pytest_gpu.log" 2>/dev/null
+  tail -3 "$OUT/gpu_smoke.log"
+  grep -E '^\| `' "$OUT/gpu_smoke.md" | grep -v '| pass |'
+fi
+if [[ $part == tests ]]; then   # ~45 s on an H100 (also the first line of `smoke`)
   $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfEs > "$OUT/pytest_gpu.log" 2>&1
   tail -5 "$OUT/pytest_gpu.log"
 fi

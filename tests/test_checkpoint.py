@@ -36,7 +36,7 @@ def _state(value=1.0, schedule="cosine"):
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(), "rng": capture_rng_state(torch.device("cpu")), "step": 7, "epoch": 1,
             "batch_in_epoch": 3, "samples_seen": 448, "loss_since_log": 1.5,
-            "config": TrainConfig(device="cpu", steps=10, checkpointing=["a", "b"]).to_dict(),
+            "config": TrainConfig(device="cpu", steps=10, recompute=["a", "b"]).to_dict(),
             "history": [{"step": 5, "loss": 0.5, "eval_accuracy": None, "device": "cpu"}],
             "loader": {"generator": shuffle.get_state()}}
 
@@ -54,7 +54,7 @@ def test_the_trainers_state_round_trips_under_weights_only(tmp_path, schedule):
     assert (state["step"], state["epoch"], state["batch_in_epoch"], state["samples_seen"]) == (7, 1, 3, 448)
     assert torch.equal(state["model"]["weight"], torch.ones(2, 3))
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
-    assert state["scaler"]["scale"] == 1024.0 and state["config"]["checkpointing"] == ["a", "b"]
+    assert state["scaler"]["scale"] == 1024.0 and state["config"]["recompute"] == ["a", "b"]
     assert state["history"] == saved["history"]
     assert torch.equal(state["loader"]["generator"], saved["loader"]["generator"])
     # ... and loads back into fresh objects

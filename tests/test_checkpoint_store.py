@@ -399,11 +399,14 @@ def _lines_per_save(tmp_path):
         return on_line
     for step in (1, 2, 3):
         store.save(_payload(step), step, {"acc": 0.5})
+    # Put back the tracer that was there: under `make coverage` it is coverage's, and settrace(None)
+    # would stop the measurement of every later test in this process.
+    previous = sys.gettrace()
     sys.settrace(lambda frame, event, _: on_line if frame.f_code.co_filename in files else None)
     try:
         store.save(_payload(4), 4, {"acc": 0.5})
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count[0]
 
 

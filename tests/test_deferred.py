@@ -254,3 +254,20 @@ def test_the_trainer_defers_only_when_a_graph_runs_the_step():
     trainer = Trainer(_model(), _images(), loss_fn=nn.CrossEntropyLoss(),
                       config=TrainConfig(device="cpu", batch_size=32, steps=2, cuda_graphs=True))
     assert trainer.graphed is None and trainer.train_loader.defer is False
+
+
+def test_a_deferred_batch_missing_part_of_the_interface_fails_loudly():
+    """A DeferredBatch subclass must give new_inputs, load and build for the graph (and materialize
+    for eager steps); one that leaves any out raises at the first use, never a silent no-op."""
+
+    class OnlyEager(DeferredBatch):
+        key, num_samples = ("only-eager",), 2
+
+        def materialize(self):
+            return torch.zeros(2, 3)
+
+    b = OnlyEager()
+    assert materialize(b).shape == (2, 3) and num_samples(b) == 2
+    for use in (b.new_inputs, lambda: b.load([]), lambda: b.build([])):
+        with pytest.raises(NotImplementedError):
+            use()

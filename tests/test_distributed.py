@@ -105,8 +105,15 @@ def _single(args, timeout=120):
     return _finish(_start([sys.executable, *args]), timeout)
 
 
+def _checkpoint(path):
+    """A checkpoint whole, in either format (several processes write step-N.dcp folders by default)."""
+    from gputrain.io import checkpoint_dcp
+
+    return checkpoint_dcp.load_full(path) if checkpoint_dcp.is_dcp(path) else load_checkpoint(path)
+
+
 def _params(run_dir):
-    return load_checkpoint(CheckpointStore(run_dir).latest_path())["model"]
+    return _checkpoint(CheckpointStore(run_dir).latest_path())["model"]
 
 
 def _result(run_dir):
@@ -241,7 +248,7 @@ def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     proc = _torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _result(fsdp)["wrapper"].startswith("FSDP")  # fully_shard swaps in an FSDP<Model> class
-    state = load_checkpoint(CheckpointStore(fsdp).latest_path())
+    state = _checkpoint(CheckpointStore(fsdp).latest_path())
     assert state["step"] == 6 and state["world_size"] == 2
     # Full tensors, not DTensor shards: loadable without a process group.
     assert all(type(v) is torch.Tensor for v in state["model"].values())
@@ -296,7 +303,7 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     assert result["restart"] == "1" and result["summary"]["steps"] == 12
     # Killed inside step 7; checkpoints every 2 steps, so the second attempt starts after step 6.
     assert "resumed from" in proc.stderr and "at step 6" in proc.stderr, proc.stderr[-3000:]
-    assert load_checkpoint(CheckpointStore(run).latest_path())["step"] == 12
+    assert _checkpoint(CheckpointStore(run).latest_path())["step"] == 12
     # The interrupted job ends where an uninterrupted one (here: one process, same global batch) does.
     ref = _single([SCRIPT, str(tmp_path / "one"), "32", "1", "0", "12"])
     assert ref.returncode == 0, ref.stderr[-2000:]
@@ -528,7 +535,7 @@ def test_sigterm_to_fit_nproc_checkpoints_every_rank_and_exits_143(tmp_path, cac
     out = _finish(proc, 120)
     assert out.returncode == 143, out.stderr[-3000:]
     store = CheckpointStore(tmp_path / "run")
-    step = load_checkpoint(store.latest_path())["step"]
+    step = _checkpoint(store.latest_path())["step"]
     assert 0 < step < 100000
     resumed = _finish(_start([sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu",
                               "--batch-size", "32", "--steps", str(step + 20), "--log-every", "10", "--resume", "run",

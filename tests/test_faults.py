@@ -1,7 +1,7 @@
 """Fault injection, the short version (issue 13): real `gputrain fit` processes on the CPU are killed,
 stopped, fed a non-finite step, denied disk, and resumed; each must end bit-equal to an uninterrupted
-run (or stop / skip as configured). benchmarks/fault_injection.py runs the same trials in full counts
-(>= 30 SIGKILLs) and prints the table in benchmarks/README.md.
+run (or stop / skip as configured). The harness is tests/fault_harness.py; benchmarks/fault_injection.py
+runs the same trials in full counts (>= 30 SIGKILLs) and prints the table in benchmarks/README.md.
 
 Faulted runs are processes; the runs that are not faulted (the uninterrupted references and the
 resumes) run in this process, which saves an interpreter start and torch's imports each.
@@ -9,18 +9,10 @@ resumes) run in this process, which saves an interpreter start and torch's impor
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
+import fault_harness as fi
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "fault_injection.py"
-_spec = importlib.util.spec_from_file_location("gputrain_fault_injection", _PATH)
-fi = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fi  # dataclasses look their module up there
-_spec.loader.exec_module(fi)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +77,9 @@ def test_preflight_on_a_too_small_tmpfs_is_one_line_and_exit_2(h, tmpfs):
 
 def test_torchrun_sigterm_to_one_rank_both_stop_at_one_step_one_checkpoint_resume_exact(h):
     _check(fi.trial_torchrun(h, random.Random(10)))
+
+
+def test_a_damaged_shard_of_a_dcp_checkpoint_falls_back_naming_the_file_and_ends_exact(h):
+    import fault_harness_dcp
+
+    _check(fault_harness_dcp.trial_dcp_damaged(h, random.Random(11)))

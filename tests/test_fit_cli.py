@@ -44,6 +44,21 @@ def test_fit_list(capsys):
             "mlp-binary", "cifar10-cnn", "mnist-cnn", "synthetic-cifar"} <= names
 
 
+@pytest.mark.parametrize("flag", ["--recompute", "--checkpointing"])
+def test_recompute_and_its_old_name_set_the_config(flag, capsys):
+    from gputrain.cli import build_parser
+    from gputrain.commands.fit import build_config
+    from gputrain.workloads import get_workload
+
+    w = get_workload("iris-mlp")
+    for argv, expected in (([flag], True), ([flag, "net.0,net.2"], ["net.0", "net.2"]), ([], False)):
+        args = build_parser().parse_args(["fit", "iris-mlp", "--no-save", *argv])
+        assert build_config(args, w).recompute == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["fit", "--help"])
+    assert "--checkpointing is its old name" in " ".join(capsys.readouterr().out.split())
+
+
 def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "iris"
     code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
@@ -124,3 +139,38 @@ def test_console_script_runs_fit_quickly(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)["summary"]
     assert summary["task"] == "regression" and summary["final_loss"] > 0
+
+
+def test_resume_alone_continues_the_newest_run_of_the_workload_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """`fit W --resume` without a path: the newest run under runs/W/ that holds checkpoints; a newer
+    folder without any is passed over; no run at all is a one-line error naming the workload."""
+    monkeypatch.chdir(tmp_path)
+    common = ["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100", "--json"]
+    code, _, err = _run([*common, "--resume"], capsys)
+    assert code == 2 and "no earlier run of iris-mlp with a checkpoint under runs/" in err
+    stopped = tmp_path / "runs" / "iris-mlp" / "20260101-000000"
+    code, out, _ = _run([*common, "--run-dir", str(stopped), "--stop-at-step", "200"], capsys)
+    assert code == 0 and json.loads(out)["summary"]["steps"] == 200
+    (tmp_path / "runs" / "iris-mlp" / "20991231-235959").mkdir()  # newer, but nothing to resume from
+    code, out, _ = _run([*common, "--resume"], capsys)
+    summary = json.loads(out)["summary"]
+    assert code == 0 and summary["steps"] == 300 and not summary["stopped_early"]
+    records = json.loads((stopped / "history.json").read_text())["records"]
+    assert [r["step"] for r in records] == [100, 200, 300]  # the stopped run went on, in its own folder
+    assert sorted(p.name for p in (tmp_path / "runs" / "iris-mlp").iterdir()) == ["20260101-000000", "20991231-235959"]
+
+
+def test_argument_types_accept_good_values_and_reject_others_with_the_value():
+    import argparse
+
+    from gputrain.commands.argtypes import positive_float, positive_int, tri
+
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5 and positive_float("1e-3") == 1e-3
+    assert [tri(v) for v in ("auto", "ON", " yes", "1", "off", "False", "no", "0")] == [
+        "auto", True, True, True, False, False, False, False]
+    for fn, bad, says in ((positive_int, "x", "positive integer"), (positive_int, "2.5", "positive integer"),
+                          (positive_int, "-1", "positive integer"), (positive_float, "nan", "positive number"),
+                          (positive_float, "abc", "positive number"), (positive_float, "0", "positive number"),
+                          (tri, "maybe", "auto, on or off")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected .*{says}.*got '{bad}'"):
+            fn(bad)

@@ -177,3 +177,99 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeyp
         fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, checkpoint_every=5, run_dir=str(run_dir)))
     assert CheckpointStore(run_dir).latest_path().name == "step-000005.pt"
+
+
+# ---------------------------------------------------------------- on_nan="stop" checks where the loss is read
+
+def test_a_nan_gradient_in_the_step_before_a_checkpoint_never_reaches_it(tmp_path):
+    """The step counts nothing per step with on_nan="stop": a NaN gradient in the very step before a
+    checkpoint (the loss still finite) is found in the parameters the optimizer then wrote."""
+    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.io.checkpoint_store import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"between steps 6 and 6.*last good checkpoint is .*step-0+5\.pt"):
+        fit(_InfThroughTanh(at=6), _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, checkpoint_every=1,
+                               run_dir=str(run_dir)))
+    state = load_checkpoint(CheckpointStore(run_dir).latest_path())
+    assert state["step"] == 5
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert all(torch.isfinite(v).all() for s in state["optimizer"]["state"].values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def test_a_nan_gradient_of_a_parameter_outside_the_optimizer_stops_the_run():
+    """Gradients the optimizer never reads (nor clears) are checked too: the run's state includes them."""
+    model = _InfThroughTanh(at=6)
+    with pytest.raises(NonFiniteError, match="between steps 5 and 8"):
+        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+            optimizer=lambda params: torch.optim.AdamW(model.l2.parameters(), fused=True),
+            config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4))
+
+
+def test_a_non_finite_loss_with_finite_gradients_stops_or_is_skipped():
+    """An inf added to the loss as a constant leaves the gradients finite: the loss alone decides."""
+    def loss_at(n):
+        calls = []
+
+        def compute_loss(model, batch):
+            x, y = batch
+            calls.append(1)
+            loss = nn.functional.cross_entropy(model(x), y)
+            return loss + float("inf") if len(calls) == n and model.training else loss
+        return compute_loss
+
+    with pytest.raises(NonFiniteError, match="between steps 1 and 4"):
+        fit(_model(), _data(), compute_loss=loss_at(3), config=TrainConfig(device="cpu", batch_size=8, steps=8,
+                                                                           log_every=4))
+    model = _model()
+    h = fit(model, _data(), compute_loss=loss_at(3),
+            config=TrainConfig(device="cpu", batch_size=8, steps=8, log_every=4, on_nan="skip"))
+    assert h.summary["nonfinite_steps"] == 1 and all(r["loss"] == r["loss"] for r in h.records)  # no NaN mean
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_huge_but_finite_parameters_are_not_called_non_finite():
+    """The state probe is a 2-norm, which overflows past ~1e19 in fp32; the exact check behind it
+    keeps a run with such (finite) values going. (An integer parameter is left out of the probe.)"""
+    model = _model()
+    model.register_parameter("big", nn.Parameter(torch.full((4,), 1e30), requires_grad=False))
+    model.register_parameter("index", nn.Parameter(torch.arange(3), requires_grad=False))
+    h = fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=8, steps=8, log_every=4))
+    assert h.records[-1]["step"] == 8 and h.summary["nonfinite_steps"] == 0
+
+
+class _SignMomentum(torch.optim.Optimizer):
+    """p -= lr * sign(m), m = 0.9 m + g: an inf gradient leaves the parameters finite, the state inf."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                m.mul_(0.9).add_(p.grad)
+                p.sub_(group["lr"] * torch.sign(m))
+
+
+def test_an_inf_gradient_that_only_the_optimizer_state_keeps_stops_the_run(tmp_path):
+    model = _model()
+    calls = []
+
+    def spoil(grad):
+        calls.append(1)
+        return grad + float("inf") if len(calls) == 6 else grad
+
+    model[0].bias.register_hook(spoil)  # step 6's gradient is inf; the loss stays finite
+    run_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"between steps 6 and 6.*step-0+5\.pt"):
+        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: _SignMomentum(p),
+            config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, checkpoint_every=1,
+                               run_dir=str(run_dir)))
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # only the state went inf

@@ -160,6 +160,19 @@ def test_installed_framework_reports_version_and_gpus(monkeypatch):
                                                "gpus": ["cuda:0"]}}
 
 
+def test_installed_tensorflow_reports_version_and_the_gpus_it_sees(monkeypatch):
+    fake_tf = types.ModuleType("tensorflow")
+    fake_tf.__version__ = "2.16.1"
+    asked = []
+    gpu = types.SimpleNamespace(name="/physical_device:GPU:0")
+    fake_tf.config = types.SimpleNamespace(list_physical_devices=lambda kind: asked.append(kind) or [gpu])
+    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    monkeypatch.setattr(info.importlib.util, "find_spec", lambda name: object() if name == "tensorflow" else None)
+    assert info.other_frameworks() == {"tensorflow": {"installed": True, "version": "2.16.1",
+                                                      "gpus": ["/physical_device:GPU:0"]}}
+    assert asked == ["GPU"]
+
+
 @pytest.mark.gpu
 def test_info_shows_the_gpu(capsys):
     data = info.collect_info()

@@ -51,6 +51,24 @@ def test_history_round_trip_and_queries(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["h.json"]
 
 
+def test_history_refuses_non_dict_records_and_writes_odd_values_as_json(tmp_path):
+    """add() takes dicts only; best() of a key never recorded is None; values json cannot write
+    (0-d tensors, sets, paths, a tensor with several values) are saved as numbers or text."""
+    import pathlib
+
+    import torch
+
+    h = History()
+    with pytest.raises(TypeError, match="a history record is a dict, got list"):
+        h.add([("step", 1)])  # type: ignore[arg-type]
+    assert h.best("eval_accuracy") is None and h.best("loss", mode="min") is None
+    h.add({"step": 1, "loss": torch.tensor(0.25), "tags": {"b", "a"}, "dir": pathlib.Path("runs/x"),
+           "vec": torch.tensor([1.0, 2.0])})
+    back = History.load(h.save(tmp_path / "h.json")).records[0]
+    assert back["loss"] == 0.25 and back["tags"] == ["a", "b"] and back["dir"] == "runs/x"
+    assert back["vec"] == str(torch.tensor([1.0, 2.0]))  # .item() of 2 values fails: written as text
+
+
 def test_loading_something_else_is_explained(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"a": 1}))
     with pytest.raises(GputrainError, match="x.json: not a gputrain history"):

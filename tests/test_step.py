@@ -91,9 +91,11 @@ def test_unequal_micro_batches_weigh_by_samples():
 
 def test_the_steps_bookkeeping_adds_a_few_device_ops():
     """Inside a CUDA graph each op is a kernel of a microsecond or two, a fifth of a tiny model's
-    step: the finite checks and accumulators cost 8 ops over a bare forward-backward-AdamW step
-    (the gradient norm: foreach_norm, stack, norm; the probe: add, sub, ne; two accumulators).
-    `torch.isfinite` alone is four (==, abs, !=, *)."""
+    step. With on_nan="stop" (the default) the step adds one op to a bare forward-backward-AdamW
+    step: the loss sum (the non-finite checks happen where the sum is read). With on_nan="skip" it
+    decides every step: 7 ops (zero the flag, one GradScaler-style check of the gradients and the
+    loss, the mask, the masked loss, two accumulators, and the fused AdamW's step-count correction).
+    Before: 8 (stop) and 11 (skip), a gradient norm (foreach_norm, stack, norm) and a probe every step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from gputrain.runtime.precision import RunPrecision, resolve_precision
@@ -129,16 +131,20 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step_model, step_opt = parts()
-    step = TrainStep(step_model, LossRule(nn.CrossEntropyLoss()), step_opt,
-                     RunPrecision(resolve_precision("fp32", cpu), cpu), device=cpu)
+    def step(**kwargs):
+        step_model, step_opt = parts()
+        s = TrainStep(step_model, LossRule(nn.CrossEntropyLoss()), step_opt,
+                      RunPrecision(resolve_precision("fp32", cpu), cpu), device=cpu, **kwargs)
+        return lambda: s.run([(x, y)])
+
     counts = {}
-    for name, fn in (("bare", bare), ("step", lambda: step.run([(x, y)]))):
+    for name, fn in (("bare", bare), ("stop", step()), ("skip", step(skip_nonfinite=True))):
         fn()  # the optimizer's state is made on the first step
         with Ops() as ops:
             fn()
         counts[name] = ops.n
-    assert counts["step"] - counts["bare"] <= 8, counts
+    assert counts["stop"] - counts["bare"] <= 1, counts
+    assert counts["skip"] - counts["bare"] <= 7, counts
 
 
 def test_max_grad_norm_clips_the_gradient():

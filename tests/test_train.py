@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import data, mlp, params
 from torch import nn
 
 from gputrain import TrainConfig, fit
@@ -9,22 +10,6 @@ from gputrain.errors import CheckpointError, ConfigError, GputrainError
 from gputrain.runtime.precision import resolve_precision
 
 CPU = torch.device("cpu")
-
-
-def _data(n=96, d=6, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    w = torch.randn(d, classes, generator=g)
-    return x, (x @ w).argmax(1)
-
-
-def _model(d=6, classes=3, dropout=0.0, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, classes))
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 # ---------------------------------------------------------------- precision
@@ -57,7 +42,7 @@ def test_precision_auto_on_faked_gpus(monkeypatch, cap, name, auto, scaler):
 
 def test_fit_rejects_fp16_on_cpu():
     with pytest.raises(ConfigError, match="fp16"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", precision="fp16", steps=1))
+        fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", precision="fp16", steps=1))
 
 
 def test_config_validation_messages():
@@ -67,23 +52,30 @@ def test_config_validation_messages():
         TrainConfig(resume=True)
 
 
+def test_checkpointing_is_the_old_name_of_recompute():
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig\(checkpointing=\.\.\.\) is deprecated.*`recompute`"):
+        old = TrainConfig(checkpointing=["blocks.0"])
+    assert old.recompute == ["blocks.0"] and "checkpointing" not in old.to_dict()
+    assert old.replace(lr=0.1).recompute == ["blocks.0"]
+
+
 # ---------------------------------------------------------------- the update
 
 def test_accumulation_equals_one_big_batch():
-    x, y = _data(64)
+    x, y = data(64)
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
-    a, b = _model(), _model()
+    a, b = mlp(), mlp()
     fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
         config=TrainConfig(device="cpu", batch_size=8, accumulate=4, steps=4, seed=3))
     fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
         config=TrainConfig(device="cpu", batch_size=32, accumulate=1, steps=4, seed=3))
-    assert torch.allclose(_params(a), _params(b), atol=1e-6)
-    assert not torch.equal(_params(a), _params(_model()))  # it did train
+    assert torch.allclose(params(a), params(b), atol=1e-6)
+    assert not torch.equal(params(a), params(mlp()))  # it did train
 
 
 def test_training_learns_and_reports_accuracy():
-    x, y = _data(400)
-    model = _model()
+    x, y = data(400)
+    model = mlp()
     h = fit(model, (x[:300], y[:300]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[300:], y[300:]),
             config=TrainConfig(device="cpu", batch_size=32, epochs=15, lr=1e-2, log_every=20))
     assert h.records[-1]["loss"] < h.records[0]["loss"]
@@ -103,24 +95,24 @@ def test_no_host_sync_in_the_hot_loop(monkeypatch):
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    x, y = _data(64)
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+    x, y = data(64)
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
         config=TrainConfig(device="cpu", batch_size=4, steps=40, log_every=10))
     assert len(calls) == 4, calls  # 40 steps, a log point every 10: one read each, none per step
     calls.clear()
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
         config=TrainConfig(device="cpu", batch_size=4, steps=40, log_every=20))
     assert len(calls) == 2 * 2, calls  # per log point: the loss read and one read of eval totals
 
 
 def test_reruns_with_a_seed_are_identical():
-    x, y = _data(80)
+    x, y = data(80)
     runs = []
     for _ in range(2):
-        model = _model(dropout=0.2)
+        model = mlp(dropout=0.2)
         h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(),
                 config=TrainConfig(device="cpu", batch_size=8, epochs=3, log_every=5, seed=11))
-        runs.append(([r["loss"] for r in h.records], _params(model)))
+        runs.append(([r["loss"] for r in h.records], params(model)))
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
 
@@ -128,19 +120,19 @@ def test_reruns_with_a_seed_are_identical():
 # ---------------------------------------------------------------- checkpoints and resume
 
 def test_resume_is_exact(tmp_path):
-    x, y = _data(90)
+    x, y = data(90)
     cfg = dict(device="cpu", batch_size=8, steps=30, log_every=5, seed=2, schedule="cosine", warmup_steps=3)
-    full = _model(dropout=0.3)
+    full = mlp(dropout=0.3)
     h_full = fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
 
-    part = _model(dropout=0.3)
+    part = mlp(dropout=0.3)
     run_dir = tmp_path / "run"
     h1 = fit(part, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=str(run_dir), stop_at_step=13))
     assert h1.summary["stopped_early"] and h1.summary["steps"] == 13
-    resumed = _model(dropout=0.3, seed=99)  # different initial weights: the checkpoint must replace them
+    resumed = mlp(dropout=0.3, seed=99)  # different initial weights: the checkpoint must replace them
     h2 = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=str(run_dir), resume=True))
     assert h2.summary["steps"] == 30
-    assert torch.equal(_params(resumed), _params(full))
+    assert torch.equal(params(resumed), params(full))
     assert [r["loss"] for r in h2.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "history.json").exists()
 
@@ -150,16 +142,16 @@ def test_resume_rejects_a_corrupt_checkpoint(tmp_path):
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(CheckpointError, match="checkpoint.pt"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=2, run_dir=str(run_dir), resume=True))
 
 
 def test_resume_rejects_another_models_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=2, run_dir=str(run_dir)))
+    fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=2, run_dir=str(run_dir)))
     other = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
     with pytest.raises(CheckpointError):
-        fit(other, _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(other, data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=4, run_dir=str(run_dir), resume=True))
 
 
@@ -180,27 +172,27 @@ class _OOMAbove(nn.Module):
 
 
 def test_oom_halves_the_micro_batch_and_keeps_the_result():
-    x, y = _data(64)
+    x, y = data(64)
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
-    ref = _model()
+    ref = mlp()
     fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd, config=TrainConfig(device="cpu", batch_size=32, steps=4))
-    small = _OOMAbove(_model(), limit=10)
+    small = _OOMAbove(mlp(), limit=10)
     h = fit(small, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
             config=TrainConfig(device="cpu", batch_size=32, steps=4))
     assert small.ooms >= 2  # 32 -> 16 -> 8
     assert h.summary["oom_splits"] == 4 and h.summary["effective_batch"] == 32
-    assert torch.allclose(_params(small.inner), _params(ref), atol=1e-6)
+    assert torch.allclose(params(small.inner), params(ref), atol=1e-6)
 
 
 def test_oom_at_micro_batch_one_gives_up_clearly():
-    x, y = _data(8)
+    x, y = data(8)
     with pytest.raises(GputrainError, match="out of memory on cpu even with micro-batches of 1"):
-        fit(_OOMAbove(_model(), limit=0), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        fit(_OOMAbove(mlp(), limit=0), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=4, steps=1))
 
 
 def test_cuda_graphs_fall_back_on_cpu_with_a_reason():
-    h = fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+    h = fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=2, cuda_graphs=True))
     assert h.summary["cuda_graphs"].startswith("off: CUDA graphs need a CUDA device")
 
@@ -213,15 +205,15 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
     """Graphs (one per batch shape: 50 and the last, partial 6) end where eager steps end."""
     from gputrain.train.trainer import Trainer
 
-    x, y = _data(256)
+    x, y = data(256)
     runs = {}
     for graphs in (False, True):
-        model = _model()
+        model = mlp()
         cfg = TrainConfig(device="cuda", precision="fp32", batch_size=50, epochs=4, cuda_graphs=graphs, seed=1,
                           schedule=schedule, warmup_steps=5)
         trainer = Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
         h = trainer.run()
-        runs[graphs] = (_params(model).cpu(), h, trainer.graphed)
+        runs[graphs] = (params(model).cpu(), h, trainer.graphed)
     assert runs[True][1].summary["cuda_graphs"] == "on"
     graphed = runs[True][2]
     # 24 steps: 3 warm-up, then the 50-batch graph; the first partial batch runs eagerly once and
@@ -254,7 +246,7 @@ def test_graphed_steps_assemble_augmented_uint8_batches_like_eager_steps_on_gpu(
                           cudnn_benchmark=False)
         trainer = Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg, transform=transform)
         trainer.run()
-        runs[graphs] = (_params(model).cpu(), trainer)
+        runs[graphs] = (params(model).cpu(), trainer)
     graphed = runs[True][1].graphed
     assert runs[True][1].train_loader.defer and graphed.failed is None
     assert sorted(k[-1] for k in graphed.graphs) == [8, 64] and graphed.replays >= 20 - 3 - 1
@@ -271,23 +263,23 @@ def test_graph_input_copies_are_skipped_only_for_unchanged_batches():
     from gputrain.train.step import TrainStep
 
     dev = torch.device("cuda")
-    x, y = (t.to(dev) for t in _data(64))
+    x, y = (t.to(dev) for t in data(64))
 
     def run(graphed_steps: bool):
-        model = _model().to(dev)
+        model = mlp().to(dev)
         opt, _ = make_optimizer(None, model.parameters(), lr=1e-2, weight_decay=0.0, device=dev, capturable=True)
         prec = RunPrecision(resolve_precision("fp32", dev), dev)
         step = GraphedStep(TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt, prec, device=dev), dev)
-        data = x.clone()
+        inputs = x.clone()
         for i in range(8):
             if i == 6:
-                data.mul_(-1.0)  # in place: same address, new contents
+                inputs.mul_(-1.0)  # in place: same address, new contents
             if graphed_steps:
-                step([(data, y)])
+                step([(inputs, y)])
             else:
-                step._side_stream_step([(data, y)])
+                step._side_stream_step([(inputs, y)])
         torch.cuda.synchronize()
-        return _params(model).cpu(), step
+        return params(model).cpu(), step
 
     graphed, step = run(True)
     eager, _ = run(False)
@@ -300,14 +292,14 @@ def test_no_sync_in_hot_loop_on_gpu():
     """Syncs must not grow with the number of steps: count them with CUDA's sync debug mode."""
     import warnings
 
-    x, y = _data(4096)
+    x, y = data(4096)
 
     def syncs(steps):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+                fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
                     config=TrainConfig(device="cuda", batch_size=64, steps=steps, log_every=10_000,
                                        cuda_graphs=False, data_on_device=True))
             finally:
@@ -321,7 +313,7 @@ def test_no_sync_in_hot_loop_on_gpu():
 def test_fit_accepts_a_dataset_and_a_dataloader():
     from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-    x, y = _data(96)
+    x, y = data(96)
 
     class Pairs(Dataset):  # a plain map-style dataset: goes through the DataLoader path
         def __len__(self):
@@ -330,10 +322,10 @@ def test_fit_accepts_a_dataset_and_a_dataloader():
         def __getitem__(self, i):
             return x[i], y[i]
 
-    h1 = fit(_model(), Pairs(), loss_fn=nn.CrossEntropyLoss(), eval_data=TensorDataset(x, y),
+    h1 = fit(mlp(), Pairs(), loss_fn=nn.CrossEntropyLoss(), eval_data=TensorDataset(x, y),
              config=TrainConfig(device="cpu", batch_size=16, epochs=2, num_workers=0))
     assert h1.summary["data"] == "dataloader" and h1.summary["steps"] == 12
-    h2 = fit(_model(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True), loss_fn=nn.CrossEntropyLoss(),
+    h2 = fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True), loss_fn=nn.CrossEntropyLoss(),
              config=TrainConfig(device="cpu", epochs=2))
     assert h2.summary["data"] == "user-dataloader" and h2.summary["steps"] == 6
     assert h1.records[-1]["eval_accuracy"] > 0
@@ -345,7 +337,7 @@ def test_fit_gives_back_cudnn_benchmark():
     before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True
     try:
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cuda", steps=2))
+        fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cuda", steps=2))
         assert torch.backends.cudnn.benchmark is True
     finally:
         torch.backends.cudnn.benchmark = before

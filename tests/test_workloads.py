@@ -424,3 +424,49 @@ def test_default_run_reaches_its_bar(name, bar, cache_dir):
 @pytest.mark.parametrize("name, bar", [("mnist1d-cnn", 0.90), ("mnist1d-mlp", 0.60)])
 def test_default_mnist1d_run_reaches_its_bar(name, bar, cache_dir):
     assert _train_default(name) >= bar
+
+
+@pytest.mark.parametrize("name, options, says", [
+    ("synthetic-cifar", {"n": "0"}, "option n must be >= 1, got '0'"),
+    ("synthetic-cifar", {"size": "many"}, "option size must be an integer, got 'many'"),
+    ("resnet18-cifar", {"augment": "maybe"}, "option augment must be true or false, got 'maybe'"),
+    ("gpt-mini", {"text": "a.txt", "data_dir": "b"}, "give the text file once"),
+    ("gpt-mini", {"data_seed": "x"}, "option data_seed must be an integer, got 'x'"),
+    ("gpt-mini", {"dropout": "lots"}, "option dropout must be a number, got 'lots'"),
+    ("gpt-mini", {"dropout": "1.0"}, r"option dropout must be in \[0, 1\), got 1.0"),
+])
+def test_bad_workload_options_are_config_errors_naming_the_option(name, options, says):
+    with pytest.raises(ConfigError, match=says):
+        get_workload(name, **options)
+
+
+def test_workload_options_in_words_reach_the_workload():
+    """Options come from the command line as text: "false"/"off"/"0" and "true"/"on"/"1" are booleans."""
+    for text, augment in (("false", False), ("off", False), ("0", False), ("true", True), ("On", True), ("1", True)):
+        w = get_workload("resnet18-cifar", data_dir="/nowhere", augment=text)
+        assert ("crop-flip" in w.data_summary) is augment, text
+    w = get_workload("gpt-mini", data_seed="3", dropout="0.25", n_layer="1", n_embd="8", n_head="2",
+                     block_size="4", n_tokens="64")
+    model = w.make_model()
+    assert len(model.blocks) == 1 and model.block_size == 4 and model.drop.p == 0.25
+    assert model.tok_emb.weight.shape[1] == 8 and "1 layers x 8 wide, 2 heads, context 4" in w.description
+
+
+def test_user_workload_object_callable_and_import_failures(tmp_path, monkeypatch):
+    """A Workload object named in the spec is taken as is (and takes no options); a name that is
+    neither a function nor a Workload is refused; a file that fails to import leaves no half module
+    behind; a module in the current directory is found as `python -m` would find it."""
+    (tmp_path / "obj_tasks.py").write_text(USER_MODULE + "\nWORKLOAD = make()\nCOUNT = 3\n")
+    (tmp_path / "broken_tasks.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    w = load_user_workload("obj_tasks:WORKLOAD")  # found in the current directory
+    assert isinstance(w, Workload) and w.name == "mine"
+    with pytest.raises(ConfigError, match="is a Workload object, not a function: it takes no options"):
+        load_user_workload("obj_tasks:WORKLOAD", width=2)
+    with pytest.raises(ConfigError, match="obj_tasks:COUNT is a int, not a function returning a Workload"):
+        load_user_workload("obj_tasks:COUNT")
+    with pytest.raises(RuntimeError, match="broken at import"):
+        load_user_workload(f"{tmp_path / 'broken_tasks.py'}:make")
+    assert "_gputrain_user_broken_tasks" not in sys.modules

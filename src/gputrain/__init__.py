@@ -11,9 +11,14 @@ from gputrain.batch import move, move_optimizer_state, check_devices
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __getattr__ imports them)
     from gputrain.config import TrainConfig
+    from gputrain.data.tokens import count_tokens
     from gputrain.diagnostics.memory_stats import memory_stats
     from gputrain.io.history import History
     from gputrain.train import Trainer, fit, fit_workload
+    from gputrain.train.callbacks import Callback, RunControl
+    from gputrain.train.early_stopping import EarlyStopping
+    from gputrain.train.ema import EMA
+    from gputrain.train.inference import evaluate, predict
     from gputrain.workloads import Workload, get_workload
 
 __version__ = "0.1.0"
@@ -29,6 +34,13 @@ _LAZY = {
     "Workload": "gputrain.workloads",
     "get_workload": "gputrain.workloads",
     "memory_stats": "gputrain.diagnostics.memory_stats",
+    "Callback": "gputrain.train.callbacks",
+    "RunControl": "gputrain.train.callbacks",
+    "EarlyStopping": "gputrain.train.early_stopping",
+    "EMA": "gputrain.train.ema",
+    "evaluate": "gputrain.train.inference",
+    "predict": "gputrain.train.inference",
+    "count_tokens": "gputrain.data.tokens",
 }
 
 
@@ -46,4 +58,5 @@ __all__ = [
     "pick_device", "describe_devices", "move", "move_optimizer_state", "check_devices",
     # the names of _LAZY, spelled out so that type checkers can read the list
     "fit", "fit_workload", "Trainer", "TrainConfig", "History", "Workload", "get_workload", "memory_stats",
+    "Callback", "RunControl", "EarlyStopping", "EMA", "evaluate", "predict", "count_tokens",
 ]

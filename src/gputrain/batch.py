@@ -1,4 +1,4 @@
-"""Nested batches: move them, count them, split them, flatten them; check their devices.
+"""Nested batches: move them, count them, split, cut and tile them, flatten them; check their devices.
 
 A batch is any nesting of Mappings (dict, OrderedDict, a Hugging Face `BatchEncoding`), lists,
 tuples, namedtuples and dataclasses whose leaves are tensors or plain values. Everything here walks
@@ -91,6 +91,9 @@ def unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """The batch with `fn` applied to every tensor leaf; other leaves pass through."""
+    if (type(batch) is tuple or type(batch) is list) and all(isinstance(x, torch.Tensor) for x in batch):
+        # The common (inputs, targets) pair, without the pytree walk (per step: ~5 us on the CPU).
+        return type(batch)([fn(x) for x in batch])
     leaves, spec = flatten(batch)
     return unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
@@ -101,6 +104,11 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: dim 0 of its first tensor leaf that has one (host metadata, no sync)."""
+    first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else batch
+    if type(batch) is dict and batch:
+        first = next(iter(batch.values()))  # a dict of columns: its first value is the first leaf
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return int(first.shape[0])  # a tensor or a pair of them: the first leaf, without the pytree walk
     for x in flatten(batch)[0]:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
@@ -121,6 +129,25 @@ def split(batch: Any, parts: int) -> list[Any]:
     cut = [x.tensor_split(parts) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else None
            for x in leaves]
     return [unflatten([c[i] if c is not None else x for c, x in zip(cut, leaves)], spec) for i in range(parts)]
+
+
+def _map_samples(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+    """`fn` applied to every tensor leaf carrying the batch dimension (dim 0 of the batch's size)."""
+    n = batch_size(batch)
+    return map_tensors(lambda t: fn(t) if t.dim() > 0 and t.shape[0] == n else t, batch)
+
+
+def head(batch: Any, n: int) -> Any:
+    """The batch's first `n` samples (every leaf with the batch dimension is cut; others are shared)."""
+    return _map_samples(lambda t: t[:n], batch)
+
+
+def tile(batch: Any, rows: int) -> Any:
+    """The batch repeated along dim 0 to exactly `rows` samples (leaves without it are shared)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(-(-rows // t.shape[0]), *([1] * (t.dim() - 1)))[:rows]
+
+    return _map_samples(one, batch)
 
 
 def signature(batch: Any) -> tuple:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from gputrain.errors import ConfigError
@@ -23,7 +24,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float | None = None  # clip when set
-    schedule: str = "constant"  # "constant" | "cosine" | "onecycle"
+    schedule: str = "constant"  # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
     warmup_steps: int = 0
     # reporting
     log_every: int = 50  # optimizer steps between reads of the loss (the only host syncs)
@@ -39,8 +40,15 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept in run_dir/checkpoints (plus the best by best_metric)
     best_metric: str | None = None  # e.g. "eval_accuracy": its best checkpoint is kept too
     best_mode: str = "max"  # "max" | "min" for best_metric
+    # "auto": every rank writes its part with torch.distributed.checkpoint (a step-N.dcp folder) when
+    # there are several processes, one file (step-N.pt) for one process | "dcp" | "file"
+    checkpoint_format: str = "auto"
+    async_checkpoint: bool = False  # DCP's async_save: training goes on while the files are written
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
     tensorboard: bool = True  # TensorBoard event files in run_dir (rank 0 only)
+    # experiment trackers fed at every log point (rank 0 only): "csv" (metrics.csv + metrics.jsonl),
+    # "tensorboard", "mlflow", "wandb" (report/trackers.py); a tracker that fails is a warning, never a stop
+    loggers: tuple[str, ...] = ("csv", "tensorboard")
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
     device_memory_fraction: float = 0.5  # the share of free device memory device-resident data may take
@@ -51,8 +59,14 @@ class TrainConfig:
     compile_mode: str | None = None  # torch.compile mode, e.g. "max-autotune-no-cudagraphs"
     cuda_graphs: str | bool = "auto"  # capture the whole step; falls back to eager with a logged reason
     num_workers: int | None = None  # DataLoader workers when data stays on the host; None: from CPU count
+    # your own DataLoader over a map-style dataset: rebuilt with gputrain's sampler (sharded by rank,
+    # seeded by the run, resumable mid-epoch), over an IterableDataset: as a StatefulDataLoader.
+    # False: used as is (a resume reads up to its position; several processes see every batch)
+    rebuild_loader: bool = True
     # memory
-    checkpointing: bool | list[str] = False  # activation checkpointing: True = repeated blocks, or module names
+    # recompute blocks in backward instead of storing their activations (activation checkpointing):
+    # True = the model's repeated blocks, or a list of module names
+    recompute: bool | list[str] = False
     oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
     # non-finite values and loss spikes (checked at log points, never per step)
     on_nan: str = "stop"  # "stop": error naming the steps and the last good checkpoint | "skip": skip such steps
@@ -62,8 +76,15 @@ class TrainConfig:
     on_spike: str = "warn"  # "warn" | "stop"
     # distributed
     shard: bool = False  # FSDP2 (fully_shard) instead of DDP when world size > 1
+    # the old name of `recompute`, still accepted with a DeprecationWarning (not a field: not saved)
+    checkpointing: InitVar[bool | list[str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checkpointing: bool | list[str] | None = None) -> None:
+        if checkpointing is not None:
+            warnings.warn("TrainConfig(checkpointing=...) is deprecated: the field is now `recompute` "
+                          "(activation checkpointing, not run checkpoints); use TrainConfig(recompute=...)",
+                          DeprecationWarning, stacklevel=3)
+            self.recompute = checkpointing
         self.validate()
 
     def validate(self) -> None:
@@ -86,8 +107,11 @@ class TrainConfig:
             raise ConfigError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if not (self.lr > 0):
             raise ConfigError(f"lr must be > 0, got {self.lr!r}")
-        if self.schedule not in ("constant", "cosine", "onecycle"):
-            raise ConfigError(f"unknown schedule {self.schedule!r}: choose constant, cosine or onecycle")
+        if self.schedule not in ("constant", "cosine", "linear", "onecycle"):
+            raise ConfigError(f"unknown schedule {self.schedule!r}: choose constant, cosine, linear or onecycle")
+        from gputrain.report.trackers import check_loggers
+
+        self.loggers = check_loggers(self.loggers)
         if not (0 < self.device_memory_fraction <= 1):
             raise ConfigError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction!r}")
         if self.resume and not self.run_dir and not isinstance(self.resume, str):
@@ -102,12 +126,19 @@ class TrainConfig:
         positive("keep_last")
         if self.best_mode not in ("max", "min"):
             raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.checkpoint_format not in ("auto", "dcp", "file"):
+            raise ConfigError(f"checkpoint_format must be 'auto', 'dcp' or 'file', got {self.checkpoint_format!r}")
+        if self.async_checkpoint and self.checkpoint_format == "file":
+            raise ConfigError("async_checkpoint needs checkpoint_format 'dcp' or 'auto' (the one-file format is "
+                              "written by rank 0 while training waits)")
         import signal as _signal
 
         for name in self.stop_signals:
             if not hasattr(_signal, str(name)):
                 raise ConfigError(f"unknown signal {name!r} in stop_signals: use names like 'SIGTERM'")
         positive("spike_patience")
+        if not isinstance(self.rebuild_loader, bool):
+            raise ConfigError(f"rebuild_loader must be True or False, got {self.rebuild_loader!r}")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)
             if value not in ("auto", True, False):

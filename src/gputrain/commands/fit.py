@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate", type=_positive_int, default=None, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=_positive_float, default=None)
     p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--schedule", choices=["constant", "cosine", "onecycle"], default=None)
+    p.add_argument("--schedule", choices=["constant", "cosine", "linear", "onecycle"], default=None)
     p.add_argument("--log-every", type=_positive_int, default=None, help="optimizer steps between loss reads")
     p.add_argument("--eval-every", type=_positive_int, default=None)
     p.add_argument("--seed", type=int, default=None)
@@ -51,13 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="optimizer steps between checkpoints")
     p.add_argument("--stop-at-step", type=_positive_int, default=None, help="stop after this step (checkpointed)")
+    p.add_argument("--checkpoint-format", choices=["auto", "dcp", "file"], default=None,
+                   help="dcp: every process writes its part (torch.distributed.checkpoint, a step-N.dcp folder); "
+                        "file: one file written by rank 0; auto (default): dcp with several processes, else file")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background while training goes on (DCP's async_save)")
     p.add_argument("--data-on-device", type=_tri, default=None, metavar="{auto,on,off}")
     p.add_argument("--channels-last", type=_tri, default=None, metavar="{auto,on,off}")
     p.add_argument("--cuda-graphs", type=_tri, default=None, metavar="{auto,on,off}")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
-    p.add_argument("--checkpointing", nargs="?", const=True, default=None,
-                   help="activation checkpointing: alone = the model's repeated blocks; or comma-separated module names")
+    p.add_argument("--recompute", "--checkpointing", dest="recompute", nargs="?", const=True, default=None,
+                   metavar="MODULES",
+                   help="recompute blocks in backward instead of storing their activations (activation "
+                        "checkpointing): alone = the model's repeated blocks; or comma-separated module names. "
+                        "--checkpointing is its old name, still accepted")
     p.add_argument("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP with several processes")
     p.add_argument("--nproc", type=_positive_int, default=None, help="start N processes on this machine with torchrun")
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts after a failure")
@@ -74,6 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="try graphs/compile/channels_last/precision for a few steps each, train with the fastest "
                         "(cached per model, device and batch shape; the batch size is never changed)")
     p.add_argument("--autotune-force", action="store_true", help="with --autotune: measure again, ignore the cache")
+    p.add_argument("--logger", action="append", default=None, metavar="NAME",
+                   help="experiment trackers, repeatable or comma-separated: csv (metrics.csv/jsonl), tensorboard, "
+                        "mlflow, wandb (default: csv,tensorboard; naming any replaces the default)")
+    p.add_argument("--early-stop", default=None, metavar="METRIC",
+                   help="stop when METRIC (e.g. eval_loss, eval_accuracy) has not improved for --patience evaluations")
+    p.add_argument("--patience", type=_positive_int, default=3, help="with --early-stop: evaluations without improvement")
+    p.add_argument("--min-delta", type=float, default=0.0, help="with --early-stop: the smallest change that counts")
+    p.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                   help="keep an exponential moving average of the weights (e.g. 0.999), updated inside the step, "
+                        "evaluated as eval_ema_* and saved in checkpoints")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no run log")
 
@@ -137,7 +155,7 @@ def build_config(args, workload):
         "checkpoint_every": args.checkpoint_every, "stop_at_step": args.stop_at_step,
         "data_on_device": args.data_on_device, "channels_last": args.channels_last, "cuda_graphs": args.cuda_graphs,
         "compile_mode": args.compile_mode, "max_grad_norm": args.max_grad_norm, "on_nan": args.on_nan,
-        "on_spike": args.on_spike,
+        "on_spike": args.on_spike, "checkpoint_format": args.checkpoint_format,
     }
     for key, value in flag_map.items():
         if value is not None:
@@ -150,12 +168,16 @@ def build_config(args, workload):
         values["batch_size"] = args.batch_size
     if args.compile:
         values["compile"] = True
+    if args.logger:
+        values["loggers"] = tuple(n for item in args.logger for n in item.split(",") if n.strip())
     if args.no_tensorboard:
         values["tensorboard"] = False
     if args.shard:
         values["shard"] = True
-    if args.checkpointing is not None:
-        values["checkpointing"] = True if args.checkpointing is True else [s for s in args.checkpointing.split(",") if s]
+    if args.async_checkpoint:
+        values["async_checkpoint"] = True
+    if args.recompute is not None:
+        values["recompute"] = True if args.recompute is True else [s for s in args.recompute.split(",") if s]
     # Run directory and resume.
     if args.no_save:
         if args.resume:
@@ -172,7 +194,9 @@ def build_config(args, workload):
             run_dir = str(latest)
         elif isinstance(resume, str):
             path = Path(resume)
-            if path.is_dir():
+            if path.is_dir() and path.name.endswith(".dcp"):  # one sharded checkpoint: RUN_DIR/checkpoints/step-N.dcp
+                run_dir = run_dir or str(path.parent.parent)
+            elif path.is_dir():
                 run_dir, resume = str(path), True
             elif path.is_file():
                 run_dir = run_dir or str(path.parent)
@@ -235,7 +259,10 @@ def run(args) -> int:
 
     from gputrain.train import fit_workload
 
-    history, _model = fit_workload(workload, config, full_batch=full_batch)
+    callbacks = _callbacks(args)
+    if config.run_dir and is_main:
+        _record_workload(Path(config.run_dir), name, options)
+    history, _model = fit_workload(workload, config, full_batch=full_batch, callbacks=callbacks)
     if not is_main:
         return 0
     summary = dict(history.summary)
@@ -257,7 +284,8 @@ def run(args) -> int:
 
 
 def _auto_batch_size(workload, config):
-    """The largest micro-batch that fits on the GPU (a search that survives OOM)."""
+    """The largest micro-batch that fits on the GPU: a search, driven by out-of-memory errors, over the
+    step this run will train with (diagnostics/probe.py: the Trainer's optimizer and switches)."""
     log = logging.getLogger("gputrain")
     from gputrain.runtime.devices import pick_device
 
@@ -268,41 +296,26 @@ def _auto_batch_size(workload, config):
         return config
     import torch
 
-    from gputrain.batch import map_tensors
-    from gputrain.data import BatchTransform
-    from gputrain.data.placement import as_columns
-    from gputrain.data.resident import column_length
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
-    from gputrain.runtime.precision import resolve_precision
-    from gputrain.train.loss import LossRule, is_pair
+    from gputrain.diagnostics.probe import StepProbe, probe_batches
+    from gputrain.train.loss import LossRule
 
-    data = workload.make_data()
-    columns = as_columns(data.train)
-    if columns is None:
-        log.warning("--batch-size auto searches workloads whose data are tensor columns (a tuple of tensors or a "
-                    "dict of tensors); %s trains on a Dataset or DataLoader: using the workload's default %d",
-                    workload.name, config.batch_size)
-        return config
     model = workload.make_model().to(device)
-    precision = resolve_precision(config.precision, device)
-    n = column_length(columns)
-    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=getattr(workload, "compute_loss", None))
-    pair = is_pair(columns) and loss.compute_loss is None  # the normalization applies to a pair's inputs
-    transform = BatchTransform(data.mean, data.std)
-
-    def make_batch(b: int):
-        idx = torch.arange(b) % n  # repeat samples when b exceeds the data set
-        if pair:
-            x_all, y_all = columns
-            return transform(x_all[idx].to(device), train=False), y_all[idx].to(device)
-        return map_tensors(lambda t: t[idx].to(device), columns)
-
-    # One real training step per trial, optimizer state included (AdamW's two moments).
-    trial = batch_trial(model, make_batch, None, precision, "adamw", loss=loss)
-    best = find_max_batch(trial, start=config.batch_size, limit=n, device=device)
+    loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)
+    with StepProbe(model, loss, config) as probe:
+        make_batch = probe_batches(workload.make_data(), probe)
+        if make_batch is None:
+            log.warning("--batch-size auto searches workloads whose data are tensor columns (a tuple of tensors or "
+                        "a dict of tensors); %s trains on a Dataset or DataLoader: using the workload's default %d",
+                        workload.name, config.batch_size)
+            return config
+        # Real training steps per trial, optimizer state included (AdamW's two moments).
+        best = find_max_batch(batch_trial(probe, make_batch), start=config.batch_size, limit=make_batch.n,
+                              device=device)
     model.to("cpu")
+    del model, probe
     torch.cuda.empty_cache()
-    log.info("--batch-size auto: %d is the largest micro-batch that fits (searched up to %d)", best, n)
+    log.info("--batch-size auto: %d is the largest micro-batch that fits (searched up to %d)", best, make_batch.n)
     return config.replace(batch_size=best)
 
 
@@ -319,3 +332,26 @@ def _argv_without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def _callbacks(args) -> list:
+    """The callbacks the flags ask for: --early-stop METRIC (--patience, --min-delta), --ema DECAY."""
+    callbacks: list = []
+    if args.early_stop:
+        from gputrain.train.early_stopping import EarlyStopping
+
+        callbacks.append(EarlyStopping(args.early_stop, patience=args.patience, min_delta=args.min_delta))
+    if args.ema is not None:
+        from gputrain.train.ema import EMA
+
+        callbacks.append(EMA(args.ema))
+    return callbacks
+
+
+def _record_workload(run_dir: Path, spec: str, options: dict) -> None:
+    """RUN_DIR/workload.json: what `gputrain eval / predict / export RUN_DIR` rebuild the model from."""
+    from gputrain.io.atomic import atomic_file
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(run_dir / "workload.json", "w") as f:
+        f.write(json.dumps({"workload": spec, "options": options}, indent=2) + "\n")

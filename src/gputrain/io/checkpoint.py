@@ -2,94 +2,31 @@
 
 A checkpoint is a dict of tensors and plain data (no pickled objects), so it loads with
 `torch.load(weights_only=True)`; `save_checkpoint` refuses anything else before it writes, so a
-run fails at its first checkpoint rather than at the resume hours later. Writing goes to a
-temporary file in the same folder, which is fsynced and then renamed over the target: a crash at
-any moment leaves either the old checkpoint or the new one, never half of one.
+run fails at its first checkpoint rather than at the resume hours later. Writing goes through
+`io.atomic.atomic_file` (a temporary file in the same folder, fsynced, then renamed over the
+target): a crash at any moment leaves either the old checkpoint or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import glob
 import hashlib
 import os
 import pickle
 import random
 import re
-import tempfile
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable
 
 import numpy as np
 import torch
 
 from gputrain.errors import CheckpointError
+from gputrain.io.atomic import atomic_file
 
 FORMAT = "gputrain-checkpoint"
 VERSION = 1
-
-_TMP_SUFFIX = ".tmp"
-
-
-# ---------------------------------------------------------------- atomic files
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file next to `path`; on a clean exit it replaces `path` in one rename.
-
-    The temp file is flushed and fsynced before the rename and the folder after it, so after a
-    power cut the folder holds the old file or the new one. On an exception the temp file is
-    removed and `path` is untouched; after a SIGKILL a `.NAME.*.tmp` file may remain, which the
-    next successful write of the same `path` removes.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
-    try:
-        f = os.fdopen(fd, mode) if "b" in mode else os.fdopen(fd, mode, encoding="utf-8", newline="")
-        with f:
-            _chmod_like_a_new_file(f.fileno())
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    _fsync_dir(path.parent)
-    _remove_stale_temps(path)
-
-
-def _chmod_like_a_new_file(fd: int) -> None:
-    # mkstemp makes the file 0600; give it the mode open() would (0666 minus the umask).
-    if not hasattr(os, "fchmod"):
-        return
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return  # not every platform lets a folder be opened (Windows)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Temp files of `path` left by a writer that was killed before its rename."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*{_TMP_SUFFIX}"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
 
 
 # ---------------------------------------------------------------- save / load
@@ -105,7 +42,7 @@ def check_plain(value: Any, where: str = "state") -> None:
     kind = type(value)
     if isinstance(value, torch.Tensor) or kind in _PLAIN_SCALARS:
         return
-    if kind in (dict, collections.OrderedDict):
+    if kind in (dict, collections.OrderedDict, collections.Counter):  # Counter: MultiStepLR's milestones
         for k, v in value.items():
             check_plain(k, f"{where} key {k!r}")
             check_plain(v, f"{where}[{k!r}]")

@@ -25,6 +25,12 @@ with a higher step than the one `latest` names come last: they are either a save
 before it moved `latest` (the previous checkpoint is as good) or what remains of a run that was
 resumed from an earlier step (older work, not newer). Step numbers come from the file names, not
 modification times, which copies and clocks change.
+
+Sharded checkpoints (io/checkpoint_dcp.py) live beside the files as folders, step-000123.dcp/, with
+the same promises: a folder appears under its step name only whole (every rank's files, DCP's
+metadata and MANIFEST.sha256, renamed into place by `commit_dir`), `latest` moves after it, the
+last keep_last and the best are kept whatever their format, and `load_latest` / `find_latest` skip
+a folder any of whose files does not match its manifest, with a warning naming that file.
 """
 
 from __future__ import annotations
@@ -35,14 +41,17 @@ import logging
 import math
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io.checkpoint import atomic_file, load_checkpoint, save_checkpoint, sha256_file
+from gputrain.io.atomic import atomic_file
+from gputrain.io import checkpoint_dcp
+from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,7 @@ LATEST = "latest"
 INDEX = "index.json"
 HASH_SUFFIX = ".sha256"
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_STEP_DIR = re.compile(r"^step-(\d+)\.dcp$")  # a sharded checkpoint's folder
 _HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
@@ -72,8 +82,9 @@ def step_file_name(step: int) -> str:
 
 
 def step_of(path: str | os.PathLike) -> int | None:
-    """The step in a checkpoint's file name (step-000123.pt -> 123); None for other names."""
-    match = _STEP_FILE.match(Path(path).name)
+    """The step in a checkpoint's name (step-000123.pt or step-000123.dcp -> 123); None for other names."""
+    name = Path(path).name
+    match = _STEP_FILE.match(name) or _STEP_DIR.match(name)
     return int(match.group(1)) if match else None
 
 
@@ -139,6 +150,31 @@ class CheckpointStore:
         self._prune(step, path)
         return path
 
+    def commit_dir(self, staging: str | os.PathLike, step: int, metrics: dict[str, Any] | None = None) -> Path:
+        """Commit a sharded checkpoint written into the folder `staging` (every rank's files, DCP's
+        metadata and MANIFEST.sha256 already there): rename it to step-N.dcp, record the best,
+        move `latest`, prune. Returns the checkpoint's path. One process calls this (rank 0).
+
+        The rename is the commit: before it the folder has a staging name no reader takes. A
+        folder of the same step already there (a run resumed from an earlier step) is set aside
+        under a temporary name first and deleted after.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        value = self._metric_value(metrics)
+        final = self.folder / checkpoint_dcp.dir_name(step)
+        aside = final.with_name(f".{final.name}.replaced-{os.getpid()}.tmp")
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(staging, final)
+        _fsync_folder(self.folder)
+        if aside.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        self._update_best(final, step, value)
+        self._write_latest(final)
+        self._prune(step, final)
+        return final
+
     def _write_hash(self, path: Path, digests: list[str]) -> None:
         with atomic_file(hash_path(path), "w") as f:
             f.write("".join(f"{d}  {path.name}\n" for d in digests))
@@ -189,12 +225,22 @@ class CheckpointStore:
         for s, path in files.items():
             if s in keep or s > step or path.name in protected:
                 continue
+            if path.is_dir():  # a sharded checkpoint: out of the step names first, then deleted
+                doomed = path.with_name(f".{path.name}.pruned-{os.getpid()}.tmp")
+                with contextlib.suppress(OSError):
+                    os.replace(path, doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
+                continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # the checkpoint first: a crash here leaves a harmless lone .sha256
             with contextlib.suppress(FileNotFoundError):
                 hash_path(path).unlink()
-        # What killed writers left: temp files, and hashes whose checkpoint never arrived.
+        # What killed writers left: temp files, staging folders of sharded checkpoints, and hashes
+        # whose checkpoint never arrived.
         for leftover in self.folder.glob(".step-*.tmp"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+                continue
             with contextlib.suppress(OSError):
                 leftover.unlink()
         for sidecar in self.folder.glob(f"step-*.pt{HASH_SUFFIX}"):
@@ -205,7 +251,7 @@ class CheckpointStore:
     # ------------------------------------------------------------ finding
 
     def list(self) -> list[Path]:
-        """The checkpoint files (step-*.pt), lowest step first; verified or not."""
+        """The checkpoints (step-*.pt files and step-*.dcp folders), lowest step first; verified or not."""
         files = self._step_files()
         return [files[s] for s in sorted(files)]
 
@@ -213,7 +259,7 @@ class CheckpointStore:
         """The checkpoint `latest` names when that file exists, else the highest step; None when
         there is none. Not verified: load_latest is what checks."""
         name = self._latest_name()
-        if name and (self.folder / name).is_file():
+        if name and (self.folder / name).exists():
             return self.folder / name
         files = self._step_files()
         return files[max(files)] if files else None
@@ -224,7 +270,7 @@ class CheckpointStore:
         if best is None:
             return None
         path = self.folder / best["file"]
-        return path if path.is_file() else None
+        return path if path.exists() else None
 
     def best_record(self) -> dict[str, Any] | None:
         """index.json's record of the best: {"file", "step", "metric", "mode", "value"}, or None."""
@@ -232,8 +278,12 @@ class CheckpointStore:
 
     def verify(self, path: str | os.PathLike) -> bool | Damage:
         """True when the file's sha256 matches its .sha256; otherwise a Damage (a str, false in a
-        test) saying what is wrong."""
+        test) saying what is wrong. A sharded checkpoint (a .dcp folder) verifies when every file its
+        MANIFEST.sha256 lists matches; its Damage names the first file that does not."""
         path = Path(path)
+        if path.name.endswith(checkpoint_dcp.SUFFIX):
+            why = checkpoint_dcp.verify(path)
+            return True if why is True else Damage(str(why))
         if not path.is_file():
             return Damage("the file is missing")
         sidecar = hash_path(path)
@@ -257,6 +307,8 @@ class CheckpointStore:
         """The newest checkpoint that verifies, loaded: (state, path); None when the run has none.
 
         Damaged or unverifiable files are skipped, with a CheckpointWarning naming each and why.
+        For a sharded checkpoint (a .dcp folder) the state is rank 0's run state, without "model"
+        and "optimizer" (io.checkpoint_dcp.load_weights / load_full read those).
         A run directory from before the store (a single RUN_DIR/checkpoint.pt, no hash) loads
         with a note in the log. Raises CheckpointError when checkpoints exist but none verifies
         (the message lists them and why), or when one verifies but cannot be loaded (e.g.
@@ -268,7 +320,10 @@ class CheckpointStore:
             if why is not True:
                 skipped.append((path, str(why)))
                 continue
-            state = load_checkpoint(path, map_location=map_location)
+            if path.is_dir():
+                state = checkpoint_dcp.read_run_state(path)[0]
+            else:
+                state = load_checkpoint(path, map_location=map_location)
             self._warn_skipped(skipped, path)
             return state, path
         legacy = self.run_dir / LEGACY_NAME
@@ -290,6 +345,43 @@ class CheckpointStore:
         raise CheckpointError(
             f"{self.folder}: no checkpoint verifies ({listing}); start a new run (or use another --run-dir), "
             "or pass one of them to --resume if you trust it")
+
+    def find_latest(self, verify: Callable[[Path], bool | str] | None = None, candidates: list[Path] | None = None,
+                    warn: bool = True) -> Path | None:
+        """The newest checkpoint that verifies (a file or a .dcp folder), not loaded; None when the run
+        has none. The same order and warnings as load_latest; a legacy RUN_DIR/checkpoint.pt is
+        returned unverified (it has no hash) when nothing else verifies.
+
+        verify: path -> True or the reason it fails (default: self.verify); a job's ranks pass one
+        that verifies a share of the files each and agrees (a collective), with the same
+        `candidates` (rank 0's listing) everywhere and warn=True on one rank only. Raises
+        CheckpointError when checkpoints exist but none verifies.
+        """
+        skipped: list[tuple[Path, str]] = []
+        for path in self.candidates() if candidates is None else candidates:
+            why = verify(path) if verify is not None else self.verify(path)
+            if why is not True:
+                skipped.append((path, str(why)))
+                continue
+            if warn:
+                self._warn_skipped(skipped, path)
+            return path
+        legacy = self.run_dir / LEGACY_NAME
+        if legacy.is_file():
+            if warn:
+                self._warn_skipped(skipped, legacy)
+            return legacy
+        if not skipped:
+            return None
+        listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise CheckpointError(
+            f"{self.folder}: no checkpoint verifies ({listing}); start a new run (or use another --run-dir), "
+            "or pass one of them to --resume if you trust it")
+
+    def candidates(self) -> list[Path]:
+        """The checkpoints in the order resuming tries them: the one `latest` names, then lower steps
+        from the highest down, then higher ones (see the module's docstring)."""
+        return self._candidates()
 
     def _warn_skipped(self, skipped: list[tuple[Path, str]], used: Path) -> None:
         for path, why in skipped:
@@ -318,13 +410,21 @@ class CheckpointStore:
     def _step_files(self) -> dict[int, Path]:
         if not self.folder.is_dir():
             return {}
-        files = {}
+        files: dict[int, Path] = {}
+        latest = self._latest_name()
+
+        def rank(path: Path, step: int) -> tuple[bool, bool, bool]:
+            # step-123.pt and step-000123.pt would be the same step: the canonical name wins; a file
+            # and a folder of one step (the format changed between runs): the one `latest` names.
+            return (path.name == latest, path.name in (step_file_name(step), checkpoint_dcp.dir_name(step)),
+                    path.is_dir())
+
         for path in self.folder.iterdir():
             step = step_of(path)
-            if step is not None and path.is_file():
-                # step-123.pt and step-000123.pt would be the same step: the canonical name wins.
-                if step not in files or path.name == step_file_name(step):
-                    files[step] = path
+            if step is None or not (path.is_dir() if path.name.endswith(checkpoint_dcp.SUFFIX) else path.is_file()):
+                continue
+            if step not in files or rank(path, step) > rank(files[step], step):
+                files[step] = path
         return files
 
     def _latest_name(self) -> str | None:
@@ -361,3 +461,17 @@ class CheckpointStore:
             if match and match.group(2) == name:
                 out.append(match.group(1))
         return out
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable (where folders can be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -25,7 +25,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,9 @@ def is_main_process() -> bool:
     environment torchrun set, without initializing anything."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+    from gputrain.runtime.slurm import launcher_rank
+
+    return launcher_rank() == 0  # torchrun's RANK, or srun's SLURM_PROCID
 
 
 def rank_zero_only(fn):
@@ -118,16 +120,22 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
         device = _rank_device(device_spec, local_rank)
         return DistInfo(world > 1, rank, local_rank, world, dist.get_backend(), owns_group=False), device
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from gputrain.runtime.slurm import slurm_task
+
+    # Started by srun as one of several tasks (no torchrun): the variables torchrun would have set,
+    # from Slurm's (runtime/slurm.py).
+    task = slurm_task()
+    env: Mapping[str, str] = {**os.environ, **task.as_env()} if task is not None else os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE, pick_device(device_spec)
-    missing = [k for k in _ENV if k not in os.environ]
+    missing = [k for k in _ENV if k not in env]
     if missing:
         raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the job with torchrun "
                           "(torchrun --nproc-per-node N -m gputrain fit ...) or gputrain fit --nproc N")
     if not dist.is_available():
         raise ConfigError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
     device = _rank_device(device_spec, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -135,6 +143,8 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
     if backend == "nccl":
         kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None and task is not None:  # no torchrun: rank 0 hosts the store on the first node
+        restart = f"slurm-{task.restart_count}"
     if restart is not None:
         # torchrun's c10d rendezvous keeps one store server for the whole job, so a process group
         # made after a restart, or after an earlier group in this process was destroyed (fit called
@@ -147,7 +157,7 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
             # dist.TCPStore, dist.PrefixStore: documented public API that torch's __init__ imports
             # without re-exporting it.
             _store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                 is_master=(rank == 0 and not use_agent), timeout=timeout)
         _groups_made += 1
         # torch names the default group "0" again after destroy_process_group, so without the
@@ -423,6 +433,15 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=_collective_device(info))
     return box[0]
+
+
+def all_gather_object(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (a collective). Single process: [obj]."""
+    if not info.enabled:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(info: DistInfo) -> None:

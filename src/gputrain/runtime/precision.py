@@ -160,13 +160,19 @@ class RunPrecision:
         return self.precision.autocast(self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        if self.precision.use_scaler:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()  # what a disabled scaler does, without its pass-through calls
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step() through the scaler (which skips steps with inf/NaN gradients in fp16)."""
+        if not self.precision.use_scaler:
+            optimizer.step()  # what a disabled scaler does, without its pass-through calls
+            return
         self.scaler.step(optimizer)
         self.scaler.update()
 

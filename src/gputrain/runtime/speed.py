@@ -8,6 +8,7 @@ answer is never asked again. `restore()` gives back the process-wide cudnn.bench
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -36,8 +37,12 @@ def global_hooks() -> bool:
 
 
 def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, use_scaler: bool, compiled: bool | str,
-                   checkpointing: bool, optimizer=None, model: nn.Module | None = None) -> str | None:
+                   recompute: bool, optimizer=None, model: nn.Module | None = None,
+                   step_hooks: Sequence[str] = ()) -> str | None:
     """Why the whole step cannot be captured in a CUDA graph, or None when it can.
+
+    step_hooks: the callbacks that asked for a hook after every step (train/callbacks.py); callbacks
+    that run at log points only do not change the answer.
 
     optimizer: None when gputrain builds it (then capturable), an Optimizer instance given by the
     user (it must have been created with capturable=True), or a factory (unknown: not captured).
@@ -52,8 +57,11 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
         return "fp16 loss scaling checks for inf on the host every step"
     if compiled and compiled in ("reduce-overhead", "max-autotune"):
         return f"torch.compile mode {compiled!r} captures its own CUDA graphs (cudagraph trees)"
-    if checkpointing:
-        return "activation checkpointing recomputes inside backward"
+    if recompute:
+        return "recompute (activation checkpointing) runs forward passes again inside backward"
+    if step_hooks:
+        return (f"callback {', '.join(step_hooks)} asked for a hook after every step (every_step=True); "
+                "callbacks that run at log points keep graphs on")
     if optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
             if not all(g.get("capturable", False) for g in optimizer.param_groups):
@@ -98,7 +106,7 @@ class SpeedSwitches:
 
 
 def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: int = 1, use_scaler: bool = False,
-                 optimizer=None) -> SpeedSwitches:
+                 optimizer=None, step_hooks: Sequence[str] = ()) -> SpeedSwitches:
     """Decide every switch once from the config ("auto" or a forced value), the model and the device."""
     cuda = device.type == "cuda"
     conv = has_conv(model)
@@ -128,7 +136,8 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
     blocker = graph_blockers(device=device, accumulate=config.accumulate, world_size=world_size,
                              use_scaler=use_scaler,
                              compiled=(config.compile_mode or "default") if config.compile else False,
-                             checkpointing=bool(config.checkpointing), optimizer=optimizer, model=model)
+                             recompute=bool(config.recompute), optimizer=optimizer, model=model,
+                             step_hooks=step_hooks)
     if config.cuda_graphs == "auto":
         graphs = blocker is None
         reasons["cuda_graphs"] = (blocker if blocker is not None

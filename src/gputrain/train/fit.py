@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,12 +15,18 @@ from gputrain.train.trainer import Trainer
 
 def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, compute_loss: Callable | None = None,
         optimizer=None, config: TrainConfig | None = None, eval_data=None, task: str | None = None,
-        metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None) -> History:
+        metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
+        callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
+        collate_fn: Callable | None = None) -> History:
     """Train `model` and return its History.
 
     train_data / eval_data: tensor columns ((inputs, targets), or a dict of equal-length tensors such
-        as a tokenizer's output), a Dataset (of pairs, dicts, any nesting), a DataLoader, or a
-        workload's DataSplits (which brings its test split, normalization and augmentation).
+        as a tokenizer's output), a Dataset (of pairs, dicts, any nesting), a DataLoader, a torch
+        IterableDataset, a Hugging Face Dataset or IterableDataset (streaming), any iterable of
+        batches (a list, a generator: read once), or a workload's DataSplits (which brings its test
+        split, normalization and augmentation). Data without a length need config.steps.
+    collate_fn: makes a batch from a Dataset's or IterableDataset's samples (e.g. a tokenizer's
+        DataCollatorWithPadding); a DataLoader keeps its own.
     How a batch becomes a loss, the first that applies: `compute_loss(model, batch)` returning the
         loss or (loss, outputs); a pair (inputs, targets) with `loss_fn(model(inputs), targets)`; the
         model called with the batch (`model(**batch)` for a dict) returning a scalar, `.loss` or
@@ -29,11 +35,16 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
         as eval_<name> at each evaluation. num_items: batch -> count of the items the loss averages
         over (e.g. non-padding tokens); the step's gradient is then the mean over items.
     optimizer: an optimizer, a callable params -> optimizer, or None for AdamW(config.lr).
+    callbacks: objects with hooks at log points (gputrain.Callback, EarlyStopping, EMA; see
+        train/callbacks.py): they may stop the run, change the learning rate, keep state in checkpoints.
+    scheduler: a callable optimizer -> LRScheduler (any torch.optim.lr_scheduler), stepped after every
+        optimizer step and checkpointed; None: config.schedule with config.warmup_steps.
     config: TrainConfig; None means the defaults. Raises ConfigError / DeviceError / DataError /
     CheckpointError with a message saying what to change.
     """
     trainer = Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
-                      config=config, eval_data=eval_data, task=task, metrics=metrics, num_items=num_items)
+                      config=config, eval_data=eval_data, task=task, metrics=metrics, num_items=num_items,
+                      callbacks=callbacks, scheduler=scheduler, collate_fn=collate_fn)
     info = trainer.dist
     try:
         return trainer.run()
@@ -56,12 +67,14 @@ def workload_config(workload, config: TrainConfig | None = None, full_batch: boo
     return config
 
 
-def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None
+def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None, *,
+                 callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None
                  ) -> tuple[History, nn.Module]:
     """Train a Workload with its defaults under `config`; returns (history, trained model)."""
     config = workload_config(workload, config, full_batch)
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     data = workload.make_data()
     model = workload.make_model()
-    history = fit(model, data, config=config, task=workload.task, **workload.loss_kwargs())
+    history = fit(model, data, config=config, task=workload.task, callbacks=callbacks, scheduler=scheduler,
+                  **workload.loss_kwargs())
     return history, model

@@ -1,7 +1,9 @@
 """Watching a run's health at log points (never per step): non-finite steps and loss spikes.
 
-The step counts non-finite steps on the device; the trainer reads that count with the loss at each
-log point and before every checkpoint write, and `NonFiniteGuard` decides: stop with an error that
+At each log point and before every checkpoint write the trainer reads the loss with what tells of
+non-finite steps since the last read: with on_nan="skip" the count the step keeps on the device,
+with on_nan="stop" (nothing counted per step) whether the loss sum or the run's state (parameters,
+gradients, optimizer state) went non-finite. `NonFiniteGuard` decides: stop with an error that
 names the interval of steps and the last good checkpoint, or (on_nan="skip") report how many steps
 were skipped. `SpikeDetector` compares each log point's loss with the median of a rolling window.
 """
@@ -29,7 +31,8 @@ class NonFiniteGuard:
         self.skipped = 0
 
     def check(self, bad_steps: int, step: int, last_checkpoint: str | None) -> None:
-        """Called with the non-finite steps since the last check, at `step`; raises or records."""
+        """Called with the non-finite steps since the last check, at `step`; raises or records.
+        (on_nan="stop": 0, or 1 for one or more: the steps are not counted one by one.)"""
         if bad_steps == 0:
             self.last_clean_step = step
             return
@@ -43,7 +46,7 @@ class NonFiniteGuard:
         resume = (f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint
                   else "; no checkpoint was written from this run")
         raise NonFiniteError(
-            f"the loss or gradient became non-finite (NaN/inf) in {bad_steps} step(s) {where}{resume}. "
+            f"the loss or gradient became non-finite (NaN/inf) {where}{resume}. "
             "Lower the learning rate (--lr), clip gradients (--max-grad-norm), check the data for NaN/inf, "
             "or skip such steps with --on-nan skip")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -56,6 +56,9 @@ def make_optimizer(
     return torch.optim.AdamW(params, **kwargs), f"AdamW ({how})"
 
 
+SCHEDULES = ("constant", "cosine", "linear", "onecycle")  # each after `warmup_steps` of linear warm-up
+
+
 def make_schedule(name: str, total_steps: int, warmup_steps: int) -> Callable[[int], float]:
     """A multiplier of the base lr for each optimizer step (0-based)."""
     total_steps = max(1, total_steps)
@@ -76,6 +79,13 @@ def make_schedule(name: str, total_steps: int, warmup_steps: int) -> Callable[[i
             t = (s - warmup_steps) / max(1, total_steps - warmup_steps)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
         return cosine
+    if name == "linear":
+        def linear(s: int) -> float:
+            w = warm(s)
+            if w is not None:
+                return w
+            return max(0.0, 1.0 - (s - warmup_steps) / max(1, total_steps - warmup_steps))
+        return linear
     if name == "onecycle":
         # Linear up to the peak over the warm-up (30% of the run if none given), then linear to 0.
         up = warmup_steps or max(1, int(0.3 * total_steps))
@@ -85,7 +95,7 @@ def make_schedule(name: str, total_steps: int, warmup_steps: int) -> Callable[[i
                 return 0.1 + 0.9 * (s + 1) / up
             return max(0.0, (total_steps - s) / max(1, total_steps - up))
         return onecycle
-    raise ConfigError(f"unknown schedule {name!r}: choose constant, cosine or onecycle")
+    raise ConfigError(f"unknown schedule {name!r}: choose {', '.join(SCHEDULES)}")
 
 
 class LRSchedule:
@@ -121,6 +131,14 @@ class LRSchedule:
         self.last_epoch += 1
         self._apply()
 
+    def scale(self, factor: float | None, base: float | None = None) -> None:
+        """Multiply the base lrs by `factor` (or set them all to `base`) and apply the rate in force
+        now (a callback changing the learning rate; the schedule goes on from the new base)."""
+        self.base_lrs = [base if base is not None else b * (factor if factor is not None else 1.0)
+                         for b in self.base_lrs]
+        self._multiplier = None
+        self._apply()
+
     def get_last_lr(self) -> list[float]:
         """The lrs in force, from the host (no device read)."""
         return [base * (self._multiplier or 0.0) for base in self.base_lrs]
@@ -137,3 +155,22 @@ class LRSchedule:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int) -> LRSchedule:
     return LRSchedule(optimizer, make_schedule(name, total_steps, warmup_steps))
+
+
+def make_user_scheduler(optimizer: torch.optim.Optimizer, factory: Callable[[torch.optim.Optimizer], Any]
+                        ) -> tuple[Any, str]:
+    """Your scheduler, `factory(optimizer)` (any torch.optim.lr_scheduler.LRScheduler, or an object
+    with step / get_last_lr / state_dict / load_state_dict): stepped after every optimizer step and
+    saved in checkpoints. Returns (scheduler, description)."""
+    if not callable(factory):
+        raise ConfigError(f"scheduler must be a callable optimizer -> LRScheduler (e.g. lambda opt: "
+                          f"torch.optim.lr_scheduler.StepLR(opt, 100)), got {type(factory).__name__}")
+    scheduler = factory(optimizer)
+    missing = [m for m in ("step", "get_last_lr", "state_dict", "load_state_dict")
+               if not callable(getattr(scheduler, m, None))]
+    if missing:
+        raise ConfigError(f"the scheduler factory returned {type(scheduler).__name__}, which lacks "
+                          f"{', '.join(missing)}: return a torch.optim.lr_scheduler.LRScheduler")
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ConfigError("the scheduler factory built its scheduler on another optimizer: use the one it is given")
+    return scheduler, f"{type(scheduler).__name__} (given), stepped after every optimizer step"

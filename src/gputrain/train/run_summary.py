@@ -22,9 +22,25 @@ def decisions(t) -> list[dict[str, str]]:
             {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
                                                                 "the model's own loss that applies"},
             {"name": "optimizer", "value": t.optimizer_desc, "reason": "given" if "given" in
-             t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"}]
+             t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"},
+            {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
+             _schedule(t) else "TrainConfig.schedule and warmup_steps"}]
     rows += t.speed.decisions()
+    callbacks = _callbacks(t)
+    if callbacks is not None:
+        rows.append({"name": "callbacks", "value": callbacks.describe(),
+                     "reason": callbacks.cost() or "hooks at log points: no extra host reads, CUDA graphs unchanged"})
     return rows
+
+
+def _schedule(t) -> str:
+    return getattr(t, "schedule_desc", None) or f"{t.config.schedule} (built-in)"
+
+
+def _callbacks(t):
+    """The run's CallbackList when it has callbacks, else None (also for trainer-like stand-ins)."""
+    callbacks = getattr(t, "callbacks", None)
+    return callbacks if callbacks is not None and len(callbacks) else None
 
 def announce(t) -> None:
     if not t.is_main:
@@ -33,11 +49,18 @@ def announce(t) -> None:
     log.info("precision: %s", t.precision.reason)
     log.info("data: %s", t.placement.reason)
     log.info("loss: %s", t.loss.how)
-    log.info("optimizer: %s; %d steps of %d x %d samples%s", t.optimizer_desc, t.total_steps,
-             t.config.batch_size, t.config.accumulate,
+    batch = getattr(t, "batch_size", t.config.batch_size)  # the data's own (a user DataLoader's), None: the iterable's
+    log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optimizer_desc, t.total_steps,
+             batch if batch is not None else "the iterable's own batches", t.config.accumulate,
+             " samples" if batch is not None else "",
              f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
     for row in t.speed.decisions():
         log.info("%s: %s (%s)", row["name"], row["value"], row["reason"])
+    callbacks = _callbacks(t)
+    if callbacks is not None:
+        log.info("callbacks: %s", callbacks.describe())
+        if callbacks.cost():
+            log.warning("callbacks: %s", callbacks.cost())
 
 def graph_status(t) -> str:
     if t.graphed is None:
@@ -75,14 +98,18 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
         "steps": st.step,
         "total_steps": t.total_steps,
         "stopped_early": stopped,
+        "stopped_by": st.stopped_by or None,
+        "schedule": _schedule(t),
+        "callbacks": callbacks.describe() if (callbacks := _callbacks(t)) is not None else None,
         "time_s": elapsed,
         "samples": st.samples_seen,
         "samples_per_s": steady_rate(t, elapsed),
         "peak_memory_bytes": peak or None,
         "world_size": t.dist.world_size,
-        "batch_size": t.config.batch_size,
+        "batch_size": getattr(t, "batch_size", t.config.batch_size),
         "accumulate": t.config.accumulate,
-        "effective_batch": t.config.batch_size * t.config.accumulate * t.dist.world_size,
+        "effective_batch": (getattr(t, "batch_size", t.config.batch_size) or 0) * t.config.accumulate
+                           * t.dist.world_size or None,
         "oom_splits": st.splits,
         "nonfinite_steps": st.nonfinite_steps,
         "on_nan": t.config.on_nan,
@@ -96,6 +123,8 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
         "decisions": t.decisions(),
         "warnings": list(t.warnings),
     }
+    if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
+        summary.update(t.checkpointer.summary())
     if recs:
         summary["final_loss"] = recs[-1].get("loss")
         eval_keys = sorted({k for r in recs for k in r if k.startswith("eval_")})

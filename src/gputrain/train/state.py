@@ -15,7 +15,8 @@ class RunState:
     samples_seen: samples over all processes; splits: OOM micro-batch splits in force (1 = none);
     loss_since_log: the loss summed (host float) over the steps_since_log steps since the last log
     point, so that a resumed run logs the same loss as an uninterrupted one; nonfinite_steps: steps
-    with a non-finite loss or gradient so far.
+    with a non-finite loss or gradient so far; stopped_by: why a callback ended the run early ("" when
+    none did): a resumed run that was stopped so trains no further.
     """
 
     step: int = 0
@@ -26,6 +27,7 @@ class RunState:
     loss_since_log: float = 0.0
     steps_since_log: int = 0
     nonfinite_steps: int = 0
+    stopped_by: str = ""
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,10 +5,19 @@ In order (the step contract of the design notes):
    `loss * weight`, where weight is the micro-batch's share of the step's samples (or of its items,
    with `num_items`), so that the step's gradient is the mean over all of its samples however the
    micro-batches are cut; gradient sync (DDP/FSDP) only on the last micro-batch;
-2. clip (after unscaling, fp16), optimizer step through the scaler, scaler update, zero_grad;
-3. the detached loss, weighted the same way, is added to a device accumulator, and a device flag
-   counts steps whose loss or gradient norm was not finite. Nothing is read on the host: the
-   trainer reads both at log points.
+2. clip (after unscaling, fp16), optimizer step through the scaler, scaler update, zero_grad, then
+   the device-only updates it was given (`after_step`: an EMA of the weights, say);
+3. the detached loss, weighted the same way, is added to a device accumulator. Nothing is read on
+   the host: the trainer reads it at log points and before checkpoints (`take_totals`).
+
+Non-finite steps cost nothing per step with on_nan="stop": a non-finite loss leaves the loss sum
+non-finite, and a non-finite gradient leaves non-finite parameters or optimizer state once the
+optimizer has stepped (clipping by a NaN/inf norm included), so one probe of the parameters, their
+gradients and the optimizer's state where the loss sum is read (`take_totals`) finds either; the
+stop names the interval between two reads. on_nan="skip" must decide every step, on the device:
+a flag per step (from the clipping norm when there is one, else one GradScaler-style check of the
+gradients and the loss) that a fused optimizer reads to skip the update, counted in a second
+accumulator.
 
 `run(micro_batches)` is that body and nothing else: the CUDA-graph wrapper (train/graphs.py)
 captures exactly it, so eager and graphed steps cannot drift apart. `__call__` adds what cannot be
@@ -50,7 +59,7 @@ class TrainStep:
                  precision: RunPrecision, *, device: torch.device, max_grad_norm: float | None = None,
                  num_items: Callable[[Any], Any] | None = None, dist: distributed.DistInfo | None = None,
                  oom_recovery: bool = True, params: Sequence[nn.Parameter] | None = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, after_step: Sequence[Callable[[], None]] = ()):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -61,20 +70,43 @@ class TrainStep:
         self.dist = dist
         self.oom_recovery = oom_recovery
         self.params = list(params if params is not None else model.parameters())
-        # on_nan="skip": a step whose loss or gradient norm is not finite leaves parameters and
-        # optimizer state as they were, decided on the device (fused optimizers read `found_inf` in
-        # their kernel, as GradScaler uses it), so it works inside a captured graph too.
+        # Device-only updates run after the optimizer step, e.g. an EMA of the weights (a foreach lerp):
+        # part of the body, so a CUDA graph captures them with it. They must not read values on the host.
+        self.after_step = tuple(after_step)
+        # on_nan="skip": every step's flag, counted on the device (on_nan="stop" needs none: see the
+        # module docstring). Without a scaler a step whose loss or gradient is not finite leaves
+        # parameters and optimizer state as they were, decided on the device (fused optimizers read
+        # `found_inf` in their kernel, as GradScaler uses it), so it works inside a captured graph too.
+        self.count_nonfinite = skip_nonfinite
         self.skip_nonfinite = skip_nonfinite and not precision.precision.use_scaler  # fp16: the scaler skips
         # Device accumulators whose storage never changes (a captured graph writes to their address).
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
         self.splits = 1  # each micro-batch is cut into this many pieces after OOM recovery (1 = none)
+        # Decided once, not per step: autocast (None: fp32/tf32, no context to enter) and the foreach
+        # kernels of the norms (CUDA; None: torch's choice).
+        self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
+        self._foreach = device.type == "cuda" or None
+        if self.skip_nonfinite:
+            # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
+            # address); checked like GradScaler's (one kernel over the gradients) unless the
+            # gradients are sharded DTensors or on another device, where a norm is reduced instead.
+            self._found_inf = torch.zeros((), device=device, dtype=torch.float32)
+            self._one = torch.ones((), device=device, dtype=torch.float32)
+            self._grad_check = all(p.device == device and not callable(getattr(p, "to_local", None))
+                                   for p in self.params)
+            # Attributes Optimizer does not declare: torch's fused kernels read them with getattr, as
+            # GradScaler sets them.
+            setattr(optimizer, "grad_scale", None)
+            setattr(optimizer, "found_inf", self._found_inf)
 
     # ------------------------------------------------------------ the body (captured as is)
 
-    def _weights(self, pieces: list[Any]) -> list[Any]:
+    def _weights(self, pieces: Sequence[Any]) -> list[Any]:
         """Each piece's share of the step: samples (host ints, no sync) or items (device tensors)."""
         if self.num_items is None:
+            if len(pieces) == 1:
+                return [1.0]  # the whole step: no batch size to read
             counts = [batches.batch_size(p) for p in pieces]
             total = sum(counts)
             return [c / total for c in counts]
@@ -91,53 +123,84 @@ class TrainStep:
         clock: an optional phase clock (`mark("forward" | "backward" | "optimizer")`) with which
         `gputrain profile` splits an eager step into phases; the trainer and the graphs pass none.
         """
-        pieces = [p for mb in micro_batches for p in (batches.split(mb, self.splits) if self.splits > 1 else [mb])]
+        pieces = micro_batches if self.splits == 1 else [p for mb in micro_batches for p in batches.split(mb, self.splits)]
+        if not pieces:
+            raise GputrainError("a training step needs at least one micro-batch; got none")
         weights = self._weights(pieces)
         last = len(pieces) - 1
         step_loss = None
-        for i, (piece, weight) in enumerate(zip(pieces, weights)):
-            with distributed.no_sync(self.model, sync=(i == last)):
-                with self.precision.autocast():
-                    loss, _ = self.loss(self.model, piece)
-                if clock is not None:
-                    clock.mark("forward")
-                # A whole step in one piece has weight 1.0 (a host float): no multiply kernel.
-                whole = isinstance(weight, float) and weight == 1.0
-                self.precision.backward(loss if whole else loss * weight)
-                if clock is not None:
-                    clock.mark("backward")
-            term = loss.detach().float()  # .float(): no kernel when the loss is already fp32
-            term = term if whole else term * weight
+        for i, piece in enumerate(pieces):
+            if i == last:  # the last piece syncs gradients (DDP/FSDP): no context to enter
+                term = self._forward_backward(piece, weights[i], clock)
+            else:
+                with distributed.no_sync(self.model, sync=False):
+                    term = self._forward_backward(piece, weights[i], clock)
             step_loss = term if step_loss is None else step_loss + term
-        if step_loss is None:
-            raise GputrainError("a training step needs at least one micro-batch; got none")
+        assert step_loss is not None  # at least one piece
         norm = None
         if self.max_grad_norm is not None:
             self.precision.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self.device.type == "cuda" or None)
-        elif not self.precision.precision.use_scaler:  # fp16: the scaler checks (and skips) itself
-            # A finite loss can still give non-finite gradients (an inf input through a saturated
-            # tanh: 0 x inf in backward). One norm over the gradients, on the device, no host read.
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                norm = nn.utils.get_total_norm(grads, foreach=self.device.type == "cuda" or None)
-        # Non-finite loss or norm, in three small kernels (isfinite alone is four: ==, abs, !=, *):
-        # the sum is finite when both are (norm >= 0; a sum past fp32's max, ~3e38, counts as
-        # non-finite), and x - x is NaN exactly when x is inf or NaN.
-        probe = step_loss if norm is None else step_loss + _local(norm)
-        bad = (probe - probe).ne(0)  # bool, shape ()
-        if self.skip_nonfinite:
-            # Attributes Optimizer does not declare: torch's fused kernels read them with getattr, as
-            # GradScaler sets them.
-            setattr(self.optimizer, "grad_scale", None)
-            setattr(self.optimizer, "found_inf", bad.float())
-            step_loss = step_loss.masked_fill(bad, 0.0)  # keep the mean finite
+            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self._foreach)
+        if self.count_nonfinite:
+            step_loss = self._flag_nonfinite(step_loss, norm)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        for update in self.after_step:
+            update()
         self.loss_sum.add_(step_loss)
-        self.nonfinite.add_(bad)  # float += bool: 1.0 per non-finite step
         if clock is not None:
             clock.mark("optimizer")
+
+    def _forward_backward(self, piece: Any, weight: Any, clock) -> torch.Tensor:
+        """One piece's forward (under autocast where the precision has one), loss and backward of
+        `loss * weight`; returns the detached fp32 loss times the weight."""
+        if self._autocast is None:
+            loss, _ = self.loss(self.model, piece)
+        else:
+            with self._autocast():
+                loss, _ = self.loss(self.model, piece)
+        if clock is not None:
+            clock.mark("forward")
+        # A whole step in one piece has weight 1.0 (a host float): no multiply kernel.
+        whole = weight.__class__ is float and weight == 1.0
+        self.precision.backward(loss if whole else loss * weight)
+        if clock is not None:
+            clock.mark("backward")
+        term = loss.detach()
+        if term.dtype != torch.float32:
+            term = term.float()
+        return term if whole else term * weight
+
+    def _flag_nonfinite(self, step_loss: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """on_nan="skip": flag this step when its loss or a gradient is not finite, on the device,
+        and count it; without a scaler the fused optimizer skips the flagged step and its loss stays
+        out of the sum. Returns the loss to add to the sum."""
+        if not self.skip_nonfinite or norm is not None or not self._grad_check:
+            if norm is None and not self.precision.precision.use_scaler:
+                grads = [p.grad for p in self.params if p.grad is not None]
+                norm = nn.utils.get_total_norm(grads, foreach=self._foreach) if grads else None
+            # Non-finite loss or norm in three small kernels (isfinite alone is four: ==, abs, !=,
+            # *): the sum is finite when both are (norm >= 0; a sum past fp32's max, ~3e38, counts
+            # as non-finite), and x - x is NaN exactly when x is inf or NaN.
+            probe = step_loss if norm is None else step_loss + _local(norm)
+            bad = (probe - probe).ne(0)  # bool, shape ()
+            if self.skip_nonfinite:
+                self._found_inf.copy_(bad)
+        else:
+            # GradScaler's check with a scale of 1: one kernel sets the flag when any gradient (or
+            # the loss) holds an inf or NaN; exact, no norm to overflow. Grouped by dtype, so that
+            # every group takes the multi-tensor kernel.
+            found = self._found_inf.zero_()
+            groups: dict[torch.dtype, list[torch.Tensor]] = {step_loss.dtype: [step_loss]}
+            for p in self.params:
+                if p.grad is not None:
+                    groups.setdefault(p.grad.dtype, []).append(p.grad)
+            for tensors in groups.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(  # pyright: ignore[reportPrivateImportUsage]
+                    tensors, found, self._one)
+            bad = found.ne(0)
+        self.nonfinite.add_(bad)  # float += bool: 1.0 per non-finite step
+        return step_loss.masked_fill(bad, 0.0) if self.skip_nonfinite else step_loss  # keep the mean finite
 
     # ------------------------------------------------------------ eager entry: OOM recovery
 
@@ -167,12 +230,59 @@ class TrainStep:
 
     # ------------------------------------------------------------ reading the accumulators
 
-    def take_totals(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, non-finite step count) since the last call, as device tensors; resets both."""
-        totals = torch.stack([self.loss_sum, self.nonfinite])  # a copy: the accumulators keep their storage
+    def take_totals(self) -> torch.Tensor:
+        """[loss sum, non-finite steps, state probe] since the last call, one device tensor (one
+        host read for the trainer); resets the sums.
+
+        The non-finite steps are counted with on_nan="skip" only. The state probe (on_nan="stop";
+        0 with "skip") is finite when the parameters, their gradients and the optimizer's state
+        are: where it is not, `state_is_finite` settles whether a value is, or only the probe's
+        norm overflowed.
+        """
+        probe = self._state_probe() if not self.count_nonfinite else torch.zeros_like(self.loss_sum)
+        totals = torch.stack([self.loss_sum, self.nonfinite, probe])  # a copy: the accumulators keep their storage
         self.loss_sum.zero_()
         self.nonfinite.zero_()
-        return totals[0], totals[1]
+        return totals
+
+    def _state(self) -> list[torch.Tensor]:
+        """The tensors a non-finite gradient would spoil: parameters, gradients still held (a
+        parameter outside the optimizer keeps its own), the optimizer's state; floating-point ones
+        only (no lazy parameter not yet materialized), sharded (DTensor) ones as this rank's shard."""
+        out: list[torch.Tensor] = []
+        for p in self.params:
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+        for state in self.optimizer.state.values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return [_shard(t) for t in out if (t.is_floating_point() or t.is_complex())
+                and not nn.parameter.is_lazy(t)]
+
+    @torch.no_grad()
+    def _state_probe(self) -> torch.Tensor:
+        """One device scalar: the sum of the 2-norms of the run's state (`_state`), finite exactly
+        when every value is, except that finite values past ~1e19 overflow it (fp32)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in self._state():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        # One foreach norm per (device, dtype) (on the CPU too), summed: a few ops per log point.
+        sums = [torch.stack(torch._foreach_norm(g)).sum()  # pyright: ignore[reportPrivateImportUsage]
+                .to(device=self.device, dtype=torch.float32) for g in groups.values()]
+        if not sums:
+            return torch.zeros((), device=self.device, dtype=torch.float32)
+        return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+    @torch.no_grad()
+    def state_is_finite(self) -> bool:
+        """The exact check behind a non-finite state probe (host reads: only on that rare path)."""
+        return all(bool(torch.isfinite(t).all()) for t in self._state())
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) tensor; a plain tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return cast(torch.Tensor, to_local()) if callable(to_local) else t  # DTensor.to_local() -> Tensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -24,7 +26,10 @@ from torch import nn
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
+from gputrain.data.checks import first_step_note
 from gputrain.data.deferred import num_samples
+from gputrain.data.sources import batch_size_used
+from gputrain.data.stream import DataExhausted, known_length, plan_steps
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
@@ -35,7 +40,8 @@ from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector
 from gputrain.train import checkpointing, run_summary
 from gputrain.train.loss import LossRule
-from gputrain.train.optim import make_optimizer, make_scheduler
+from gputrain.train.callbacks import CallbackList, RunControl
+from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.state import RunState
 from gputrain.train.step import TrainStep
 
@@ -54,7 +60,9 @@ class Trainer:
     def __init__(self, model: nn.Module, train_data, *, loss_fn: Callable | None = None,
                  compute_loss: Callable | None = None, optimizer=None, config: TrainConfig | None = None,
                  eval_data=None, task: str | None = None, transform: BatchTransform | None = None,
-                 metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None):
+                 metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
+                 callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
+                 collate_fn: Callable | None = None):
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
@@ -64,10 +72,12 @@ class Trainer:
         self.loss = LossRule(loss_fn, compute_loss)
         self.task = task or (infer_task(loss_fn) if compute_loss is None else None)
         self.warnings: list[str] = []
+        self.callbacks = CallbackList(callbacks)  # hooks at log points (train/callbacks.py)
+        self.control = RunControl(self)
         self._setup_precision()
         self._setup_model(model, optimizer)
-        self._setup_data(train_data, eval_data, transform)
-        self._setup_optimizer(optimizer)
+        self._setup_data(train_data, eval_data, transform, collate_fn)
+        self._setup_optimizer(optimizer, scheduler)
         self._setup_step(num_items)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
@@ -86,16 +96,17 @@ class Trainer:
     def _setup_model(self, model: nn.Module, optimizer) -> None:
         cfg, device = self.config, self.device
         self.speed: SpeedSwitches = decide_speed(cfg, model, device, world_size=self.dist.world_size,
-                                                 use_scaler=self.precision.precision.use_scaler, optimizer=optimizer)
+                                                 use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
+                                                 step_hooks=self.callbacks.per_step)
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
         self.speed.apply(device)  # cudnn.benchmark, given back by close()
         self.checkpointed: list[str] = []
-        if cfg.checkpointing:
+        if cfg.recompute:
             from gputrain.train.activation_checkpointing import apply_activation_checkpointing
 
-            targets = None if cfg.checkpointing is True else list(cfg.checkpointing)
+            targets = None if cfg.recompute is True else list(cfg.recompute)
             self.checkpointed = apply_activation_checkpointing(self.module, targets)
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard)
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
@@ -108,33 +119,41 @@ class Trainer:
             self.model = cast(nn.Module, torch.compile(self.model, mode=cfg.compile_mode or None))
             self.recompiles = RecompileWatcher().start()
 
-    def _setup_data(self, train_data, eval_data, transform: BatchTransform | None) -> None:
+    def _setup_data(self, train_data, eval_data, transform: BatchTransform | None,
+                    collate_fn: Callable | None = None) -> None:
         cfg = self.config
         # Data given as a workload's DataSplits carries its own normalization and augmentation.
         transform, train_data, eval_data = _unpack_splits(train_data, eval_data, transform)
         transform.channels_last = self.speed.channels_last
         load = functools.partial(make_loader, device=self.device, seed=cfg.seed, rank=self.dist.rank,
                                  world_size=self.dist.world_size, on_device=cfg.data_on_device,
-                                 memory_fraction=cfg.device_memory_fraction, num_workers=cfg.num_workers)
+                                 memory_fraction=cfg.device_memory_fraction, num_workers=cfg.num_workers,
+                                 collate_fn=collate_fn, rebuild_loader=cfg.rebuild_loader)
         self.train_loader, self.placement = load(train_data, cfg.batch_size, train=True, transform=transform)
         self.eval_loader = None
         if eval_data is not None:
             self.eval_loader, _ = load(eval_data, max(cfg.batch_size, 256), train=False,
                                        transform=transform.for_eval())
-        self.batches_per_epoch = len(self.train_loader)
-        if cfg.steps is not None:
-            self.total_steps = cfg.steps
-        else:
-            epochs = cfg.epochs if cfg.epochs is not None else 1
-            self.total_steps = max(1, epochs * self.batches_per_epoch // cfg.accumulate)
+        # Steps, or epochs x batches per epoch (data/stream.py: a clear error when the length is unknown).
+        self.total_steps = plan_steps(self.train_loader, steps=cfg.steps, epochs=cfg.epochs, accumulate=cfg.accumulate)
+        self.batches_per_epoch = known_length(self.train_loader)  # None: an iterable without a length
+        # The batch size the data really give (a user DataLoader's own), for the log and the summary.
+        self.batch_size, why = batch_size_used(self.train_loader, cfg.batch_size,
+                                               TrainConfig.__dataclass_fields__["batch_size"].default)
+        if why and self.is_main:
+            log.warning("%s", why)
+            self.warnings.append(why)
 
-    def _setup_optimizer(self, optimizer) -> None:
+    def _setup_optimizer(self, optimizer, scheduler: Callable[[Any], Any] | None = None) -> None:
         cfg = self.config
         self.optimizer, self.optimizer_desc = make_optimizer(
             optimizer, self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=self.device,
             fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs)
         move_optimizer_state(self.optimizer, self.device)
-        self.scheduler = make_scheduler(self.optimizer, cfg.schedule, self.total_steps, cfg.warmup_steps)
+        self.scheduler, self.schedule_desc = make_user_scheduler(self.optimizer, scheduler) if scheduler is not None \
+            else (make_scheduler(self.optimizer, cfg.schedule, self.total_steps, cfg.warmup_steps),
+                  f"{cfg.schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+                  + " (built-in)")
 
     def _setup_step(self, num_items: Callable | None) -> None:
         cfg = self.config
@@ -148,7 +167,7 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.loss, self.optimizer, self.precision, device=self.device,
                                     max_grad_norm=cfg.max_grad_norm, num_items=num_items, dist=self.dist,
                                     oom_recovery=cfg.oom_recovery, params=list(self.module.parameters()),
-                                    skip_nonfinite=skip)
+                                    skip_nonfinite=skip, after_step=self.callbacks.step_updates(self.module))
         self.nonfinite = NonFiniteGuard(cfg.on_nan)
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
@@ -161,7 +180,12 @@ class Trainer:
             log.warning("CUDA graphs requested but not used: %s", self.speed.reasons["cuda_graphs"])
 
     def _setup_checkpoints(self):
-        """Preflight the run directory (created, writable, room for the checkpoints) and open its store."""
+        """Preflight the run directory (created, writable, room for the checkpoints) and open its store;
+        choose the checkpoint format (one file, or every rank its part with DCP, train/dcp_checkpointing.py)."""
+        from gputrain.train.dcp_checkpointing import DcpCheckpointer
+
+        self.checkpointer = DcpCheckpointer(self.dist, self.device, self.config.checkpoint_format,
+                                            self.config.async_checkpoint)
         if self.run_dir is None:
             return None
         from gputrain.io.checkpoint_store import CheckpointStore
@@ -178,10 +202,14 @@ class Trainer:
 
     def next_step_batches(self) -> list:
         """The micro-batches of the next optimizer step (advances the data stream and samples_seen)."""
+        # Shapes are host metadata: no sync.
+        if self.config.accumulate == 1:
+            batch = self.stream.next()[2]
+            self.state.samples_seen += num_samples(batch) * self.dist.world_size
+            return [batch]
         micro = []
         for _ in range(self.config.accumulate):
             micro.append(self.stream.next()[2])
-            # Shapes are host metadata: no sync.
             self.state.samples_seen += num_samples(micro[-1]) * self.dist.world_size
         return micro
 
@@ -207,6 +235,12 @@ class Trainer:
     def run(self) -> History:
         cfg, st = self.config, self.state
         self._announce()
+        control = self.control
+        self.callbacks.run_start(control)
+        on_step = self.callbacks.step if self.callbacks.per_step else None  # opt-in per-step hooks
+        if st.stopped_by:
+            log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
+                     st.step, st.stopped_by)
         from gputrain.report.progress import TrainProgress
         from gputrain.report.run_outputs import RunOutputs
 
@@ -225,10 +259,13 @@ class Trainer:
 
         signals = StopSignals(tuple(getattr(_signal, name) for name in cfg.stop_signals))
         world = self.dist.world_size
+        finished = False
         try:
             with progress, signals:
-                while st.step < stop:
+                while st.step < stop and not st.stopped_by:
                     self.train_one_step()
+                    if on_step is not None:
+                        on_step(control)
                     # The run's last step is a log point; an early stop is not (the loss since the
                     # last log point goes into the checkpoint, so a resumed history matches).
                     if st.step % cfg.log_every == 0 or st.step == self.total_steps:
@@ -241,6 +278,7 @@ class Trainer:
                         progress.update(st.step, epoch=record["epoch"], loss=record["loss"],
                                         samples_per_s=record["samples_per_s"],
                                         memory_bytes=record.get("peak_memory_bytes"))
+                        self.callbacks.log(control, record)  # may request a stop: the loop ends here
                         t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
                     if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < stop:
                         self.save_checkpoint()
@@ -251,10 +289,15 @@ class Trainer:
                             or (world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
                                 and agree_to_stop(signals.requested is not None, self.dist))):
                         self._stop_for_signal(signals)
+            finished = True
+        except DataExhausted as exc:  # a one-shot iterable ran out: the run ends here, saved and summarized
+            log.warning("%s", exc)
+            self.warnings.append(str(exc))
         except KeyboardInterrupt:
             if self.run_dir:
                 log.warning("interrupted at step %d: saving a checkpoint to resume from", st.step)
                 self.save_checkpoint()
+                checkpointing.wait_for_saves(self)
             raise
         except GputrainError:
             raise
@@ -262,12 +305,17 @@ class Trainer:
             self._checkpoint_after_error(exc)
             raise
         finally:
-            outputs.close()
+            error = None if finished else sys.exc_info()[1]  # the error leaving the loop
+            if error is not None:
+                self.callbacks.exception(control, error)
+            outputs.close(error=error)
         sync()
         elapsed = time.perf_counter() - t_start
         if self.run_dir:
             self.save_checkpoint()
+            checkpointing.wait_for_saves(self)  # an asynchronous save is committed before the run ends
         self._summarize(elapsed, peak, stopped=st.step < self.total_steps)
+        self.callbacks.run_end(control, self.history)
         outputs.finish(self.history)
         return self.history
 
@@ -277,7 +325,14 @@ class Trainer:
         name = signals.name or "a stop signal (on another rank)"
         code = signals.exit_code or 143
         path = self.save_checkpoint() if self.run_dir else None
-        resume = (f"resume with: gputrain fit ... --resume {self.run_dir}" if path
+        if path is not None:
+            checkpointing.wait_for_saves(self)  # committed before the process leaves
+            from gputrain.runtime.slurm import requeue_after_stop
+
+            # Slurm's SIGUSR1 before the time limit: rank 0 puts a requeuable job back in the queue
+            requeue_after_stop(signals.requested, self.dist)
+        resume = (f"resume with: gputrain fit ... --resume {self.run_dir} (from Python: the same fit(...) with "
+                  f"TrainConfig(..., run_dir={str(self.run_dir)!r}, resume=True))" if path
                   else "nothing was saved (no run directory): set run_dir to make runs resumable")
         log.warning("%s: stopped after step %d%s", name, st.step, f", checkpoint {path}" if path else "")
         raise StopRequested(f"stopped by {name} after step {st.step} of {self.total_steps}; {resume}",
@@ -300,13 +355,29 @@ class Trainer:
                if saved else "no checkpoint was written after the error"
                + (f" (resume from the last periodic one with --resume {self.run_dir})" if self.last_checkpoint else ""))
         exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
+        if st.step == 0 and self.stream.load_error is not exc and self.stream.last_batch is not None:
+            exc.add_note(first_step_note(self.stream.last_batch, self.module))  # data/checks.py
 
     def _read_step_totals(self) -> tuple[float, int]:
-        """The loss summed since the last read (all ranks' mean) and the non-finite steps: one sync."""
-        loss_sum, nonfinite = self.train_step.take_totals()
-        totals = distributed.all_reduce_mean(torch.stack([loss_sum, nonfinite]), self.dist)
-        loss_total, bad = totals.tolist()
-        return loss_total, int(round(bad))
+        """The loss summed since the last read (all ranks' mean) and the non-finite steps: one sync.
+
+        on_nan="skip" counts the non-finite steps on the device. on_nan="stop" counts nothing per
+        step (train/step.py): a non-finite loss shows in the loss sum, a non-finite gradient in the
+        state probe read with it; either gives 1, for "one or more steps since the last read".
+        """
+        totals = distributed.all_reduce_mean(self.train_step.take_totals(), self.dist)
+        loss_total, bad, probe = totals.tolist()
+        if self.train_step.count_nonfinite:
+            return loss_total, int(round(bad))
+        if math.isfinite(loss_total) and (math.isfinite(probe) or self._state_is_finite()):
+            return loss_total, 0
+        return loss_total, 1
+
+    def _state_is_finite(self) -> bool:
+        """Whether every rank's state is finite although the probe's norm was not (it overflows past
+        ~1e19): the exact check, on this rare path only; collective, as every rank read the same probe."""
+        bad = torch.tensor(0.0 if self.train_step.state_is_finite() else 1.0, device=self.device)
+        return distributed.all_reduce_mean(bad, self.dist).item() == 0.0
 
     def _log_point(self, t_log: float, samples_at_log: int) -> dict[str, Any]:
         """Read the device-side loss (one sync), evaluate, and build the record."""
@@ -321,7 +392,7 @@ class Trainer:
         now = time.perf_counter()
         record: dict[str, Any] = {
             "step": st.step,
-            "epoch": round(st.samples_seen / max(1, self.train_loader.num_samples * self.dist.world_size), 4),
+            "epoch": self.stream.epochs_done(st.samples_seen, self.dist.world_size),
             "loss": loss,
             "lr": self.scheduler.get_last_lr()[0],  # host value: no device read
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
@@ -332,13 +403,16 @@ class Trainer:
             record["recompilations"] = self.recompiles.recompilations
             record["graph_breaks"] = self.recompiles.graph_breaks
         if self.eval_loader is not None and self._eval_due():
-            record.update(self.evaluate())
+            metrics = self.evaluate()
+            record.update(metrics)
+            record.update(self.callbacks.evaluate(self.control, metrics))  # e.g. the EMA weights' metrics
         return record
 
     def close(self) -> None:
         """Give back the process-wide settings the run changed (cudnn.benchmark, TF32); stop watching compiles."""
         self.speed.restore()
         self.precision.restore()
+        self.checkpointer.close()  # a save still in flight (an error left the loop) completes first
         if self.recompiles is not None:
             self.recompiles.stop()
 

@@ -1,0 +1,257 @@
+"""The sharded checkpoint format: one folder per checkpoint, every process writes its own part.
+
+A one-file checkpoint gathers the whole model and optimizer to rank 0 and writes them there, while
+every other rank waits. This format writes with torch.distributed.checkpoint (DCP) instead: each
+rank writes the tensors it holds (FSDP2 shards; under DDP, DCP spreads the replicated tensors over
+the ranks), so a save costs the per-rank share of the bytes, in parallel. A checkpoint written by
+N processes loads in M (DCP reshards on load), and in one process without a process group.
+
+Layout of one checkpoint, RUN_DIR/checkpoints/step-000123.dcp/:
+
+    .metadata           DCP's index of every tensor and chunk (written by rank 0)
+    __R_0.distcp        rank R's tensors (model and optimizer state, DCP's format)
+    run-0000R.pt        rank R's run state: everything of the one-file checkpoint but the model and
+                        optimizer (step, data position, RNG of that rank, scaler, schedule, ...),
+                        in the one-file format (torch.load(weights_only=True) reads it)
+    MANIFEST.sha256     "HEX  NAME" for every file above (sha256sum's format: `sha256sum -c`)
+
+A checkpoint is written into a staging folder `.step-000123.dcp.TOKEN.tmp` beside it; each rank
+hashes the files it wrote, rank 0 gathers the digests and writes MANIFEST.sha256 last, and only
+then renames the folder to its final name (the commit: `CheckpointStore.commit_dir`). So a
+folder under a step name always holds every rank's files, the metadata and their hashes; a
+writer killed before the rename leaves a staging folder that the next save removes.
+
+This module holds the single-process pieces (names, hashing, verification, reading); the
+collective orchestration (who writes, gathers, commits) is the trainer's (train/dcp_checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gputrain.errors import CheckpointError
+from gputrain.io.atomic import atomic_file
+from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+
+SUFFIX = ".dcp"
+MANIFEST = "MANIFEST.sha256"
+METADATA = ".metadata"  # DCP's own name for its index
+FORMAT = "gputrain-dcp"
+_RUN_FILE = re.compile(r"^run-(\d+)\.pt$")
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank files
+_HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+
+
+class Damage(str):
+    """Why a checkpoint folder does not verify (a str that is false in a test, as the store's)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def dir_name(step: int) -> str:
+    return f"step-{step:06d}{SUFFIX}"
+
+
+def run_file_name(rank: int) -> str:
+    return f"run-{rank:05d}.pt"
+
+
+def staging_name(step: int, token: str) -> str:
+    """The folder a checkpoint is written into before its commit (a dot name: never a checkpoint)."""
+    return f".{dir_name(step)}.{token}.tmp"
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    """A sharded checkpoint folder (by its name; whether it verifies is `verify`'s question)."""
+    path = Path(path)
+    return path.name.endswith(SUFFIX) and path.is_dir()
+
+
+# ---------------------------------------------------------------- writing (the pieces)
+
+
+def write_run_state(folder: Path, rank: int, state: dict[str, Any]) -> tuple[str, str]:
+    """Write this rank's run state into the staging `folder`; returns (file name, sha256).
+
+    The state must be what a one-file checkpoint holds without "model" and "optimizer"; raises
+    CheckpointError, before writing, for values a safe load would refuse.
+    """
+    name = run_file_name(rank)
+    digest: list[str] = []
+    save_checkpoint(folder / name, {"layout": FORMAT, **state}, before_replace=digest.append)
+    return name, digest[0]
+
+
+def own_files(folder: Path, rank: int) -> list[str]:
+    """The DCP files this rank wrote into `folder`: its __RANK_*.distcp, and .metadata on rank 0."""
+    names = []
+    for entry in os.listdir(folder):
+        match = _SHARD_FILE.match(entry)
+        if match and int(match.group(1)) == rank:
+            names.append(entry)
+    if rank == 0:
+        names.append(METADATA)
+    return sorted(names)
+
+
+def hash_files(folder: Path, names: list[str]) -> dict[str, str]:
+    """{name: sha256} of files in `folder` (read back after DCP wrote them)."""
+    return {name: sha256_file(folder / name) for name in names}
+
+
+def write_manifest(folder: Path, digests: dict[str, str]) -> None:
+    """MANIFEST.sha256 of every file of the checkpoint, atomically (the last file written)."""
+    with atomic_file(folder / MANIFEST, "w") as f:
+        f.write("".join(f"{digests[name]}  {name}\n" for name in sorted(digests)))
+
+
+def read_manifest(path: Path) -> dict[str, str] | Damage:
+    try:
+        text = (path / MANIFEST).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Damage(f"it has no {MANIFEST} (the hashes of its files) to verify it by")
+    except (OSError, UnicodeDecodeError) as exc:
+        return Damage(f"cannot read {MANIFEST} ({exc})")
+    digests = {}
+    for line in text.splitlines():
+        match = _HASH_LINE.match(line.strip())
+        if match:
+            digests[match.group(2)] = match.group(1)
+    if METADATA not in digests or run_file_name(0) not in digests:
+        return Damage(f"{MANIFEST} does not list {METADATA} and {run_file_name(0)}")
+    return digests
+
+
+# ---------------------------------------------------------------- verifying
+
+
+def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> bool | Damage:
+    """True when every file of the checkpoint folder matches MANIFEST.sha256, else a Damage naming
+    the first file that does not (missing, unreadable, or another content).
+
+    share=(rank, world): check only the files rank takes of world (every world-th file from the
+    rank-th, in name order), so that the ranks of a job verify a large checkpoint in parallel.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return Damage("the folder is missing")
+    digests = read_manifest(path)
+    if isinstance(digests, Damage):
+        return digests
+    rank, world = share
+    for name in sorted(digests)[rank::world]:
+        file = path / name
+        if not file.is_file():
+            return Damage(f"{name} is missing")
+        try:
+            actual = sha256_file(file)
+        except OSError as exc:
+            return Damage(f"cannot read {name} ({exc.strerror or exc})")
+        if actual != digests[name]:
+            return Damage(f"{name}: its content hash does not match {MANIFEST} (the file was damaged or changed "
+                          f"after it was written; {file.stat().st_size} bytes, sha256 {actual[:12]}..., expected "
+                          f"{digests[name][:12]}...)")
+    return True
+
+
+# ---------------------------------------------------------------- reading
+
+
+def saved_world_size(path: Path) -> int:
+    """How many processes wrote the checkpoint (its run-R.pt files)."""
+    return sum(1 for name in os.listdir(path) if _RUN_FILE.match(name))
+
+
+def read_run_state(path: str | os.PathLike, rank: int = 0) -> tuple[dict[str, Any], int]:
+    """A rank's run state: (state, the rank whose file it is). Ranks the checkpoint has no file of
+    (it was written by fewer processes) get rank 0's. Raises CheckpointError as load_checkpoint."""
+    path = Path(path)
+    file = path / run_file_name(rank)
+    used = rank
+    if not file.is_file():
+        file, used = path / run_file_name(0), 0
+    state = load_checkpoint(file)
+    state.pop("layout", None)
+    return state, used
+
+
+def saved_model_shapes(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model entries of the checkpoint as empty meta tensors of their full shapes (for
+    io.checkpoint.check_model_state), read from DCP's metadata without loading any tensor."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    shapes = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            shapes[key[len("model."):]] = torch.empty(tuple(item.size), device="meta")
+    return shapes
+
+
+def load_full(path: str | os.PathLike) -> dict[str, Any]:
+    """The whole checkpoint in this process, as a one-file checkpoint would hold it: full CPU tensors
+    under "model" and "optimizer" (keyed by parameter name) plus rank 0's run state. No process
+    group or model needed (for tests, comparisons and conversions)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    tensors: dict[str, Any] = {}
+    # What torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file.
+    with single_process_quiet(True):
+        _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    state, _ = read_run_state(path, 0)
+    return {**state, "model": tensors.get("model", {}), "optimizer": tensors.get("optimizer", {})}
+
+
+# ---------------------------------------------------------------- model and optimizer through DCP
+
+
+@contextlib.contextmanager
+def single_process_quiet(no_dist: bool):
+    """DCP warns on every call without a process group that it assumes one process: that is the
+    intent here, so the warning is dropped (with no_dist only)."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def weights_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """{"model", "optimizer"} as torch.distributed.checkpoint.state_dict.get_state_dict gives them:
+    this rank's shards under FSDP2 (DTensors), the local tensors under DDP and in one process, keyed
+    by parameter name. Pass the unwrapped module (no DDP or compile wrapper)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_weights(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 process_group=None, no_dist: bool = False) -> None:
+    """Load the checkpoint's model and optimizer into `module` / `optimizer`, resharded to this job
+    (a collective over `process_group` unless no_dist). Raises CheckpointError when they do not fit."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    state = weights_state(module, optimizer)
+    try:
+        with single_process_quiet(no_dist):
+            load(state, storage_reader=FileSystemReader(str(path)), process_group=process_group,
+                     no_dist=no_dist)
+    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException / RuntimeError with its own words
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot load the model and optimizer state: {first}") from exc
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

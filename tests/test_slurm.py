@@ -1,0 +1,167 @@
+"""Slurm without Slurm: srun's variables, the sbatch script, and SIGUSR1 -> checkpoint -> requeue ->
+resume, with two local processes standing in for two srun tasks and a stub `scontrol` on PATH that
+records how it was called."""
+
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gputrain.cli import main
+from gputrain.errors import ConfigError
+from gputrain.io import checkpoint_dcp
+from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.runtime.distributed import SINGLE, DistInfo
+from gputrain.runtime.slurm import (DEFAULT_PORT_BASE, launcher_rank, parse_nodelist, requeue_after_stop,
+                                    slurm_task)
+from test_distributed import _env, _finish, _start
+
+TINY = f"{Path(__file__).parent / 'fault_scripts' / 'tiny.py'}:workload"
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("localhost", ["localhost"]),
+    ("gpu5,cpu[9-11]", ["gpu5", "cpu9", "cpu10", "cpu11"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("rack[1-2]-n[1,3],login", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3", "login"]),
+])
+def test_node_lists_expand_like_scontrol_show_hostnames(nodelist, hosts):
+    assert parse_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-04", "node01]", "node[a-b]", "node[4-1]", ""])
+def test_a_malformed_node_list_is_named(bad):
+    with pytest.raises(ConfigError, match="malformed Slurm node list"):
+        parse_nodelist(bad)
+
+
+SRUN = {"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def test_a_task_of_srun_gets_its_rank_and_the_first_node_as_rendezvous():
+    task = slurm_task(SRUN)
+    assert task is not None
+    assert task.as_env() == {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "gpu07",
+                             "MASTER_PORT": str(DEFAULT_PORT_BASE + 123456 % 10000)}
+    # the step's own node list first (rank 0 runs on its first node), MASTER_* override, and who is not a task
+    assert slurm_task({**SRUN, "SLURM_STEP_NODELIST": "gpu08", "SLURM_STEP_NUM_TASKS": "8"}).as_env()["MASTER_ADDR"] \
+        == "gpu08"
+    assert slurm_task({**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}).as_env()["MASTER_PORT"] == "29500"
+    assert slurm_task({**SRUN, "RANK": "0", "WORLD_SIZE": "2"}) is None  # torchrun inside the allocation
+    assert slurm_task({k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}) is None  # the batch script
+    assert slurm_task({**SRUN, "SLURM_NTASKS": "1"}) is None
+    with pytest.raises(ConfigError, match="not numbers"):
+        slurm_task({**SRUN, "SLURM_PROCID": "three"})
+    # is_main_process's answer before any process group exists
+    assert launcher_rank(SRUN) == 3 and launcher_rank({**SRUN, "RANK": "1", "WORLD_SIZE": "2"}) == 1
+    assert launcher_rank({}) == 0 and launcher_rank({**SRUN, "SLURM_PROCID": "three"}) == 0
+
+
+def test_gputrain_slurm_prints_an_sbatch_script(capsys):
+    assert main(["slurm", "gpt-mini", "--nodes", "2", "--gpus-per-node", "8", "--run-dir", "/shared/runs/gpt",
+                 "--partition", "gpu", "--fit-args=--async-checkpoint --shard"]) == 0
+    script = capsys.readouterr().out
+    directives = [line.split()[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    for expected in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@120", "--requeue",
+                     "--partition=gpu", "--open-mode=append"):
+        assert expected in directives, (expected, directives)
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "python -m gputrain fit gpt-mini" in srun and '--resume "$RUN_DIR"' in srun
+    assert srun.endswith("--async-checkpoint --shard") and "RUN_DIR=/shared/runs/gpt" in script
+    assert main(["slurm", "gpt-mini", "--run-dir", "/x", "--time", "four hours"]) == 2
+
+
+def _stub_scontrol(folder: Path, requeue: int) -> tuple[dict[str, str], Path]:
+    """A directory with an `scontrol` that appends its arguments to a log; PATH for it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "scontrol.log"
+    stub = folder / "scontrol"
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    f'[ "$1" = show ] && echo "JobId=$4 JobName=t Requeue={requeue} Restarts=0"\nexit 0\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    return {"PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}, log
+
+
+@pytest.mark.parametrize("requeue,sig,called", [(1, signal.SIGUSR1, True), (0, signal.SIGUSR1, False),
+                                                (1, signal.SIGTERM, False), (1, None, False)])
+def test_requeue_only_after_slurms_sigusr1_and_only_when_requeuable(tmp_path, requeue, sig, called):
+    path, log = _stub_scontrol(tmp_path, requeue)
+    env = {**path, "SLURM_JOB_ID": "77"}
+    assert requeue_after_stop(sig, SINGLE, env) is called
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert ("requeue 77" in calls) is called
+    before = log.read_text() if log.exists() else ""
+    assert requeue_after_stop(signal.SIGUSR1, DistInfo(False, rank=1), env) is False  # rank 0's call only
+    assert requeue_after_stop(signal.SIGUSR1, SINGLE, {**path}) is False  # not a Slurm job
+    assert (log.read_text() if log.exists() else "") == before
+
+
+def _free_slurm_port() -> int:
+    """A job id whose derived MASTER_PORT (20000 + id mod 10000) is free here."""
+    for port in range(DEFAULT_PORT_BASE + 1000 + os.getpid() % 5000, DEFAULT_PORT_BASE + 10000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 50000 + (port - DEFAULT_PORT_BASE)
+    raise RuntimeError("no free port in 20000-29999")
+
+
+def _srun(tmp_path, job_id: int, extra_env: dict[str, str], *fit_args: str):
+    """Two local `gputrain fit` processes with the variables srun gives two tasks of one step."""
+    procs = []
+    for rank in (0, 1):
+        env = _env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0",
+                   SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST="localhost,gpu[02-04]", **extra_env)
+        cmd = [sys.executable, "-m", "gputrain", "fit", TINY, "--device", "cpu", "--run-dir", "run", "--resume", "run",
+               "--checkpoint-every", "5", "--log-every", "5", "--no-tensorboard", "--async-checkpoint", *fit_args]
+        procs.append(_start(cmd, env=env, cwd=tmp_path))
+    return procs
+
+
+def test_sigusr1_under_slurm_checkpoints_requeues_and_the_next_start_resumes(tmp_path):
+    path, log = _stub_scontrol(tmp_path / "bin", requeue=1)
+    (tmp_path / "run").mkdir()  # the sbatch script's mkdir -p
+    job = _free_slurm_port()
+    procs = _srun(tmp_path, job, path, "--steps", "100000", "--option", "sleep_ms=5")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 150
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.3)
+    if not all(p.poll() is None for p in procs):  # one ended before the signal: stop the other, show both
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("\n".join(p.communicate(timeout=60)[1][-3000:] for p in procs))
+    for p in procs:  # Slurm signals every task of the job's steps
+        os.kill(p.pid, signal.SIGUSR1)
+    outs = [_finish(p, 120) for p in procs]
+    assert [o.returncode for o in outs] == [138, 138], [o.stderr[-3000:] for o in outs]
+    assert "requeued" in outs[0].stderr, outs[0].stderr[-3000:]
+    calls = log.read_text().splitlines()
+    assert calls == [f"show job -o {job}", f"requeue {job}"]  # rank 0 only, once
+    store = CheckpointStore(tmp_path / "run")
+    latest = store.latest_path()
+    assert latest is not None and checkpoint_dcp.is_dcp(latest) and store.verify(latest) is True
+    state, _ = store.load_latest()
+    step = state["step"]
+    assert state["world_size"] == 2 and step > 0 and step % 10 == 0  # the ranks agree every 10 steps
+
+    # The requeued job starts again: the same script, SLURM_RESTART_COUNT=1.
+    procs = _srun(tmp_path, job, {**path, "SLURM_RESTART_COUNT": "1"}, "--steps", str(step + 10))
+    outs = [_finish(p, 180) for p in procs]
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-3000:] for o in outs]
+    assert f"at step {step}" in outs[0].stderr and "resumed from" in outs[0].stderr, outs[0].stderr[-3000:]
+    final, _ = store.load_latest()
+    assert final["step"] == step + 10 and final["world_size"] == 2
+    assert log.read_text().splitlines() == calls  # no second requeue
