@@ -215,6 +215,33 @@ def test_a_callback_changes_the_learning_rate_and_a_resume_keeps_it(tmp_path, sc
     assert torch.equal(_params(resumed_model), _params(full_model))
 
 
+def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
+    """on_exception reaches each callback (the base class's no-op too) with the run's error; a hook
+    that fails itself is logged, and the run's first error is the one raised."""
+    from gputrain.train.guards import NonFiniteError
+
+    x, y = _data()
+    seen = []
+
+    class Notes(Callback):
+        def on_exception(self, run, exc):
+            seen.append((run.step, type(exc).__name__))
+
+    class Broken(Callback):
+        def on_exception(self, run, exc):
+            raise RuntimeError("the hook itself failed")
+
+    class Quiet(Callback):  # only the base class's hooks
+        def on_log(self, run, record):
+            pass
+
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, lr=1e30, tensorboard=False)
+    with caplog.at_level("WARNING", logger="gputrain"), pytest.raises(NonFiniteError, match="non-finite"):
+        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Quiet(), Broken(), Notes()], config=cfg)
+    assert seen == [(4, "NonFiniteError")]
+    assert "Broken.on_exception failed: RuntimeError: the hook itself failed" in caplog.text
+
+
 def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
     """RunControl as a callback reads it at each log point: steps done and planned, fractional
     epochs, the config, model, optimizer, device, history so far, rank, eval data, the lr in force,
@@ -238,7 +265,7 @@ def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
                       tensorboard=False)
     history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[watch], config=cfg)
     assert [(s["step"], s["total"], s["records"]) for s in watch.seen] == [(4, 12, 1), (8, 12, 2), (12, 12, 3)]
-    assert [s["epoch"] for s in watch.seen] == pytest.approx([4 / 6, 8 / 6, 2.0])
+    assert [s["epoch"] for s in watch.seen] == pytest.approx([4 / 6, 8 / 6, 2.0], abs=1e-4)  # rounded to 4 places
     first = watch.seen[0]
     assert first["batch"] == 16 and first["model"] is model and first["device"] == CPU
     assert first["main"] and not first["eval"] and first["stop"] == ""
@@ -380,6 +407,25 @@ class CallGraphs:
 
     def synchronize(self):
         pass
+
+
+def test_ema_average_comes_back_from_the_checkpoint_on_resume(tmp_path):
+    """A run stopped at step 8 and resumed ends with the same average (and update count) as the run
+    that went through: the resume loads the saved average, it does not restart it from the weights."""
+    x, y = _data()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, checkpoint_every=4, tensorboard=False)
+    whole = gputrain.EMA(decay=0.9)
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[whole],
+        config=cfg.replace(run_dir=str(tmp_path / "whole")))
+    part = cfg.replace(run_dir=str(tmp_path / "part"))
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[gputrain.EMA(decay=0.9)],
+        config=part.replace(stop_at_step=8))
+    resumed = gputrain.EMA(decay=0.9)
+    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[resumed], config=part.replace(resume=True))
+    assert whole.updates is not None and resumed.updates is not None
+    assert whole.updates.item() == resumed.updates.item() == 12
+    expected, got = whole.state_dict(), resumed.state_dict()
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_ema_runs_inside_the_captured_step():
