@@ -284,7 +284,7 @@ def _cuda_run(config: TrainConfig):
         placement=column_placement(_columns(2), device, config.data_on_device, config.device_memory_fraction),
         loss=LossRule(nn.CrossEntropyLoss()), optimizer_desc="AdamW (fused, graph-capturable)",
         total_steps=200, dist=SINGLE, history=History(records=[], config=config.to_dict(), summary={}),
-        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None,
+        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None, checkpointer=types.SimpleNamespace(timings=[]),
         spikes=SpikeDetector(None, 10, 3, "warn"), checkpointed=[], task="classification",
         # The graph wrapper as graph_status reads it (no capture failed); its CUDA side needs a real GPU.
         graphed=types.SimpleNamespace(failed=None) if speed.cuda_graphs else None)

@@ -352,6 +352,9 @@ def _record_workload(run_dir: Path, spec: str, options: dict) -> None:
     """RUN_DIR/workload.json: what `gputrain eval / predict / export RUN_DIR` rebuild the model from."""
     from gputrain.io.atomic import atomic_file
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_file(run_dir / "workload.json", "w") as f:
-        f.write(json.dumps({"workload": spec, "options": options}, indent=2) + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_file(run_dir / "workload.json", "w") as f:
+            f.write(json.dumps({"workload": spec, "options": options}, indent=2) + "\n")
+    except OSError:
+        return  # the run's preflight (io/preflight.py) says what is wrong with the directory, and how to fix it
