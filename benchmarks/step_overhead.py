@@ -1,5 +1,10 @@
 """Per-step host overhead: gputrain's step (through the Trainer, on the CPU) against a minimal loop.
 
+Cases: an iris-size MLP (4-10-3, full batch of 150), the MLP 64-128-2 of issue 21 (batch 64 of
+4096), the digits CNN (uint8 8x8, normalized, channels_last, batch 64), a small GPT (2 layers of
+64, context 64, batch 8) and a ResNet-18 of width 8 (uint8 32x32 images, batch 16); fp32, random
+data of the real shapes.
+
 The minimal loop is the floor of BENCHMARKS.md ("On the CPU machine"): the same model, data and
 batch, tensors resident on the device, a randperm per epoch and slices of it gathered with
 index_select, the op gputrain gathers with (`x[idx]` costs more on the CPU; full batch: the data as
@@ -18,9 +23,11 @@ Trainer's parts from here, never through user config:
 
   default          gputrain as it runs
   no-nan-guard     the non-finite check: the per-step gradient norm (trees that have one) and the
-                   check of the parameters at log points and checkpoints (trees that have one)
+                   probe of the parameters, gradients and optimizer state where the loss is read
+                   (trees that have one)
   no-weighting     the micro-batches' weights (every piece weighs 1.0)
-  no-accumulators  the device loss sum and the non-finite count (and their read at log points)
+  no-accumulators  the device loss sum and the non-finite count, and their read at log points (with
+                   it the state probe)
   no-schedule      the learning-rate schedule's per-step call
   no-progress      the progress bar object (disabled by default: expected ~0)
   all-off          all of the above at once: what is left is the loop, the data stream and the step
@@ -38,8 +45,9 @@ tree as a subprocess with PYTHONPATH=PATH/src, alternating the trees, and compar
 change in one run (BENCHMARKS.md). Threads: --threads (default 2).
 
 Clock: --clock cpu (default) times with this process's CPU time, so that the milliseconds in which
-the OS gives the shared cores to other jobs are not counted (with other test runs beside it, wall
-time moved by 2-10x between rounds here); --clock wall for elapsed time on a quiet machine.
+the OS gives the shared cores to other jobs are not counted (with other test runs beside it, the
+minimal loop's wall time per step moved 3-18x between rounds here, its CPU time up to 1.6x);
+--clock wall for elapsed time on a quiet machine.
 
 Usage:
   python benchmarks/step_overhead.py                            # this tree, all cases
@@ -98,9 +106,10 @@ def _classes(n: int, features: int, classes: int, seed: int = 0) -> tuple[torch.
     return x, torch.randint(0, classes, (n,), generator=g)
 
 
-def _images(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _images(n: int, seed: int = 0, shape: tuple[int, ...] = (1, 8, 8), top: int = 17
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 17, (n, 1, 8, 8), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
+    return torch.randint(0, top, (n, *shape), generator=g, dtype=torch.uint8), torch.randint(0, 10, (n,), generator=g)
 
 
 def _tokens(n: int, block: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +120,7 @@ def _tokens(n: int, block: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor
 
 def cases(quick: bool) -> dict[str, Case]:
     from gputrain.workloads.models import DigitsCNN, IrisMLP
-    from gputrain.workloads.real_models import GPTMini, next_token_loss
+    from gputrain.workloads.real_models import GPTMini, ResNet18Cifar, next_token_loss
 
     def mlp() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 2))
@@ -128,6 +137,10 @@ def cases(quick: bool) -> dict[str, Case]:
         Case("gpt-mini", f"GPT {gpt['n_layer']}x{gpt['n_embd']}, context {gpt['block_size']}, batch 8 of 512",
              8, 100 // k if not quick else 50, lambda: GPTMini(65, dropout=0.1, **gpt),
              lambda: _tokens(512, gpt["block_size"], 65), next_token_loss),
+        Case("resnet18", "ResNet-18 (width 8) on 32x32 uint8 images, normalized, channels_last, batch 16 of 512",
+             16, 100 // k if not quick else 50, lambda: ResNet18Cifar(num_classes=10, width=8),
+             lambda: _images(512, shape=(3, 32, 32), top=256), nn.CrossEntropyLoss(),
+             mean=(125.3, 123.0, 113.9), std=(63.0, 62.1, 66.7), channels_last=True),
     ]
     return {c.name: c for c in out}
 
@@ -574,7 +587,7 @@ def _worker_args(args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="iris-mlp,mlp,digits-cnn,gpt-mini")
+    p.add_argument("--cases", default="iris-mlp,mlp,digits-cnn,gpt-mini,resnet18")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=50, help="steps before the window (= the first log point)")
