@@ -3,7 +3,7 @@
 process count and, resharded to another count, equals a resume from the one-file format.
 
 Runs: about 20 s each on 2 busy cores (3 interpreters importing torch); the resharding matrix
-beyond its two default cases is marked slow.
+beyond its two default cases runs with GPUTRAIN_RESHARD_ALL=1 (about 3.5 more minutes).
 """
 
 import json
@@ -157,6 +157,8 @@ def test_a_checkpoint_of_n_processes_resumes_in_m(tmp_path, n, m, shard):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("GPUTRAIN_RESHARD_ALL"),
+                    reason="the other 6 resharding pairs take about 3.5 minutes on 2 cores: set GPUTRAIN_RESHARD_ALL=1")
 @pytest.mark.parametrize("n,m,shard", [(2, 4, False), (1, 2, False), (4, 2, False), (2, 1, True), (1, 2, True),
                                        (4, 2, True)],
                          ids=["ddp-2to4", "ddp-1to2", "ddp-4to2", "fsdp2-2to1", "fsdp2-1to2", "fsdp2-4to2"])
