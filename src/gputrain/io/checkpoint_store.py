@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io.atomic import atomic_file
+from gputrain.io.atomic import atomic_file, fsync_dir
 from gputrain.io import checkpoint_dcp
 from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
 
@@ -167,7 +167,7 @@ class CheckpointStore:
         if final.exists():
             os.replace(final, aside)
         os.replace(staging, final)
-        _fsync_folder(self.folder)
+        fsync_dir(self.folder)
         if aside.exists():
             shutil.rmtree(aside, ignore_errors=True)
         self._update_best(final, step, value)
@@ -461,17 +461,3 @@ class CheckpointStore:
             if match and match.group(2) == name:
                 out.append(match.group(1))
         return out
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename in `folder` durable (where folders can be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
