@@ -285,7 +285,7 @@ def _cuda_run(config: TrainConfig):
         loss=LossRule(nn.CrossEntropyLoss()), optimizer_desc="AdamW (fused, graph-capturable)",
         total_steps=200, dist=SINGLE, history=History(records=[], config=config.to_dict(), summary={}),
         state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None, checkpointer=types.SimpleNamespace(timings=[]),
-        spikes=SpikeDetector(None, 10, 3, "warn"), checkpointed=[], task="classification",
+        train_step=types.SimpleNamespace(splits=1), spikes=SpikeDetector(None, 10, 3, "warn"), recomputed=[], task="classification",
         # The graph wrapper as graph_status reads it (no capture failed); its CUDA side needs a real GPU.
         graphed=types.SimpleNamespace(failed=None) if speed.cuda_graphs else None)
     t.decisions = lambda: run_summary.decisions(t)
@@ -300,7 +300,7 @@ def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):
     from gputrain.report.run_outputs import RunOutputs
     from gputrain.report.summary import summary_rows
     from gputrain.train import run_summary
-    from gputrain.train.trainer import _peak_memory
+    from gputrain.runtime.devices import take_peak_memory
 
     gpu = fake_cuda()
     run_dir = tmp_path / "run"
@@ -317,7 +317,7 @@ def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):
         gpu.allocate(held)  # the steps since the last log point held `held` at most, then freed it
         gpu.release(held)
         record = {"step": step, "epoch": step / 100, "loss": loss, "lr": 1e-3, "samples_per_s": 50_000.0,
-                  "peak_memory_bytes": _peak_memory(t.device), "wall_time_s": step / 10}
+                  "peak_memory_bytes": take_peak_memory(t.device), "wall_time_s": step / 10}
         peak = max(peak, record["peak_memory_bytes"])
         t.history.add(record)
         outputs.append(record)

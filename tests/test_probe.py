@@ -62,7 +62,7 @@ def test_the_probe_builds_the_trainers_step(name, changes):
         assert probe.optimizer.param_groups[0]["lr"] == 0.0  # the probe's only difference: lr 0
         assert probe.speed.decisions() == trainer.speed.decisions()
         assert probe.precision.precision == trainer.precision.precision
-        assert probe.recomputed == trainer.checkpointed
+        assert probe.recomputed == trainer.recomputed
         assert type(probe.model) is type(trainer.model)  # compiled (OptimizedModule) or not
         layouts = [[p.is_contiguous(memory_format=torch.channels_last) for p in m.parameters() if p.dim() == 4]
                    for m in (probe.module, trainer.module)]

@@ -57,7 +57,7 @@ def test_profile_finds_the_per_step_loss_read(tmp_path):
     s = profile_workload(tiny_workload(), config, steps=2, wait=0, warmup=1, active=1, out_dir=tmp_path)
     (site,) = s["host_reads"]["sites"]
     assert site["what"] == ".tolist()" and site["per_step"] == 1
-    assert site["file"].endswith("trainer.py") and ".tolist()" in site["code"]
+    assert site["file"].endswith("step.py") and ".tolist()" in site["code"]
 
 
 # ---------------------------------------------------------------- host reads and syncs
@@ -203,7 +203,10 @@ def test_profile_command_on_the_cpu(tmp_path, capsys):
                  "--out", str(tmp_path / "q"), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["batch_size"] == 120 and s["config"]["log_every"] == 1
-    assert s["host_reads"]["per_step"] == 1
+    # The trainer's own loop: with log_every=1 every step is a log point, which reads the loss and
+    # evaluates on the test split (eval_every unset), one host read each, as fit would.
+    assert s["host_reads"]["per_step"] == 2
+    assert {site["function"] for site in s["host_reads"]["sites"]} == {"read_totals", "__call__"}
 
 
 # ---------------------------------------------------------------- GPU

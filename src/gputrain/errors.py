@@ -28,3 +28,16 @@ class StopRequested(GputrainError):
     def __init__(self, message: str, exit_code: int, step: int, checkpoint: str | None):
         super().__init__(message)
         self.exit_code, self.step, self.checkpoint = exit_code, step, checkpoint
+
+
+def user_frame(exc: BaseException) -> str:
+    """file:line (function) of the innermost frame of `exc` outside torch and gputrain's training
+    core and data path: where in the user's code (model, loss, data) it was raised."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" not in f and "/gputrain/train/" not in f and "/gputrain/data/" not in f:
+            return f"{fr.filename}:{fr.lineno} ({fr.name})"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"

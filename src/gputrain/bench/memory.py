@@ -72,7 +72,7 @@ def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar
             figures = _one_batch(case, B, dev, recompute)
             if figures is None:  # out of memory: the larger sizes will not fit either
                 free_device_memory(dev)
-                result["rows"].append({**row, "status": "out of memory", "checkpointed": None})
+                result["rows"].append({**row, "status": "out of memory", "recomputed": None})
                 break
             fits = B
             result["rows"].append({**row, "status": "measured", **figures})
@@ -127,7 +127,7 @@ def _one_batch(case, B: int, dev: torch.device, recompute: bool) -> dict[str, An
         loss_fn = torch.nn.CrossEntropyLoss()
         saved = saved_tensor_bytes(lambda: loss_fn(model(xd), yd), exclude=list(model.parameters()))
         t = measure(trainer.train_one_step, dev, warmup=0, repeats=3, min_sample_s=0.0, max_inner=1)
-        checkpointed = list(trainer.checkpointed)
+        recomputed = list(trainer.recomputed)
     except (RuntimeError, MemoryError) as exc:
         if is_oom(exc):
             return None
@@ -137,7 +137,7 @@ def _one_batch(case, B: int, dev: torch.device, recompute: bool) -> dict[str, An
             trainer.close()
     return {"peak_bytes": peak, "saved_activation_bytes": saved, "saved_bytes_per_sample": saved / B,
             "step_s": t["median_s"], "step_min_s": t["min_s"], "step_max_s": t["max_s"], "n": t["n"],
-            "checkpointed": checkpointed}
+            "recomputed": recomputed}
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:

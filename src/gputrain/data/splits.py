@@ -34,3 +34,18 @@ class DataSplits:
 
         tensors = tensor_leaves(self.train) + (tensor_leaves(self.test) if self.test is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def unpack_splits(train_data: Any, eval_data: Any, transform):
+    """(transform, train data, eval data) for the trainer: data given as DataSplits carry their own
+    normalization and augmentation (a BatchTransform made from them unless one is given) and their
+    test split (unless eval data are given); other data get `transform` or the identity."""
+    from gputrain.data.transforms import BatchTransform
+
+    if isinstance(train_data, DataSplits):
+        splits = train_data
+        transform = transform or BatchTransform(splits.mean, splits.std, splits.augment, key=splits.transform_key)
+        if eval_data is None:
+            eval_data = splits.test
+        train_data = splits.train
+    return transform or BatchTransform(), train_data, eval_data

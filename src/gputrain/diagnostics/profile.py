@@ -90,12 +90,13 @@ class _PhaseClock:
 
 
 class _StepRunner:
-    """The training step `fit` runs for a workload, built by gputrain's own Trainer.
+    """The training loop `fit` runs for a workload, built by gputrain's own Trainer.
 
-    `step()` is one step exactly as the training loop runs it (graphed when fit would capture it),
-    plus the loop's log-point read of the loss every `log_every` steps. `phased_step(clock)` runs the
-    same TrainStep body eagerly with phase marks (data, forward, backward, optimizer, logging): a CUDA
-    graph cannot be split into phases, so the breakdown is always of the eager step.
+    `step()` is one iteration of the trainer's own loop (`Trainer.run_steps`: the step, graphed when
+    fit would capture it, and the log point's read of the loss every `log_every` steps).
+    `phased_step(clock)` is the same iteration with the trainer's phases marked on `clock`
+    (`Trainer.timed_phases`: data, forward, backward, optimizer, logging); a CUDA graph cannot be
+    split into phases, so the breakdown is always of the eager step.
     """
 
     def __init__(self, workload, config: TrainConfig):
@@ -108,34 +109,16 @@ class _StepRunner:
         t = self.trainer
         self.device, self.precision, self.config = t.device, t.precision, config
         self.batch_size = config.batch_size
-        self.on_device = t.placement.kind in ("device", "host-slices")
         self.placement = t.placement
-        self.checkpointed = t.checkpointed
+        self.recomputed = t.recomputed
         self.optimizer_desc = t.optimizer_desc
-        self.log_every = config.log_every
-        self.logged_loss: float | None = None
-        self.i = 0
-
-    def _log_point(self) -> None:
-        self.i += 1
-        if self.i % self.log_every == 0:  # the loop's only host read: once per log_every steps
-            loss_total, _ = self.trainer._read_step_totals()
-            self.logged_loss = loss_total / self.log_every
 
     def step(self) -> None:
-        self.trainer.train_one_step()
-        self._log_point()
+        self.trainer.run_steps(1)
 
     def phased_step(self, clock) -> None:
-        t = self.trainer
-        clock.start()
-        batches = [materialize(b) for b in t.next_step_batches()]  # eager: deferred batches assembled here
-        clock.mark("data")
-        t.train_step.run(batches, clock=clock)
-        t.scheduler.step()
-        t.state.step += 1
-        self._log_point()
-        clock.mark("logging")
+        with self.trainer.timed_phases(clock):
+            self.trainer.run_steps(1)
 
     def flops(self) -> int:
         """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged.
@@ -316,7 +299,7 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
         "optimizer": runner.optimizer_desc,
         "data": runner.placement.reason,
         "cuda_graphs": graphs_fit_uses,
-        "activation_checkpointing": runner.checkpointed,
+        "recompute": runner.recomputed,
         "timed_steps": steps,
         "timing": (f"step_ms: median over chunks of {chunk} synchronized steps of the step fit runs "
                    f"(cuda_graphs {graphs_fit_uses}); breakdown: the same step body run eagerly with "

@@ -40,7 +40,7 @@ _DERIVED_DECISIONS = (("precision", "precision", "precision_reason"),
                       ("cuda_graphs", "cuda_graphs", None),
                       ("channels_last", "channels_last", None),
                       ("compile", "compile", None),
-                      ("recompute", "activation_checkpointing", None))
+                      ("recompute", "activation_checkpointing", None))  # the old summaries' key
 
 
 # ---------------------------------------------------------------- reading a run directory

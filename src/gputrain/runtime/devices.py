@@ -282,3 +282,15 @@ def synchronizer(device: torch.device):
     if device.type == "mps":
         return torch.mps.synchronize
     return lambda: None
+
+
+def take_peak_memory(device: torch.device) -> int | None:
+    """Bytes: CUDA's peak allocated since the last call (the peak is reset for the next interval);
+    MPS's driver allocation now; None on the CPU (no allocator statistics)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    if device.type == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    return None

@@ -9,11 +9,36 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from gputrain.runtime.devices import synchronizer
+
+
+class PhaseClock(Protocol):
+    """What the training loop marks while it runs: `start()` opens a step, `mark(phase)` closes the
+    span since the last mark and books it to `phase` ("data", "forward", "backward", "optimizer",
+    "logging"). The trainer and its step hold `NO_CLOCK`; `gputrain profile` lends a timing one."""
+
+    def start(self) -> None: ...
+
+    def mark(self, phase: str) -> None: ...
+
+
+class _NoClock:
+    """The default phase clock: marks cost one no-op call each, and the step body needs no branch."""
+
+    __slots__ = ()
+
+    def start(self) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+
+NO_CLOCK: PhaseClock = _NoClock()
 
 
 def clock(device: torch.device) -> Callable[[Callable[[], Any], int], float]:

@@ -69,8 +69,9 @@ def graph_status(t) -> str:
 
 def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
     recs, st = t.history.records, t.state
-    if st.splits > 1:
-        t.warnings.append(f"out of memory: micro-batches were cut in {st.splits} (same effective batch)")
+    splits = t.train_step.splits
+    if splits > 1:
+        t.warnings.append(f"out of memory: micro-batches were cut in {splits} (same effective batch)")
     if st.nonfinite_steps:
         t.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
                              + (" and were skipped" if t.config.on_nan == "skip" else ""))
@@ -110,7 +111,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
         "accumulate": t.config.accumulate,
         "effective_batch": (getattr(t, "batch_size", t.config.batch_size) or 0) * t.config.accumulate
                            * t.dist.world_size or None,
-        "oom_splits": st.splits,
+        "oom_splits": splits,
         "nonfinite_steps": st.nonfinite_steps,
         "on_nan": t.config.on_nan,
         "loss_spikes": list(t.spikes.spikes),
@@ -118,7 +119,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
         "channels_last": t.speed.channels_last,
         "compile": t.speed.compile,
         "recompilations": summary_recompiles,
-        "activation_checkpointing": t.checkpointed,
+        "recompute": t.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
         "decisions": t.decisions(),
         "warnings": list(t.warnings),

@@ -20,9 +20,11 @@ gradients and the loss) that a fused optimizer reads to skip the update, counted
 accumulator.
 
 `run(micro_batches)` is that body and nothing else: the CUDA-graph wrapper (train/graphs.py)
-captures exactly it, so eager and graphed steps cannot drift apart. `__call__` adds what cannot be
-captured: OOM recovery, which splits every micro-batch in two (every leaf carrying the batch
-dimension) and retries the same step with the same effective batch.
+captures exactly it, so eager and graphed steps cannot drift apart. Its phases are marked on
+`self.clock`: a no-op (`NO_CLOCK`) unless `gputrain profile` lends a timing one, so the body has
+no branch for it. `__call__` adds what cannot be captured: OOM recovery, which splits every
+micro-batch in two (every leaf carrying the batch dimension) and retries the same step with the
+same effective batch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from gputrain.errors import GputrainError
 from gputrain.runtime import distributed
 from gputrain.runtime.oom import free_after_oom, is_oom
 from gputrain.runtime.precision import RunPrecision
+from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.loss import LossRule
 
 log = logging.getLogger("gputrain")
@@ -83,6 +86,7 @@ class TrainStep:
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
         self.splits = 1  # each micro-batch is cut into this many pieces after OOM recovery (1 = none)
+        self.clock: PhaseClock = NO_CLOCK  # marks forward, backward, optimizer (profile's breakdown)
         # Decided once, not per step: autocast (None: fp32/tf32, no context to enter) and the foreach
         # kernels of the norms (CUDA; None: torch's choice).
         self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
@@ -117,12 +121,8 @@ class TrainStep:
             total = distributed.all_reduce_sum(total, self.dist) / self.dist.world_size
         return [c / total.clamp_min(1.0) for c in counts]
 
-    def run(self, micro_batches: Sequence[Any], clock=None) -> None:
-        """Forward, backward, clip, optimizer step, zero_grad; losses into the device accumulators.
-
-        clock: an optional phase clock (`mark("forward" | "backward" | "optimizer")`) with which
-        `gputrain profile` splits an eager step into phases; the trainer and the graphs pass none.
-        """
+    def run(self, micro_batches: Sequence[Any]) -> None:
+        """Forward, backward, clip, optimizer step, zero_grad; losses into the device accumulators."""
         pieces = micro_batches if self.splits == 1 else [p for mb in micro_batches for p in batches.split(mb, self.splits)]
         if not pieces:
             raise GputrainError("a training step needs at least one micro-batch; got none")
@@ -131,10 +131,10 @@ class TrainStep:
         step_loss = None
         for i, piece in enumerate(pieces):
             if i == last:  # the last piece syncs gradients (DDP/FSDP): no context to enter
-                term = self._forward_backward(piece, weights[i], clock)
+                term = self._forward_backward(piece, weights[i])
             else:
                 with distributed.no_sync(self.model, sync=False):
-                    term = self._forward_backward(piece, weights[i], clock)
+                    term = self._forward_backward(piece, weights[i])
             step_loss = term if step_loss is None else step_loss + term
         assert step_loss is not None  # at least one piece
         norm = None
@@ -148,10 +148,9 @@ class TrainStep:
         for update in self.after_step:
             update()
         self.loss_sum.add_(step_loss)
-        if clock is not None:
-            clock.mark("optimizer")
+        self.clock.mark("optimizer")
 
-    def _forward_backward(self, piece: Any, weight: Any, clock) -> torch.Tensor:
+    def _forward_backward(self, piece: Any, weight: Any) -> torch.Tensor:
         """One piece's forward (under autocast where the precision has one), loss and backward of
         `loss * weight`; returns the detached fp32 loss times the weight."""
         if self._autocast is None:
@@ -159,13 +158,11 @@ class TrainStep:
         else:
             with self._autocast():
                 loss, _ = self.loss(self.model, piece)
-        if clock is not None:
-            clock.mark("forward")
+        self.clock.mark("forward")
         # A whole step in one piece has weight 1.0 (a host float): no multiply kernel.
         whole = weight.__class__ is float and weight == 1.0
         self.precision.backward(loss if whole else loss * weight)
-        if clock is not None:
-            clock.mark("backward")
+        self.clock.mark("backward")
         term = loss.detach()
         if term.dtype != torch.float32:
             term = term.float()
@@ -220,7 +217,7 @@ class TrainStep:
         if self.splits * 2 > smallest:
             raise GputrainError(
                 f"out of memory on {self.device} even with micro-batches of {math.ceil(smallest / self.splits)} "
-                "sample(s): use a smaller model, bf16, activation checkpointing (--checkpointing), or a device "
+                "sample(s): use a smaller model, bf16, activation checkpointing (--recompute), or a device "
                 "with more memory") from None
         self.optimizer.zero_grad(set_to_none=True)
         free_after_oom(self.device)
@@ -272,6 +269,31 @@ class TrainStep:
         if not sums:
             return torch.zeros((), device=self.device, dtype=torch.float32)
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+    def read_totals(self) -> tuple[float, int]:
+        """The loss summed since the last read (all ranks' mean) and the non-finite steps: one host
+        sync (collective with several processes); resets the sums.
+
+        on_nan="skip" counts the non-finite steps on the device. on_nan="stop" counts nothing per
+        step: a non-finite loss shows in the loss sum, a non-finite gradient in the state probe read
+        with it; either gives 1, for "one or more steps since the last read".
+        """
+        totals = distributed.all_reduce_mean(self.take_totals(), self.dist) if self.dist is not None \
+            else self.take_totals()
+        loss_total, bad, probe = totals.tolist()
+        if self.count_nonfinite:
+            return loss_total, int(round(bad))
+        if math.isfinite(loss_total) and (math.isfinite(probe) or self._all_ranks_finite()):
+            return loss_total, 0
+        return loss_total, 1
+
+    def _all_ranks_finite(self) -> bool:
+        """Whether every rank's state is finite although the probe's norm was not (it overflows past
+        ~1e19): the exact check, on this rare path only; collective, as every rank read the same probe."""
+        bad = torch.tensor(0.0 if self.state_is_finite() else 1.0, device=self.device)
+        if self.dist is not None:
+            bad = distributed.all_reduce_mean(bad, self.dist)
+        return bad.item() == 0.0
 
     @torch.no_grad()
     def state_is_finite(self) -> bool:

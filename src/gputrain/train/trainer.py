@@ -1,20 +1,21 @@
 """The trainer: named setup parts, then a small loop around one `TrainStep`.
 
 Setup, decided once and in this order: process group and device; precision (one `RunPrecision`);
-the model (speed switches decided before the optimizer, channels_last, cudnn.benchmark, activation
-checkpointing, DDP/FSDP wrapping, compile); the data (placement by the memory rule); the optimizer
-and schedule (capturable when graphs will be used); the step (`TrainStep`, wrapped in a
-`GraphedStep` when graphs are on). The loop pulls one optimizer step's micro-batches from the
-stream, runs the step, and reads the device-side loss only every `log_every` steps (the one host
-sync of the hot loop, the practice seed 003 arrives at); evaluation and checkpoints happen there.
-The run's position lives in one `RunState` that checkpoints save and load.
+the model (speed switches decided before the optimizer, channels_last, cudnn.benchmark, recompute
+(activation checkpointing), DDP/FSDP wrapping, compile); the data (placement by the memory rule);
+the optimizer and schedule (capturable when graphs will be used); the step (`TrainStep`, wrapped
+in a `GraphedStep` when graphs are on); the checkpoint's named parts (train/checkpoint_parts.py).
+The loop (`_iterate`, also what `run_steps` runs for profile) pulls one optimizer step's
+micro-batches from the stream, runs the step, and reads the device-side loss only every
+`log_every` steps (the one host sync of the hot loop); evaluation and checkpoints happen there.
+Its phases are marked on `self.clock`, a no-op unless profile lends one (`timed_phases`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,14 +28,17 @@ from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
 from gputrain.data.checks import first_step_note
-from gputrain.data.deferred import num_samples
+from gputrain.data.deferred import materialize, num_samples
 from gputrain.data.sources import batch_size_used
 from gputrain.data.stream import DataExhausted, known_length, plan_steps
-from gputrain.errors import ConfigError, GputrainError, StopRequested
+from gputrain.data.splits import unpack_splits
+from gputrain.errors import ConfigError, GputrainError, StopRequested, user_frame
 from gputrain.io.history import History
 from gputrain.runtime import distributed
+from gputrain.runtime.devices import synchronizer, take_peak_memory
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.speed import SpeedSwitches, decide_speed
+from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector
@@ -85,6 +89,9 @@ class Trainer:
         self.history = History(records=[], config=config.to_dict(), summary={})
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.store = self._setup_checkpoints()
+        self.checkpoint = checkpointing.run_checkpoint(self)  # the checkpoint's named parts
+        self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
+        self._bare_loop: _Loop | None = None  # run_steps' loop (no outputs, progress bar or signals)
         if config.resume:
             self._resume()
 
@@ -102,12 +109,12 @@ class Trainer:
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
         self.speed.apply(device)  # cudnn.benchmark, given back by close()
-        self.checkpointed: list[str] = []
+        self.recomputed: list[str] = []  # the modules whose activations are recomputed in backward
         if cfg.recompute:
             from gputrain.train.activation_checkpointing import apply_activation_checkpointing
 
             targets = None if cfg.recompute is True else list(cfg.recompute)
-            self.checkpointed = apply_activation_checkpointing(self.module, targets)
+            self.recomputed = apply_activation_checkpointing(self.module, targets)
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard)
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
         self.recompiles = None
@@ -123,7 +130,7 @@ class Trainer:
                     collate_fn: Callable | None = None) -> None:
         cfg = self.config
         # Data given as a workload's DataSplits carries its own normalization and augmentation.
-        transform, train_data, eval_data = _unpack_splits(train_data, eval_data, transform)
+        transform, train_data, eval_data = unpack_splits(train_data, eval_data, transform)
         transform.channels_last = self.speed.channels_last
         load = functools.partial(make_loader, device=self.device, seed=cfg.seed, rank=self.dist.rank,
                                  world_size=self.dist.world_size, on_device=cfg.data_on_device,
@@ -214,7 +221,7 @@ class Trainer:
         return micro
 
     def train_one_step(self) -> None:
-        """One optimizer step exactly as the loop runs it (also what profile, memory and bench time).
+        """One optimizer step exactly as the loop runs it (also what autotune and bench time).
 
         A step interrupted before its optimizer update (Ctrl-C, an error in user code) gives its
         batches back, so that a checkpoint written then resumes with exactly that step.
@@ -222,73 +229,43 @@ class Trainer:
         st, stream = self.state, self.stream
         position = (stream.epoch, stream.batch_in_epoch, st.samples_seen)
         try:
-            self.step_fn(self.next_step_batches())
+            batches = self.next_step_batches()
+            self.clock.mark("data")
+            self.step_fn(batches)
         except BaseException:
             stream.rewind(position[0], position[1])
             st.samples_seen = position[2]
             self.optimizer.zero_grad(set_to_none=True)
             raise
         self.scheduler.step()
-        self.state.step += 1
-        self.state.steps_since_log += 1
+        st.step += 1
+        st.steps_since_log += 1
 
     def run(self) -> History:
         cfg, st = self.config, self.state
         self._announce()
-        control = self.control
-        self.callbacks.run_start(control)
-        on_step = self.callbacks.step if self.callbacks.per_step else None  # opt-in per-step hooks
+        self.callbacks.run_start(self.control)
         if st.stopped_by:
             log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
                      st.step, st.stopped_by)
-        from gputrain.report.progress import TrainProgress
-        from gputrain.report.run_outputs import RunOutputs
-
-        outputs = RunOutputs(self.run_dir, cfg, enabled=self.is_main, start_step=st.step)
-        progress = TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
-                                 description=f"{self.device} {self.precision.name}")
-        self.model.train()
-        sync = _synchronizer(self.device)
-        t_start = t_log = time.perf_counter()
-        samples_at_log = st.samples_seen
-        peak = 0
-        stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         import signal as _signal
 
-        from gputrain.train.signals import StopSignals, agree_to_stop
+        from gputrain.report.progress import TrainProgress
+        from gputrain.report.run_outputs import RunOutputs
+        from gputrain.train.signals import StopSignals
 
-        signals = StopSignals(tuple(getattr(_signal, name) for name in cfg.stop_signals))
-        world = self.dist.world_size
+        loop = _Loop(self, RunOutputs(self.run_dir, cfg, enabled=self.is_main, start_step=st.step),
+                     TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
+                                   description=f"{self.device} {self.precision.name}"),
+                     StopSignals(tuple(getattr(_signal, name) for name in cfg.stop_signals)))
+        self.model.train()
+        sync = synchronizer(self.device)
+        stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         finished = False
         try:
-            with progress, signals:
+            with loop.progress, loop.signals:
                 while st.step < stop and not st.stopped_by:
-                    self.train_one_step()
-                    if on_step is not None:
-                        on_step(control)
-                    # The run's last step is a log point; an early stop is not (the loss since the
-                    # last log point goes into the checkpoint, so a resumed history matches).
-                    if st.step % cfg.log_every == 0 or st.step == self.total_steps:
-                        record = self._log_point(t_log, samples_at_log)
-                        peak = max(peak, record.get("peak_memory_bytes") or 0)
-                        t_log, samples_at_log = time.perf_counter(), st.samples_seen
-                        record["wall_time_s"] = t_log - t_start
-                        self.history.add(record)
-                        outputs.append(record)
-                        progress.update(st.step, epoch=record["epoch"], loss=record["loss"],
-                                        samples_per_s=record["samples_per_s"],
-                                        memory_bytes=record.get("peak_memory_bytes"))
-                        self.callbacks.log(control, record)  # may request a stop: the loop ends here
-                        t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
-                    if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < stop:
-                        self.save_checkpoint()
-                    # A signal is only recorded by its handler; the step it came in has finished. One
-                    # process checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY
-                    # steps (a small gloo all-reduce, no GPU sync), as the signal may reach one rank only.
-                    if ((world == 1 and signals.requested is not None)
-                            or (world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
-                                and agree_to_stop(signals.requested is not None, self.dist))):
-                        self._stop_for_signal(signals)
+                    self._iterate(loop, stop)
             finished = True
         except DataExhausted as exc:  # a one-shot iterable ran out: the run ends here, saved and summarized
             log.warning("%s", exc)
@@ -307,17 +284,79 @@ class Trainer:
         finally:
             error = None if finished else sys.exc_info()[1]  # the error leaving the loop
             if error is not None:
-                self.callbacks.exception(control, error)
-            outputs.close(error=error)
+                self.callbacks.exception(self.control, error)
+            loop.outputs.close(error=error)
         sync()
-        elapsed = time.perf_counter() - t_start
+        elapsed = time.perf_counter() - loop.t_start
         if self.run_dir:
             self.save_checkpoint()
             checkpointing.wait_for_saves(self)  # an asynchronous save is committed before the run ends
-        self._summarize(elapsed, peak, stopped=st.step < self.total_steps)
-        self.callbacks.run_end(control, self.history)
-        outputs.finish(self.history)
+        self._summarize(elapsed, loop.peak, stopped=st.step < self.total_steps)
+        self.callbacks.run_end(self.control, self.history)
+        loop.outputs.finish(self.history)
         return self.history
+
+    def _iterate(self, loop: _Loop, stop: int) -> None:
+        """One iteration of the loop: the step, per-step hooks, a log point (and evaluation) every
+        log_every steps, a checkpoint every checkpoint_every, the stop-signal check."""
+        cfg, st = self.config, self.state
+        self.clock.start()
+        self.train_one_step()
+        if loop.on_step is not None:
+            loop.on_step(self.control)
+        # The run's last step is a log point; an early stop is not (the loss since the last log
+        # point goes into the checkpoint, so a resumed history matches).
+        if st.step % cfg.log_every == 0 or st.step == self.total_steps:
+            record = self._log_point(loop.t_log, loop.samples_at_log)
+            loop.peak = max(loop.peak, record.get("peak_memory_bytes") or 0)
+            loop.t_log, loop.samples_at_log = time.perf_counter(), st.samples_seen
+            record["wall_time_s"] = loop.t_log - loop.t_start
+            self.history.add(record)
+            loop.outputs.append(record)
+            loop.progress.update(st.step, epoch=record["epoch"], loss=record["loss"],
+                                 samples_per_s=record["samples_per_s"], memory_bytes=record.get("peak_memory_bytes"))
+            self.callbacks.log(self.control, record)  # may request a stop: the loop ends here
+            loop.t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
+        if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < stop and self.run_dir:
+            self.save_checkpoint()
+        # A signal is only recorded by its handler; the step it came in has finished. One process
+        # checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY steps (a small gloo
+        # all-reduce, no GPU sync), as the signal may reach one rank only.
+        signals = loop.signals
+        if ((loop.world == 1 and signals.requested is not None)
+                or (loop.world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
+                    and loop.agree(signals.requested is not None, self.dist))):
+            self._stop_for_signal(signals)
+        self.clock.mark("logging")
+
+    def run_steps(self, n: int) -> None:
+        """n iterations of the training loop's own body (`_iterate`: the step, log points with the
+        loss read and evaluation, checkpoints) outside `run`, without output files, progress bar
+        or signal handlers: what `gputrain profile` times."""
+        if self._bare_loop is None:
+            from gputrain.report.progress import TrainProgress
+            from gputrain.report.run_outputs import RunOutputs
+            from gputrain.train.signals import StopSignals
+
+            self._bare_loop = _Loop(self, RunOutputs(None, self.config, enabled=False),
+                                    TrainProgress(enabled=False, total_steps=self.total_steps), StopSignals(()))
+        self.model.train()
+        for _ in range(n):
+            self._iterate(self._bare_loop, self.total_steps)
+
+    @contextlib.contextmanager
+    def timed_phases(self, clock: PhaseClock):
+        """While active, the loop and its step mark their phases on `clock`, and the step runs eagerly
+        (a CUDA graph cannot be split into phases; deferred batches are assembled in the "data" phase)."""
+        step_fn, self.step_fn = self.step_fn, self._eager_step
+        self.clock = self.train_step.clock = clock
+        try:
+            yield clock
+        finally:
+            self.step_fn, self.clock, self.train_step.clock = step_fn, NO_CLOCK, NO_CLOCK
+
+    def _eager_step(self, micro_batches: list) -> None:
+        self.train_step([materialize(b) for b in micro_batches])
 
     def _stop_for_signal(self, signals) -> None:
         """Checkpoint (every rank takes part; rank 0 writes) and raise StopRequested."""
@@ -342,7 +381,7 @@ class Trainer:
         """An error in user code (model, loss, data) after the first step: checkpoint the last
         finished step when its state is finite, and add a line saying where and how to resume."""
         st = self.state
-        where = _user_frame(exc)
+        where = user_frame(exc)
         saved = None
         # Several processes: the other ranks are inside a collective of their own step, so a
         # checkpoint (itself collective) cannot be written; the periodic ones remain.
@@ -358,37 +397,24 @@ class Trainer:
         if st.step == 0 and self.stream.load_error is not exc and self.stream.last_batch is not None:
             exc.add_note(first_step_note(self.stream.last_batch, self.module))  # data/checks.py
 
-    def _read_step_totals(self) -> tuple[float, int]:
-        """The loss summed since the last read (all ranks' mean) and the non-finite steps: one sync.
-
-        on_nan="skip" counts the non-finite steps on the device. on_nan="stop" counts nothing per
-        step (train/step.py): a non-finite loss shows in the loss sum, a non-finite gradient in the
-        state probe read with it; either gives 1, for "one or more steps since the last read".
-        """
-        totals = distributed.all_reduce_mean(self.train_step.take_totals(), self.dist)
-        loss_total, bad, probe = totals.tolist()
-        if self.train_step.count_nonfinite:
-            return loss_total, int(round(bad))
-        if math.isfinite(loss_total) and (math.isfinite(probe) or self._state_is_finite()):
-            return loss_total, 0
-        return loss_total, 1
-
-    def _state_is_finite(self) -> bool:
-        """Whether every rank's state is finite although the probe's norm was not (it overflows past
-        ~1e19): the exact check, on this rare path only; collective, as every rank read the same probe."""
-        bad = torch.tensor(0.0 if self.train_step.state_is_finite() else 1.0, device=self.device)
-        return distributed.all_reduce_mean(bad, self.dist).item() == 0.0
+    def collect_step_totals(self) -> None:
+        """Read the step's device accumulators into the run state: the loss summed since the last
+        read and the non-finite steps (one host sync; collective with several processes). With
+        on_nan="stop" a non-finite step raises here, so no checkpoint ever holds a non-finite state.
+        Log points and checkpoints call it; `state_dict()` does not read the device."""
+        st = self.state
+        loss_total, bad = self.train_step.read_totals()
+        st.nonfinite_steps += bad
+        self.nonfinite.check(bad, st.step, self.last_checkpoint)  # on_nan="stop": raises here
+        st.loss_since_log += loss_total
 
     def _log_point(self, t_log: float, samples_at_log: int) -> dict[str, Any]:
         """Read the device-side loss (one sync), evaluate, and build the record."""
         st = self.state
-        loss_total, bad = self._read_step_totals()
-        st.nonfinite_steps += bad
-        self.nonfinite.check(bad, st.step, self.last_checkpoint)  # on_nan="stop": raises here
-        loss = (loss_total + st.loss_since_log) / st.steps_since_log
+        self.collect_step_totals()
+        loss = st.loss_since_log / st.steps_since_log
         self.spikes.update(st.step, loss)
         st.loss_since_log, st.steps_since_log = 0.0, 0
-        st.splits = self.train_step.splits
         now = time.perf_counter()
         record: dict[str, Any] = {
             "step": st.step,
@@ -396,7 +422,7 @@ class Trainer:
             "loss": loss,
             "lr": self.scheduler.get_last_lr()[0],  # host value: no device read
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
-            "peak_memory_bytes": _peak_memory(self.device),
+            "peak_memory_bytes": take_peak_memory(self.device),
         }
         if self.recompiles is not None:
             self.recompiles.poll()
@@ -427,7 +453,12 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints (train/checkpointing.py)
 
     def state_dict(self) -> dict[str, Any]:
-        return checkpointing.state_dict(self)
+        """The checkpoint's contents from the named parts (train/checkpoint_parts.py), as they stand:
+        no device accumulator is read (`collect_step_totals` first for the loss of the steps since
+        the last log point, as `save_checkpoint` does). Its tensors are the live ones (as
+        `Module.state_dict` gives them): save or copy it before training on. Collective with
+        several processes."""
+        return self.checkpoint.state_dict()
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
         return checkpointing.save_checkpoint(self, path)
@@ -450,42 +481,17 @@ class Trainer:
         run_summary.summarize(self, elapsed, peak, stopped)
 
 
-def _unpack_splits(train_data, eval_data, transform: BatchTransform | None):
-    from gputrain.data.splits import DataSplits
+class _Loop:
+    """What one pass of the training loop holds besides the trainer: its output files, progress bar
+    and stop signals, the log interval's clock and samples, the peak memory seen at log points."""
 
-    if isinstance(train_data, DataSplits):
-        splits = train_data
-        transform = transform or BatchTransform(splits.mean, splits.std, splits.augment,
-                                                key=getattr(splits, "transform_key", None))
-        if eval_data is None:
-            eval_data = splits.test
-        train_data = splits.train
-    return transform or BatchTransform(), train_data, eval_data
+    def __init__(self, trainer: Trainer, outputs, progress, signals):
+        from gputrain.train.signals import agree_to_stop
 
-
-def _user_frame(exc: BaseException) -> str:
-    """file:line of the innermost frame outside torch and gputrain's training core (the user's code)."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
-        f = fr.filename.replace("\\", "/")
-        if "/torch/" not in f and "/gputrain/train/" not in f and "/gputrain/data/" not in f:
-            return f"{fr.filename}:{fr.lineno} ({fr.name})"
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
-
-
-def _peak_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(peak)
-    if device.type == "mps":
-        return int(torch.mps.driver_allocated_memory())
-    return None
-
-
-def _synchronizer(device: torch.device):
-    from gputrain.runtime.devices import synchronizer
-
-    return synchronizer(device)
+        self.outputs, self.progress, self.signals = outputs, progress, signals
+        self.on_step = trainer.callbacks.step if trainer.callbacks.per_step else None  # opt-in per-step hooks
+        self.world = trainer.dist.world_size
+        self.agree = agree_to_stop
+        self.t_start = self.t_log = time.perf_counter()
+        self.samples_at_log = trainer.state.samples_seen
+        self.peak = 0

@@ -1,0 +1,127 @@
+"""The trainer's seams: checkpoint contents from named parts, a state_dict that reads and changes
+nothing, and the loop's own body run by `run_steps` with a phase clock lent (what profile uses)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from helpers import data, mlp, params
+
+from gputrain import TrainConfig
+from gputrain.runtime.timing import NO_CLOCK
+from gputrain.train import Trainer
+
+PARTS = ["model", "optimizer", "scaler", "scheduler", "rng", "run", "data", "history", "callbacks"]
+
+
+def _trainer(**overrides) -> Trainer:
+    config = TrainConfig(**{"device": "cpu", "precision": "fp32", "batch_size": 16, "steps": 12, "log_every": 100,
+                            "progress": False, "seed": 3, **overrides})
+    return Trainer(mlp(), data(), loss_fn=nn.CrossEntropyLoss(), config=config)
+
+
+class _RecordingClock:
+    def __init__(self):
+        self.marks: list[str] = []
+
+    def start(self) -> None:
+        self.marks.append("start")
+
+    def mark(self, phase: str) -> None:
+        self.marks.append(phase)
+
+
+def test_state_dict_reads_no_accumulator_and_changes_nothing():
+    t = _trainer()
+    t.run_steps(3)  # no log point yet: the steps' loss is on the device
+    on_device = float(t.train_step.loss_sum)
+    assert on_device > 0 and t.state.loss_since_log == 0.0
+
+    first, second = t.state_dict(), t.state_dict()
+    assert float(t.train_step.loss_sum) == on_device  # nothing drained
+    assert t.state.loss_since_log == 0.0 and first["run"] == second["run"]
+    assert first["run"]["loss_since_log"] == 0.0 and first["step"] == 3
+
+    t.collect_step_totals()  # the read is its own call
+    assert float(t.train_step.loss_sum) == 0.0
+    assert abs(t.state.loss_since_log - on_device) < 1e-6
+    assert t.state_dict()["run"]["loss_since_log"] == t.state.loss_since_log
+
+
+def test_the_checkpoint_is_built_from_named_parts_and_loads_them_back_in_place():
+    t = _trainer()
+    t.run_steps(5)
+    t.collect_step_totals()
+    assert list(t.checkpoint.parts) == PARTS
+    state = copy.deepcopy(t.state_dict())  # its tensors are the live ones, as Module.state_dict gives them
+    assert set(PARTS) <= set(state)
+    for key in ("step", "epoch", "batch_in_epoch", "samples_seen", "global_batch", "world_size", "config"):
+        assert key in state  # for readers of the file
+    assert (state["epoch"], state["batch_in_epoch"]) == (0, 5) and state["global_batch"] == 16
+
+    saved_params = params(t.module).clone()
+    run_state = t.state
+    t.run_steps(4)  # moves every part on
+    t.train_step.splits = 2
+    assert not torch.equal(params(t.module), saved_params)
+
+    t.checkpoint.load_state_dict(state)
+    assert torch.equal(params(t.module), saved_params)
+    assert t.state is run_state and t.state.step == 5 and t.state.samples_seen == 80
+    assert (t.stream.epoch, t.stream.batch_in_epoch) == (0, 5)
+    assert t.train_step.splits == 1
+    assert t.scheduler.state_dict() == state["scheduler"]
+    assert t.optimizer.state_dict()["state"][0]["step"] == 5
+
+
+def test_a_checkpoint_older_than_the_run_and_data_keys_resumes_its_position():
+    t = _trainer()
+    t.run_steps(2)
+    state = t.state_dict()
+    run = state.pop("run")
+    del state["data"]
+    state.update(run)  # the flat layout of checkpoints written before RunState and the "data" key
+    state["epoch"], state["batch_in_epoch"] = 1, 3
+
+    fresh = _trainer()
+    fresh.checkpoint.load_state_dict(state)
+    assert fresh.state.step == 2 and fresh.state.samples_seen == 32
+    assert (fresh.stream.epoch, fresh.stream.batch_in_epoch) == (1, 3)
+
+
+def test_run_steps_is_the_loop_fit_runs():
+    """The loop's own body: the same weights and the same logged losses as `run`."""
+    whole = _trainer(log_every=4)
+    whole.run()
+    stepped = _trainer(log_every=4)
+    stepped.run_steps(12)
+    assert torch.equal(params(whole.module), params(stepped.module))
+    assert [r["loss"] for r in stepped.history.records] == [r["loss"] for r in whole.history.records]
+    assert [r["step"] for r in stepped.history.records] == [4, 8, 12]
+    assert stepped.state.steps_since_log == 0
+
+
+def test_a_lent_phase_clock_sees_every_phase_of_the_loop_and_is_given_back():
+    t = _trainer(log_every=2)
+    eager = t.step_fn
+    clock = _RecordingClock()
+    with t.timed_phases(clock):
+        t.run_steps(2)
+    phases = ["start", "data", "forward", "backward", "optimizer", "logging"]
+    assert clock.marks == phases * 2
+    assert len(t.history.records) == 1 and t.state.steps_since_log == 0  # the loop's log point ran
+    assert t.clock is NO_CLOCK and t.train_step.clock is NO_CLOCK and t.step_fn is eager
+
+    t.run_steps(1)  # the default clock: nothing is marked
+    assert clock.marks == phases * 2
+
+
+def test_accumulation_marks_forward_and_backward_per_micro_batch():
+    t = _trainer(accumulate=2, batch_size=8)
+    clock = _RecordingClock()
+    with t.timed_phases(clock):
+        t.run_steps(1)
+    assert clock.marks == ["start", "data", "forward", "backward", "forward", "backward", "optimizer", "logging"]
