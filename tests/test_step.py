@@ -72,7 +72,7 @@ def test_host_reads_happen_only_at_log_points():
 
     few, many = count_host_reads(lambda: run(20), steps=1), count_host_reads(lambda: run(60), steps=1)
     assert few["total"] == 2 and many["total"] == 6, (few["sites"], many["sites"])  # one read per log point
-    assert {s["file"].rsplit("/", 1)[-1] for s in many["sites"]} == {"trainer.py"}
+    assert {s["file"].rsplit("/", 1)[-1] for s in many["sites"]} == {"step.py"}  # TrainStep.read_totals
 
 
 # ---------------------------------------------------------------- the update
@@ -143,7 +143,7 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
         with Ops() as ops:
             fn()
         counts[name] = ops.n
-    assert counts["stop"] - counts["bare"] <= 1, counts
+    assert counts["stop"] == counts["bare"], counts  # the loss is kept, not added: no op of its own
     assert counts["skip"] - counts["bare"] <= 7, counts
 
 

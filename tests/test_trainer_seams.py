@@ -23,6 +23,11 @@ def _trainer(**overrides) -> Trainer:
     return Trainer(mlp(), data(), loss_fn=nn.CrossEntropyLoss(), config=config)
 
 
+def _unread(t: Trainer) -> float:
+    """The loss of the steps since the last read: the accumulator plus the eager steps' kept losses."""
+    return float(t.train_step.loss_sum) + sum(float(x) for x in t.train_step.pending)
+
+
 class _RecordingClock:
     def __init__(self):
         self.marks: list[str] = []
@@ -37,16 +42,16 @@ class _RecordingClock:
 def test_state_dict_reads_no_accumulator_and_changes_nothing():
     t = _trainer()
     t.run_steps(3)  # no log point yet: the steps' loss is on the device
-    on_device = float(t.train_step.loss_sum)
+    on_device = _unread(t)
     assert on_device > 0 and t.state.loss_since_log == 0.0
 
     first, second = t.state_dict(), t.state_dict()
-    assert float(t.train_step.loss_sum) == on_device  # nothing drained
+    assert _unread(t) == on_device  # nothing drained
     assert t.state.loss_since_log == 0.0 and first["run"] == second["run"]
     assert first["run"]["loss_since_log"] == 0.0 and first["step"] == 3
 
     t.collect_step_totals()  # the read is its own call
-    assert float(t.train_step.loss_sum) == 0.0
+    assert _unread(t) == 0.0
     assert abs(t.state.loss_since_log - on_device) < 1e-6
     assert t.state_dict()["run"]["loss_since_log"] == t.state.loss_since_log
 
@@ -125,3 +130,42 @@ def test_accumulation_marks_forward_and_backward_per_micro_batch():
     with t.timed_phases(clock):
         t.run_steps(1)
     assert clock.marks == ["start", "data", "forward", "backward", "forward", "backward", "optimizer", "logging"]
+
+
+def test_eager_losses_are_kept_then_folded_every_fold_every_steps(monkeypatch):
+    """No op per step for the loss; the kept list stays bounded; the sum read is every step's loss."""
+    from gputrain.train import step as step_module
+
+    monkeypatch.setattr(step_module, "FOLD_EVERY", 4)
+    t = _trainer()
+    losses = []
+    original = t.train_step.keep_loss
+
+    def spy(loss):
+        losses.append(float(loss))
+        original(loss)
+
+    t.train_step.keep_loss = spy
+    lengths = []
+    for _ in range(10):
+        t.run_steps(1)
+        lengths.append(len(t.train_step.pending))
+    assert lengths == [1, 2, 3, 0, 1, 2, 3, 0, 1, 2]  # folded into the accumulator at 4
+    t.collect_step_totals()
+    assert abs(t.state.loss_since_log - sum(losses)) < 1e-5 and t.train_step.pending == []
+
+
+def test_a_graphed_step_adds_each_loss_in_place():
+    """A captured step's replays write to the accumulator's address: the graph wrapper switches the
+    step to in-place sums before anything runs (kept losses already there are folded in)."""
+    import types
+
+    from gputrain.train.graphs import GraphedStep
+
+    t = _trainer()
+    t.run_steps(2)
+    kept = sum(float(x) for x in t.train_step.pending)
+    GraphedStep(t.train_step, t.device, backend=types.SimpleNamespace())  # the CUDA side is not used here
+    assert t.train_step.pending == [] and abs(float(t.train_step.loss_sum) - kept) < 1e-6
+    t.train_step([next(iter(t.stream.loader))])
+    assert t.train_step.pending == [] and float(t.train_step.loss_sum) > kept

@@ -123,6 +123,7 @@ class GraphedStep:
 
     def __init__(self, step: TrainStep, device: torch.device, backend: CudaGraphs | None = None):
         self.step = step
+        step.sum_in_place()  # the captured step adds its loss to the accumulator the replays write
         self.device = device
         self.backend = backend if backend is not None else CudaGraphs(device)
         self.graphs: dict[tuple, _Graph] = {}

@@ -108,9 +108,12 @@ class LRSchedule:
     LambdaLR clones every tensor lr on every step, two launches a step (about 25 us on an H100 host).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[int], float]):
+    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[int], float], flat_from: int | None = None):
         self.optimizer = optimizer
         self.fn = fn
+        # fn is constant from this step on (a constant schedule after its warm-up): steps past it do
+        # not call it. None: never assumed.
+        self.flat_from = flat_from if flat_from is not None else float("inf")
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # before the loop: one read
         self.last_epoch = 0  # optimizer steps taken (LambdaLR's name, kept for its state layout)
         self._multiplier: float | None = None
@@ -129,7 +132,8 @@ class LRSchedule:
 
     def step(self) -> None:
         self.last_epoch += 1
-        self._apply()
+        if self.last_epoch <= self.flat_from:
+            self._apply()
 
     def scale(self, factor: float | None, base: float | None = None) -> None:
         """Multiply the base lrs by `factor` (or set them all to `base`) and apply the rate in force
@@ -154,7 +158,8 @@ class LRSchedule:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, name: str, total_steps: int, warmup_steps: int) -> LRSchedule:
-    return LRSchedule(optimizer, make_schedule(name, total_steps, warmup_steps))
+    flat_from = max(0, warmup_steps) if name == "constant" else None  # 1.0 from the end of the warm-up on
+    return LRSchedule(optimizer, make_schedule(name, total_steps, warmup_steps), flat_from)
 
 
 def make_user_scheduler(optimizer: torch.optim.Optimizer, factory: Callable[[torch.optim.Optimizer], Any]

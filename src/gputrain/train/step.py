@@ -7,8 +7,10 @@ In order (the step contract of the design notes):
    micro-batches are cut; gradient sync (DDP/FSDP) only on the last micro-batch;
 2. clip (after unscaling, fp16), optimizer step through the scaler, scaler update, zero_grad, then
    the device-only updates it was given (`after_step`: an EMA of the weights, say);
-3. the detached loss, weighted the same way, is added to a device accumulator. Nothing is read on
-   the host: the trainer reads it at log points and before checkpoints (`take_totals`).
+3. the detached loss, weighted the same way, is kept on the device: an eager step appends it to a
+   list (no kernel; the list is summed every FOLD_EVERY steps and where it is read), a captured
+   step adds it to an accumulator whose address the graph keeps. Nothing is read on the host: the
+   trainer reads the sum at log points and before checkpoints (`take_totals`).
 
 Non-finite steps cost nothing per step with on_nan="stop": a non-finite loss leaves the loss sum
 non-finite, and a non-finite gradient leaves non-finite parameters or optimizer state once the
@@ -45,6 +47,8 @@ from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.loss import LossRule
 
 log = logging.getLogger("gputrain")
+
+FOLD_EVERY = 256  # eager steps' losses kept before they are summed into the accumulator (bounded memory)
 
 
 class TrainStep:
@@ -84,6 +88,10 @@ class TrainStep:
         self.skip_nonfinite = skip_nonfinite and not precision.precision.use_scaler  # fp16: the scaler skips
         # Device accumulators whose storage never changes (a captured graph writes to their address).
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
+        # Eager steps' detached losses not yet in loss_sum: `keep_loss` appends them (a list append
+        # launches no kernel, an add_ one per step); under CUDA graphs it is loss_sum.add_ (`sum_in_place`).
+        self.pending: list[torch.Tensor] = []
+        self.keep_loss: Callable[[torch.Tensor], Any] = self._keep
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
         self.splits = 1  # each micro-batch is cut into this many pieces after OOM recovery (1 = none)
         self.clock: PhaseClock = NO_CLOCK  # marks forward, backward, optimizer (profile's breakdown)
@@ -123,6 +131,28 @@ class TrainStep:
 
     def run(self, micro_batches: Sequence[Any]) -> None:
         """Forward, backward, clip, optimizer step, zero_grad; losses into the device accumulators."""
+        if self.splits == 1 and len(micro_batches) == 1 and self.num_items is None:
+            # The whole step in one piece (the common case): weight 1, no gradient-sync context, the
+            # loss in its own dtype (the accumulator's add promotes it to fp32).
+            step_loss = self._forward_backward(micro_batches[0], 1.0)
+        else:
+            step_loss = self._pieces(micro_batches)
+        norm = None
+        if self.max_grad_norm is not None:
+            self.precision.unscale_(self.optimizer)
+            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self._foreach)
+        if self.count_nonfinite:
+            step_loss = self._flag_nonfinite(step_loss, norm)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        for update in self.after_step:
+            update()
+        self.keep_loss(step_loss)
+        self.clock.mark("optimizer")
+
+    def _pieces(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """Forward and backward of every piece (micro-batches, each cut in `splits` after an OOM),
+        weighted by its share; gradients sync on the last piece only. Returns the step's fp32 loss."""
         pieces = micro_batches if self.splits == 1 else [p for mb in micro_batches for p in batches.split(mb, self.splits)]
         if not pieces:
             raise GputrainError("a training step needs at least one micro-batch; got none")
@@ -135,24 +165,32 @@ class TrainStep:
             else:
                 with distributed.no_sync(self.model, sync=False):
                     term = self._forward_backward(piece, weights[i])
+            term = term if term.dtype == torch.float32 else term.float()
             step_loss = term if step_loss is None else step_loss + term
         assert step_loss is not None  # at least one piece
-        norm = None
-        if self.max_grad_norm is not None:
-            self.precision.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self._foreach)
-        if self.count_nonfinite:
-            step_loss = self._flag_nonfinite(step_loss, norm)
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        for update in self.after_step:
-            update()
-        self.loss_sum.add_(step_loss)
-        self.clock.mark("optimizer")
+        return step_loss
+
+    def _keep(self, step_loss: torch.Tensor) -> None:
+        pending = self.pending
+        pending.append(step_loss)
+        if len(pending) >= FOLD_EVERY:
+            self._fold()
+
+    def sum_in_place(self) -> None:
+        """Add every step's loss to loss_sum in place: what a captured step must do (its replays write
+        to that address); train/graphs.py calls it for all of a graphed run's steps, eager ones too."""
+        self._fold()
+        self.keep_loss = self.loss_sum.add_
+
+    def _fold(self) -> None:
+        """The kept losses into loss_sum: one stack and one sum (fp32)."""
+        if self.pending:
+            self.loss_sum.add_(torch.stack([t.float() for t in self.pending]).sum())
+            self.pending.clear()
 
     def _forward_backward(self, piece: Any, weight: Any) -> torch.Tensor:
         """One piece's forward (under autocast where the precision has one), loss and backward of
-        `loss * weight`; returns the detached fp32 loss times the weight."""
+        `loss * weight`; returns the detached loss times the weight (in the loss's dtype)."""
         if self._autocast is None:
             loss, _ = self.loss(self.model, piece)
         else:
@@ -164,8 +202,6 @@ class TrainStep:
         self.precision.backward(loss if whole else loss * weight)
         self.clock.mark("backward")
         term = loss.detach()
-        if term.dtype != torch.float32:
-            term = term.float()
         return term if whole else term * weight
 
     def _flag_nonfinite(self, step_loss: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
@@ -236,6 +272,7 @@ class TrainStep:
         are: where it is not, `state_is_finite` settles whether a value is, or only the probe's
         norm overflowed.
         """
+        self._fold()
         probe = self._state_probe() if not self.count_nonfinite else torch.zeros_like(self.loss_sum)
         totals = torch.stack([self.loss_sum, self.nonfinite, probe])  # a copy: the accumulators keep their storage
         self.loss_sum.zero_()

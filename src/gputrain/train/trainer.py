@@ -340,7 +340,8 @@ class Trainer:
 
             self._bare_loop = _Loop(self, RunOutputs(None, self.config, enabled=False),
                                     TrainProgress(enabled=False, total_steps=self.total_steps), StopSignals(()))
-        self.model.train()
+        if not self.model.training:  # train() walks every module: not once per call
+            self.model.train()
         for _ in range(n):
             self._iterate(self._bare_loop, self.total_steps)
 
