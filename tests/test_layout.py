@@ -2,6 +2,7 @@
 
 - the training core (train, data, runtime, io) imports no workloads, bench, diagnostics or commands;
 - diagnostics imports no bench or commands (the benchmarks build on the diagnostics, not back);
+- io, data and runtime import no train or report (the floors under the trainer);
 - nothing outside io/ opens a file for writing: files are written whole or not at all through
   io/atomic.py (allow-listed: logs that only append);
 - no module is over 500 lines.
@@ -49,6 +50,12 @@ def test_the_training_core_imports_no_workloads_bench_or_diagnostics():
 
 def test_diagnostics_import_no_bench_or_commands():
     assert _offenders(("diagnostics",), ("gputrain.bench", "gputrain.commands")) == []
+
+
+def test_the_floors_under_the_trainer_import_nothing_above_them():
+    """io, data and runtime serve the trainer and the reports, never the other way round (export reads
+    a model's logits through gputrain/outputs.py, not train/loss.py)."""
+    assert _offenders(("io", "data", "runtime"), ("gputrain.train", "gputrain.report")) == []
 
 
 def _mode(call: ast.Call, position: int) -> str | None:

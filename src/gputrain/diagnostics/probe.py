@@ -32,10 +32,11 @@ from gputrain.data.splits import DataSplits
 from gputrain.data.transforms import BatchTransform
 from gputrain.diagnostics.saved_tensors import measure_saved, nbytes, side_effect_free, unique_parameters
 from gputrain.errors import ConfigError
+from gputrain.outputs import loss_of
 from gputrain.runtime.precision import Precision, RunPrecision, resolve_precision
 from gputrain.runtime.speed import decide_speed
 from gputrain.train.graphs import WARMUP_STEPS, GraphedStep
-from gputrain.train.loss import LossRule, call_model, is_pair, loss_of
+from gputrain.train.loss import LossRule, call_model, is_pair
 from gputrain.train.optim import make_optimizer
 from gputrain.train.step import TrainStep
 

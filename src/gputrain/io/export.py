@@ -108,7 +108,7 @@ def _call_args(example: Any) -> tuple[tuple[Any, ...], dict[str, Any], list[str]
 
 def _output_tensors(outputs: Any) -> list[torch.Tensor]:
     from gputrain.batch import tensor_leaves
-    from gputrain.train.loss import logits_of
+    from gputrain.outputs import logits_of
 
     return tensor_leaves(logits_of(outputs) if not isinstance(outputs, (tuple, list)) else outputs)
 

@@ -24,7 +24,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from gputrain.errors import ConfigError
 
@@ -156,22 +156,15 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int:
 # ---------------------------------------------------------------- requeue
 
 
-def requeue_after_stop(local_signal: int | None, dist_info, env: Mapping[str, str] | None = None) -> bool:
+def requeue_after_stop(local_signal: int | None, dist_info, env: Mapping[str, str] | None = None,
+                       any_rank: Callable[[bool], bool] = bool) -> bool:
     """After a stop's checkpoint: when the stop was Slurm's SIGUSR1 (on any rank) in a Slurm job that
     is requeuable, rank 0 runs `scontrol requeue $SLURM_JOB_ID`. Returns True on the rank that
-    requeued. A collective with several processes (every rank calls it at the same point).
+    requeued. `any_rank(flag)`: whether any rank's flag is true, a collective the caller provides with
+    several processes (train/signals.py's agree_to_stop), so every rank calls this at the same point.
     """
     env = os.environ if env is None else env
-    usr1 = local_signal == signal.SIGUSR1
-    if getattr(dist_info, "enabled", False):
-        import torch
-
-        from gputrain.runtime import distributed
-
-        nccl = dist_info.backend == "nccl"  # its collectives take CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        flag = torch.tensor([1.0 if usr1 else 0.0], device=device)
-        usr1 = distributed.all_reduce_sum(flag, dist_info).item() > 0
+    usr1 = any_rank(local_signal == signal.SIGUSR1)
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not usr1 or not job_id or not getattr(dist_info, "is_main", True):
         return False

@@ -20,9 +20,10 @@ from torch import nn
 
 from gputrain import batch as batches
 from gputrain.errors import ConfigError
+from gputrain.outputs import logits_of
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
-from gputrain.train.loss import LossRule, logits_of
+from gputrain.train.loss import LossRule
 
 
 def infer_task(loss_fn: Callable | None) -> str | None:

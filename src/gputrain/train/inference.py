@@ -22,11 +22,12 @@ from torch import nn
 from gputrain import batch as batches
 from gputrain.data import BatchTransform, make_loader
 from gputrain.errors import ConfigError
+from gputrain.outputs import logits_of
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import pick_device
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.train.evaluate import Evaluator, infer_task
-from gputrain.train.loss import LossRule, call_model, is_pair, logits_of
+from gputrain.train.loss import LossRule, call_model, is_pair
 
 
 def _setup(model: nn.Module, data: Any, device: str | torch.device, precision: str, batch_size: int,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gputrain.batch import describe
+from gputrain.outputs import loss_of
 from gputrain.errors import DataError
 
 THE_THREE_WAYS = (
@@ -41,26 +42,6 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return model(*batch)
     return model(batch)
-
-
-def loss_of(outputs: Any) -> torch.Tensor | None:
-    """The loss a model returned: a scalar tensor, `.loss`, or `["loss"]`; None when there is none."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs if outputs.dim() == 0 else None
-    if isinstance(outputs, collections.abc.Mapping):
-        value = outputs.get("loss")
-    else:
-        value = getattr(outputs, "loss", None)
-    return value if isinstance(value, torch.Tensor) and value.dim() == 0 else None
-
-
-def logits_of(outputs: Any) -> Any:
-    """What a metric should see of the outputs: `.logits` / `["logits"]` where there are some."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, collections.abc.Mapping):
-        return outputs.get("logits", outputs)
-    return getattr(outputs, "logits", outputs)
 
 
 class LossRule:

@@ -185,7 +185,8 @@ class TrainStep:
     def _fold(self) -> None:
         """The kept losses into loss_sum: one stack and one sum (fp32)."""
         if self.pending:
-            self.loss_sum.add_(torch.stack([t.float() for t in self.pending]).sum())
+            # stack promotes mixed dtypes (a bf16 loss beside fp32 ones); the sum is taken in fp32
+            self.loss_sum.add_(torch.stack(self.pending).sum(dtype=torch.float32))
             self.pending.clear()
 
     def _forward_backward(self, piece: Any, weight: Any) -> torch.Tensor:

@@ -368,9 +368,10 @@ class Trainer:
         if path is not None:
             checkpointing.wait_for_saves(self)  # committed before the process leaves
             from gputrain.runtime.slurm import requeue_after_stop
+            from gputrain.train.signals import agree_to_stop
 
-            # Slurm's SIGUSR1 before the time limit: rank 0 puts a requeuable job back in the queue
-            requeue_after_stop(signals.requested, self.dist)
+            # Slurm's SIGUSR1 before the time limit (on any rank): rank 0 puts a requeuable job back in the queue
+            requeue_after_stop(signals.requested, self.dist, any_rank=lambda flag: agree_to_stop(flag, self.dist))
         resume = (f"resume with: gputrain fit ... --resume {self.run_dir} (from Python: the same fit(...) with "
                   f"TrainConfig(..., run_dir={str(self.run_dir)!r}, resume=True))" if path
                   else "nothing was saved (no run directory): set run_dir to make runs resumable")
