@@ -27,7 +27,7 @@ learning rate (`scale_lr`, `set_lr`, which move the schedule's base learning rat
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -35,8 +35,12 @@ from torch import nn
 from gputrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from gputrain.config import TrainConfig
+    from gputrain.data.stream import BatchStream
     from gputrain.io.history import History
-    from gputrain.train.trainer import Trainer
+    from gputrain.runtime.distributed import DistInfo
+    from gputrain.train.evaluate import Evaluator
+    from gputrain.train.state import RunState
 
 log = logging.getLogger("gputrain")
 
@@ -82,10 +86,30 @@ class Callback:
         return None
 
 
+class Run(Protocol):
+    """What RunControl reads of the Trainer (train/trainer.py), which imports this module: named here
+    so that this module needs nothing of the trainer's."""
+
+    config: TrainConfig
+    device: torch.device
+    dist: DistInfo
+    eval_loader: Any
+    eval_model: nn.Module
+    evaluator: Evaluator
+    history: History
+    is_main: bool
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: RunState
+    stream: BatchStream
+    total_steps: int
+
+
 class RunControl:
     """What a callback sees of a run, and the few things it may change."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Run):
         self._t = trainer
 
     # ---------------------------------------------------------------- where the run is (host values)
