@@ -17,24 +17,10 @@ import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError
 from gputrain.train.callbacks import Callback, CallbackList
+from helpers import data, mlp, params
+
 
 CPU = torch.device("cpu")
-
-
-def _data(n=96, d=6, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    w = torch.randn(d, classes, generator=g)
-    return x, (x @ w).argmax(1)
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 class Recorder(Callback):
@@ -70,10 +56,10 @@ class Recorder(Callback):
 
 
 def test_hooks_run_at_log_points_in_order_and_their_state_comes_back_on_resume(tmp_path):
-    x, y = _data()
+    x, y = data()
     rec = Recorder()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, run_dir=str(tmp_path), tensorboard=False)
-    history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec],
+    history = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec],
                   config=cfg.replace(stop_at_step=8))
     assert rec.calls == [("start", 0),
                          ("evaluate", 4, ["eval_accuracy", "eval_loss"]), ("log", 4, True),
@@ -84,7 +70,7 @@ def test_hooks_run_at_log_points_in_order_and_their_state_comes_back_on_resume(t
     assert "eval_twice_loss" in (tmp_path / "metrics.jsonl").read_text()
     assert history.summary["callbacks"] == "Recorder (at log points)"
     rec2 = Recorder()
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec2],
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec2],
         config=cfg.replace(resume=True))
     assert rec2.calls[0] == ("load", 2)  # the counter saved at step 8
     assert rec2.calls[1] == ("start", 8) and rec2.logged == 3
@@ -105,7 +91,7 @@ def test_a_log_point_callback_keeps_the_host_reads_and_the_graph_decision():
     from gputrain.diagnostics.syncs import count_host_reads
     from gputrain.runtime.speed import decide_speed
 
-    x, y = _data(64)
+    x, y = data(64)
 
     class Watch(Callback):
         def __init__(self):
@@ -117,7 +103,7 @@ def test_a_log_point_callback_keeps_the_host_reads_and_the_graph_decision():
                 run.request_stop("diverged")
 
     def run(steps, callbacks):
-        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks,
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks,
             config=TrainConfig(device="cpu", batch_size=4, steps=steps, log_every=10))
 
     without = count_host_reads(lambda: run(60, []), steps=1)
@@ -125,7 +111,7 @@ def test_a_log_point_callback_keeps_the_host_reads_and_the_graph_decision():
     assert without["total"] == with_cb["total"] == 6, (without["sites"], with_cb["sites"])  # one per log point
 
     cuda = torch.device("cuda")  # the decision is a pure function of the device type: no GPU needed
-    cfg, net = TrainConfig(), _model()
+    cfg, net = TrainConfig(), mlp()
     plain = decide_speed(cfg, net, cuda)
     logged = decide_speed(cfg, net, cuda, step_hooks=CallbackList([Watch()]).per_step)
     assert plain.cuda_graphs and logged.cuda_graphs and plain.reasons == logged.reasons
@@ -141,7 +127,7 @@ def test_a_log_point_callback_keeps_the_host_reads_and_the_graph_decision():
 
 
 def test_a_per_step_callback_runs_every_step_and_the_run_log_says_what_it_costs(caplog):
-    x, y = _data()
+    x, y = data()
     steps = []
 
     class EveryStep(Callback):
@@ -151,7 +137,7 @@ def test_a_per_step_callback_runs_every_step_and_the_run_log_says_what_it_costs(
             steps.append(run.step)
 
     with caplog.at_level("INFO", logger="gputrain"):
-        history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EveryStep()],
+        history = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EveryStep()],
                       config=TrainConfig(device="cpu", batch_size=16, steps=5, log_every=5))
     assert steps == [1, 2, 3, 4, 5]
     cost = [r.getMessage() for r in caplog.records if "every step" in r.getMessage() and "host sync" in r.getMessage()]
@@ -173,17 +159,17 @@ class StopAt(Callback):
 
 
 def test_a_requested_stop_checkpoints_and_a_resume_trains_no_further(tmp_path):
-    x, y = _data()
+    x, y = data()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=30, log_every=5, run_dir=str(tmp_path), tensorboard=False)
-    model = _model()
+    model = mlp()
     history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[StopAt(10)], config=cfg)
     s = history.summary
     assert s["steps"] == 10 and s["stopped_early"] and s["stopped_by"] == "enough at 10"
-    stopped = _params(model)
-    again = _model(seed=1)
+    stopped = params(model)
+    again = mlp(seed=1)
     h2 = fit(again, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg.replace(resume=True))  # no callbacks now
     assert h2.summary["steps"] == 10 and h2.summary["stopped_by"] == "enough at 10"
-    assert torch.equal(_params(again), stopped)  # the checkpoint's weights, not one step more
+    assert torch.equal(params(again), stopped)  # the checkpoint's weights, not one step more
 
 
 class HalveLr(Callback):
@@ -197,22 +183,22 @@ class HalveLr(Callback):
 
 @pytest.mark.parametrize("scheduler", [None, lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.9)])
 def test_a_callback_changes_the_learning_rate_and_a_resume_keeps_it(tmp_path, scheduler):
-    x, y = _data()
+    x, y = data()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=16, log_every=4, lr=0.01, tensorboard=False)
-    base = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=scheduler, config=cfg)
-    full_model = _model()
+    base = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=scheduler, config=cfg)
+    full_model = mlp()
     full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
                config=cfg.replace(run_dir=str(tmp_path / "full")))
     lrs = [r["lr"] for r in full.records]
     assert lrs[1] == pytest.approx(base.records[1]["lr"] * 0.5) and lrs[3] == pytest.approx(base.records[3]["lr"] * 0.5)
     part = cfg.replace(run_dir=str(tmp_path / "part"))
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
         config=part.replace(stop_at_step=8))
-    resumed_model = _model()
+    resumed_model = mlp()
     resumed = fit(resumed_model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
                   config=part.replace(resume=True))
     assert [r["lr"] for r in resumed.records] == lrs
-    assert torch.equal(_params(resumed_model), _params(full_model))
+    assert torch.equal(params(resumed_model), params(full_model))
 
 
 def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
@@ -220,7 +206,7 @@ def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
     that fails itself is logged, and the run's first error is the one raised."""
     from gputrain.train.guards import NonFiniteError
 
-    x, y = _data()
+    x, y = data()
     seen = []
 
     class Notes(Callback):
@@ -237,7 +223,7 @@ def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
 
     cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, lr=1e30, tensorboard=False)
     with caplog.at_level("WARNING", logger="gputrain"), pytest.raises(NonFiniteError, match="non-finite"):
-        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Quiet(), Broken(), Notes()], config=cfg)
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Quiet(), Broken(), Notes()], config=cfg)
     assert seen == [(4, "NonFiniteError")]
     assert "Broken.on_exception failed: RuntimeError: the hook itself failed" in caplog.text
 
@@ -246,7 +232,7 @@ def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
     """RunControl as a callback reads it at each log point: steps done and planned, fractional
     epochs, the config, model, optimizer, device, history so far, rank, eval data, the lr in force,
     no stop requested (the history holds this log point's record already); set_lr(x) makes x the rate in force from then on."""
-    x, y = _data()  # 96 samples, batch 16: 6 steps an epoch
+    x, y = data()  # 96 samples, batch 16: 6 steps an epoch
 
     class Watch(Callback):
         def __init__(self):
@@ -260,7 +246,7 @@ def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
             if run.step == 4:
                 run.set_lr(0.003)
 
-    watch, model = Watch(), _model()
+    watch, model = Watch(), mlp()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, lr=0.01, schedule="constant",
                       tensorboard=False)
     history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[watch], config=cfg)
@@ -279,13 +265,13 @@ def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
 
 
 def test_a_user_scheduler_steps_per_optimizer_step_and_resumes_bit_equal(tmp_path):
-    x, y = _data()
+    x, y = data()
 
     def sched(opt):
         return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 7, 11], gamma=0.5)
 
     cfg = TrainConfig(device="cpu", batch_size=16, steps=14, log_every=2, lr=0.02, accumulate=2, tensorboard=False)
-    full_model = _model()
+    full_model = mlp()
     full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched,
                config=cfg.replace(run_dir=str(tmp_path / "full")))
     lrs = {r["step"]: r["lr"] for r in full.records}
@@ -293,18 +279,18 @@ def test_a_user_scheduler_steps_per_optimizer_step_and_resumes_bit_equal(tmp_pat
     assert lrs[12] == pytest.approx(0.0025)  # per optimizer step (accumulate=2 micro-batches each)
     assert full.summary["schedule"].startswith("MultiStepLR (given)")
     part = cfg.replace(run_dir=str(tmp_path / "part"))
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched, config=part.replace(stop_at_step=5))
-    resumed_model = _model(seed=3)  # other initial weights: everything must come from the checkpoint
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched, config=part.replace(stop_at_step=5))
+    resumed_model = mlp(seed=3)  # other initial weights: everything must come from the checkpoint
     resumed = fit(resumed_model, (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched,
                   config=part.replace(resume=True))
-    assert torch.equal(_params(resumed_model), _params(full_model))
+    assert torch.equal(params(resumed_model), params(full_model))
     assert [r["lr"] for r in resumed.records] == [r["lr"] for r in full.records]
 
 
 def test_a_bad_scheduler_is_refused_with_a_message():
-    x, y = _data()
+    x, y = data()
     with pytest.raises(ConfigError, match="lacks"):
-        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=lambda opt: object(),
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=lambda opt: object(),
             config=TrainConfig(device="cpu", steps=1))
 
 
@@ -344,9 +330,9 @@ def test_early_stopping_counts_evaluations_without_improvement():
 def test_early_stopping_needs_eval_data():
     from gputrain.train.early_stopping import EarlyStopping
 
-    x, y = _data()
+    x, y = data()
     with pytest.raises(ConfigError, match="no eval data"):
-        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EarlyStopping()],
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[EarlyStopping()],
             config=TrainConfig(device="cpu", steps=2))
 
 
@@ -357,18 +343,18 @@ def test_ema_is_the_average_of_the_weights_after_each_step():
     """The update the step runs equals ema = decay_t * ema + (1 - decay_t) * w, step after step."""
     from gputrain.train.ema import EMA
 
-    x, y = _data()
+    x, y = data()
     seen = []
 
     class Snap(Callback):
         every_step = True
 
         def on_step(self, run):
-            seen.append(_params(run.model).clone())
+            seen.append(params(run.model).clone())
 
     ema = EMA(0.9)
-    model = _model()
-    start = _params(model).clone()
+    model = mlp()
+    start = params(model).clone()
     fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Snap(), ema],
         config=TrainConfig(device="cpu", batch_size=16, steps=6, log_every=6))
     expected = start
@@ -376,8 +362,8 @@ def test_ema_is_the_average_of_the_weights_after_each_step():
         d = min(0.9, n / (n + 9))  # the warm-up: (1 + m) / (10 + m) for the m-th update counted from 0
         expected = d * expected + (1 - d) * w
     assert ema.model is not None
-    assert torch.allclose(_params(ema.model), expected, atol=1e-6)
-    assert not torch.allclose(_params(ema.model), seen[-1], atol=1e-4)  # an average, not the last weights
+    assert torch.allclose(params(ema.model), expected, atol=1e-6)
+    assert not torch.allclose(params(ema.model), seen[-1], atol=1e-4)  # an average, not the last weights
 
 
 class CallGraphs:
@@ -412,16 +398,16 @@ class CallGraphs:
 def test_ema_average_comes_back_from_the_checkpoint_on_resume(tmp_path):
     """A run stopped at step 8 and resumed ends with the same average (and update count) as the run
     that went through: the resume loads the saved average, it does not restart it from the weights."""
-    x, y = _data()
+    x, y = data()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, checkpoint_every=4, tensorboard=False)
     whole = gputrain.EMA(decay=0.9)
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[whole],
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[whole],
         config=cfg.replace(run_dir=str(tmp_path / "whole")))
     part = cfg.replace(run_dir=str(tmp_path / "part"))
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[gputrain.EMA(decay=0.9)],
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[gputrain.EMA(decay=0.9)],
         config=part.replace(stop_at_step=8))
     resumed = gputrain.EMA(decay=0.9)
-    fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[resumed], config=part.replace(resume=True))
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[resumed], config=part.replace(resume=True))
     assert whole.updates is not None and resumed.updates is not None
     assert whole.updates.item() == resumed.updates.item() == 12
     expected, got = whole.state_dict(), resumed.state_dict()
@@ -440,7 +426,7 @@ def test_ema_runs_inside_the_captured_step():
     from gputrain.train.optim import make_optimizer
     from gputrain.train.step import TrainStep
 
-    x, y = _data(32)
+    x, y = data(32)
 
     class HostOps(TorchDispatchMode):
         def __init__(self, backend):
@@ -453,7 +439,7 @@ def test_ema_runs_inside_the_captured_step():
             return func(*args, **(kwargs or {}))
 
     def train(graphed, with_ema):
-        model = _model()
+        model = mlp()
         opt, _ = make_optimizer(None, model.parameters(), lr=0.05, weight_decay=0.0, device=CPU, capturable=True)
         ema = EMA(0.8)
         updates = [ema.step_update(model)] if with_ema else []
@@ -474,9 +460,8 @@ def test_ema_runs_inside_the_captured_step():
     eager_ema, _ = train(False, True)
     assert host_ops == host_ops_without  # nothing of EMA's runs on the host between replays
     assert graphed_ema.model is not None and eager_ema.model is not None
-    assert torch.equal(_params(graphed_ema.model), _params(eager_ema.model))
+    assert torch.equal(params(graphed_ema.model), params(eager_ema.model))
     assert float(graphed_ema.updates) == 8.0
-
 
 
 @pytest.mark.gpu
@@ -484,15 +469,15 @@ def test_ema_inside_a_real_cuda_graph_equals_the_eager_average():
     """On a GPU: the EMA update captured with the step (CUDA graphs on) gives the eager run's average."""
     from gputrain.train.ema import EMA
 
-    x, y = _data(512)
+    x, y = data(512)
 
     def run(graphs):
         ema = EMA(0.9)
-        history = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[ema],
+        history = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[ema],
                       config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=40, log_every=20,
                                          cuda_graphs=graphs, data_on_device=True))
         assert ema.model is not None
-        return _params(ema.model).cpu(), history.summary["cuda_graphs"]
+        return params(ema.model).cpu(), history.summary["cuda_graphs"]
 
     graphed, status = run(True)
     eager, _ = run(False)
@@ -551,3 +536,25 @@ def test_digits_cnn_ema_is_no_worse_than_the_raw_weights(tmp_path, capsys):
 def test_public_names():
     for name in ("Callback", "EarlyStopping", "EMA", "evaluate", "predict", "RunControl"):
         assert name in gputrain.__all__ and getattr(gputrain, name) is not None
+
+
+def test_the_base_hooks_are_no_ops_a_subclass_may_leave_alone(tmp_path):
+    """A callback that saves state but defines no loader, and one that opts in to every step without
+    an on_step of its own, run to the end: the base class's hooks do nothing and say nothing."""
+    from gputrain.train.callbacks import Callback
+
+    class SavesOnly(Callback):
+        def on_checkpoint_save(self, run):
+            return {"seen": run.step}
+
+    class EveryStep(Callback):
+        every_step = True
+
+    x, y = data(64)
+    config = TrainConfig(device="cpu", batch_size=16, steps=6, log_every=3, run_dir=str(tmp_path / "run"),
+                         progress=False, checkpoint_every=3, stop_at_step=3)
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[SavesOnly(), EveryStep()], config=config)
+    resumed = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[SavesOnly(), EveryStep()],
+                  config=config.replace(resume=True, stop_at_step=None))
+    assert resumed.summary["steps"] == 6
+    assert Callback().on_step(None) is None and Callback().on_checkpoint_load(None, {"seen": 3}) is None  # type: ignore[arg-type]

@@ -112,7 +112,9 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_naming_the_file(t
 def test_shares_of_the_files_verify_separately(tmp_path):
     path = _save(CheckpointStore(tmp_path), 1)
     _flip_a_byte(path / "run-00000.pt")  # the third of .metadata, __0_0.distcp, run-00000.pt
-    assert checkpoint_dcp.verify(path, share=(0, 2)) is not True  # files 0 and 2
+    damage = checkpoint_dcp.verify(path, share=(0, 2))  # files 0 and 2
+    assert isinstance(damage, checkpoint_dcp.Damage) and bool(damage) is False  # a reason that tests false
+    assert "run-00000.pt: its content hash does not match" in damage
     assert checkpoint_dcp.verify(path, share=(1, 2)) is True  # file 1
 
 

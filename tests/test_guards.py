@@ -8,21 +8,7 @@ from torch import nn
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.train.guards import NonFiniteError, SpikeDetector
-
-
-def _data(n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    return x, (x[:, 0] > 0).long()
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+from helpers import data, mlp, params
 
 
 class _PoisonAt(nn.Module):
@@ -42,9 +28,9 @@ class _PoisonAt(nn.Module):
 
 def test_a_nan_stops_the_run_naming_the_steps_and_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    model = _PoisonAt(_model(), calls={7})
+    model = _PoisonAt(mlp(), calls={7})
     with pytest.raises(NonFiniteError, match=r"between steps 7 and 8.*last good checkpoint is .*step-0+6\.pt"):
-        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(model, data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, log_every=4, checkpoint_every=2,
                                run_dir=str(run_dir)))
     from gputrain.io.checkpoint import load_checkpoint
@@ -57,42 +43,42 @@ def test_a_nan_stops_the_run_naming_the_steps_and_the_last_good_checkpoint(tmp_p
 
 
 def test_a_huge_learning_rate_is_stopped_not_reported_as_a_result():
-    x, y = _data(256)
+    x, y = data(256)
     with pytest.raises(NonFiniteError, match="non-finite"):
-        fit(_model(), (x * 1e3, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=1e30),
+        fit(mlp(), (x * 1e3, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=1e30),
             config=TrainConfig(device="cpu", batch_size=32, steps=40, log_every=10))
 
 
 def test_skip_leaves_parameters_and_optimizer_state_as_they_were():
-    x, y = _data(64)
-    ref = _model()
+    x, y = data(64)
+    ref = mlp()
     fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", batch_size=8, steps=8, seed=3))
-    poisoned = _PoisonAt(_model(), calls={1, 2, 3})  # the first three steps are NaN and skipped
+    poisoned = _PoisonAt(mlp(), calls={1, 2, 3})  # the first three steps are NaN and skipped
     h = fit(poisoned, (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=11, seed=3, on_nan="skip", log_every=11))
     assert h.summary["nonfinite_steps"] == 3 and "skipped" in h.summary["warnings"][0]
     # Skipped steps changed nothing, not even AdamW's step count: 3 skipped + 8 real == 8 real. (The
     # data order differs by three batches, so compare with a reference fed the same batches.)
-    ref2 = _model()
+    ref2 = mlp()
     fit(_PoisonAt(ref2, calls=set()), (x, y), loss_fn=nn.CrossEntropyLoss(),
         config=TrainConfig(device="cpu", batch_size=8, steps=11, seed=3, log_every=11), optimizer=None)
-    assert torch.isfinite(_params(poisoned.inner)).all()
-    assert not torch.equal(_params(poisoned.inner), _params(ref2))  # the three skipped steps did not train
+    assert torch.isfinite(params(poisoned.inner)).all()
+    assert not torch.equal(params(poisoned.inner), params(ref2))  # the three skipped steps did not train
 
 
 def test_skip_of_an_all_nan_step_is_an_exact_no_op():
-    x, y = _data(16)
-    model = _PoisonAt(_model(), calls={1})
-    before = _params(model.inner).clone()
+    x, y = data(16)
+    model = _PoisonAt(mlp(), calls={1})
+    before = params(model.inner).clone()
     h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=16, steps=1, on_nan="skip"))
-    assert torch.equal(_params(model.inner), before)
+    assert torch.equal(params(model.inner), before)
     assert h.summary["nonfinite_steps"] == 1 and h.records[-1]["loss"] == 0.0
 
 
 def test_skip_needs_a_fused_optimizer():
     with pytest.raises(ConfigError, match="on_nan='skip'.*fused"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
             config=TrainConfig(device="cpu", steps=1, on_nan="skip"))
 
 
@@ -109,12 +95,12 @@ def test_spike_detector_warns_then_stops_after_patience():
 
 
 def test_spikes_reach_the_summary():
-    x, y = _data(128)
+    x, y = data(128)
 
     class Spiky(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner, self.n = _model(), 0
+            self.inner, self.n = mlp(), 0
 
         def forward(self, x):
             self.n += self.training
@@ -133,7 +119,7 @@ class _InfThroughTanh(nn.Module):
     def __init__(self, at):
         super().__init__()
         torch.manual_seed(0)
-        self.l1, self.l2, self.at, self.n = nn.Linear(4, 8), nn.Linear(8, 2), at, 0
+        self.l1, self.l2, self.at, self.n = nn.Linear(6, 8), nn.Linear(8, 3), at, 0
 
     def forward(self, x):
         if self.training:
@@ -146,10 +132,10 @@ class _InfThroughTanh(nn.Module):
 
 def test_nan_gradients_under_a_finite_loss_are_caught_too():
     with pytest.raises(NonFiniteError, match="between steps 5 and 8"):
-        fit(_InfThroughTanh(at=6), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(_InfThroughTanh(at=6), data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4))
     model = _InfThroughTanh(at=6)
-    h = fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+    h = fit(model, data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, on_nan="skip"))
     assert h.summary["nonfinite_steps"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -174,7 +160,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeyp
     run_dir = tmp_path / "run"
     with pytest.raises(CheckpointError, match=r"checkpoint of step 10 .*No space left on device; the previous "
                                               r"checkpoint .*step-000005\.pt is intact.*--resume"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, checkpoint_every=5, run_dir=str(run_dir)))
     assert CheckpointStore(run_dir).latest_path().name == "step-000005.pt"
 
@@ -189,7 +175,7 @@ def test_a_nan_gradient_in_the_step_before_a_checkpoint_never_reaches_it(tmp_pat
 
     run_dir = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"between steps 6 and 6.*last good checkpoint is .*step-0+5\.pt"):
-        fit(_InfThroughTanh(at=6), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(_InfThroughTanh(at=6), data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, checkpoint_every=1,
                                run_dir=str(run_dir)))
     state = load_checkpoint(CheckpointStore(run_dir).latest_path())
@@ -203,7 +189,7 @@ def test_a_nan_gradient_of_a_parameter_outside_the_optimizer_stops_the_run():
     """Gradients the optimizer never reads (nor clears) are checked too: the run's state includes them."""
     model = _InfThroughTanh(at=6)
     with pytest.raises(NonFiniteError, match="between steps 5 and 8"):
-        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(model, data(64), loss_fn=nn.CrossEntropyLoss(),
             optimizer=lambda params: torch.optim.AdamW(model.l2.parameters(), fused=True),
             config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4))
 
@@ -221,10 +207,10 @@ def test_a_non_finite_loss_with_finite_gradients_stops_or_is_skipped():
         return compute_loss
 
     with pytest.raises(NonFiniteError, match="between steps 1 and 4"):
-        fit(_model(), _data(), compute_loss=loss_at(3), config=TrainConfig(device="cpu", batch_size=8, steps=8,
+        fit(mlp(), data(64), compute_loss=loss_at(3), config=TrainConfig(device="cpu", batch_size=8, steps=8,
                                                                            log_every=4))
-    model = _model()
-    h = fit(model, _data(), compute_loss=loss_at(3),
+    model = mlp()
+    h = fit(model, data(64), compute_loss=loss_at(3),
             config=TrainConfig(device="cpu", batch_size=8, steps=8, log_every=4, on_nan="skip"))
     assert h.summary["nonfinite_steps"] == 1 and all(r["loss"] == r["loss"] for r in h.records)  # no NaN mean
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -233,10 +219,10 @@ def test_a_non_finite_loss_with_finite_gradients_stops_or_is_skipped():
 def test_huge_but_finite_parameters_are_not_called_non_finite():
     """The state probe is a 2-norm, which overflows past ~1e19 in fp32; the exact check behind it
     keeps a run with such (finite) values going. (An integer parameter is left out of the probe.)"""
-    model = _model()
+    model = mlp()
     model.register_parameter("big", nn.Parameter(torch.full((4,), 1e30), requires_grad=False))
     model.register_parameter("index", nn.Parameter(torch.arange(3), requires_grad=False))
-    h = fit(model, _data(), loss_fn=nn.CrossEntropyLoss(),
+    h = fit(model, data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=8, log_every=4))
     assert h.records[-1]["step"] == 8 and h.summary["nonfinite_steps"] == 0
 
@@ -259,7 +245,7 @@ class _SignMomentum(torch.optim.Optimizer):
 
 
 def test_an_inf_gradient_that_only_the_optimizer_state_keeps_stops_the_run(tmp_path):
-    model = _model()
+    model = mlp()
     calls = []
 
     def spoil(grad):
@@ -269,7 +255,7 @@ def test_an_inf_gradient_that_only_the_optimizer_state_keeps_stops_the_run(tmp_p
     model[0].bias.register_hook(spoil)  # step 6's gradient is inf; the loss stays finite
     run_dir = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"between steps 6 and 6.*step-0+5\.pt"):
-        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: _SignMomentum(p),
+        fit(model, data(64), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: _SignMomentum(p),
             config=TrainConfig(device="cpu", batch_size=8, steps=16, log_every=4, checkpoint_every=1,
                                run_dir=str(run_dir)))
     assert all(torch.isfinite(p).all() for p in model.parameters())  # only the state went inf

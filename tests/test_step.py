@@ -16,24 +16,10 @@ from torch import nn
 import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError
+from helpers import data, mlp, params
+
 
 CPU = torch.device("cpu")
-
-
-def _data(n=96, d=6, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    w = torch.randn(d, classes, generator=g)
-    return x, (x @ w).argmax(1)
-
-
-def _model(d=6, classes=3, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Linear(16, classes))
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def _latest(run_dir):
@@ -64,10 +50,10 @@ def test_host_reads_happen_only_at_log_points():
     """Every read of a device value (.item, .tolist, bool(), formatting...) during a run is counted."""
     from gputrain.diagnostics.syncs import count_host_reads
 
-    x, y = _data(64)
+    x, y = data(64)
 
     def run(steps):
-        fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=4, steps=steps, log_every=10))
 
     few, many = count_host_reads(lambda: run(20), steps=1), count_host_reads(lambda: run(60), steps=1)
@@ -79,14 +65,14 @@ def test_host_reads_happen_only_at_log_points():
 
 def test_unequal_micro_batches_weigh_by_samples():
     """40 samples as micro-batches of 24 and 16 make the update of one batch of 40."""
-    x, y = _data(40)
-    a, b = _model(), _model()
+    x, y = data(40)
+    a, b = mlp(), mlp()
     fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
         config=TrainConfig(device="cpu", batch_size=24, accumulate=2, steps=1, seed=1))
     fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
         config=TrainConfig(device="cpu", batch_size=40, steps=1, seed=1))
-    assert torch.allclose(_params(a), _params(b), atol=1e-6)
-    assert not torch.allclose(_params(a), _params(_model()), atol=1e-4)
+    assert torch.allclose(params(a), params(b), atol=1e-6)
+    assert not torch.allclose(params(a), params(mlp()), atol=1e-4)
 
 
 def test_the_steps_bookkeeping_adds_a_few_device_ops():
@@ -148,23 +134,23 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
 
 
 def test_max_grad_norm_clips_the_gradient():
-    x, y = _data(32)
-    ref = _model()
+    x, y = data(32)
+    ref = mlp()
     loss = nn.CrossEntropyLoss()(ref(x), y)
     loss.backward()
     grads = [p.grad.clone() for p in ref.parameters()]
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
     max_norm = float(norm) / 10
     expected = [p.detach() - 1.0 * g * (max_norm / (float(norm) + 1e-6)) for p, g in zip(ref.parameters(), grads)]
-    clipped = _model()
+    clipped = mlp()
     fit(clipped, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(1.0),
         config=TrainConfig(device="cpu", batch_size=32, steps=1, max_grad_norm=max_norm))
-    assert torch.allclose(_params(clipped), torch.cat([e.flatten() for e in expected]), atol=1e-6)
+    assert torch.allclose(params(clipped), torch.cat([e.flatten() for e in expected]), atol=1e-6)
 
 
 def test_eval_every_sets_the_evaluation_cadence():
-    x, y = _data(64)
-    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+    x, y = data(64)
+    h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
             config=TrainConfig(device="cpu", batch_size=8, steps=30, log_every=5, eval_every=10))
     evaluated = [r["step"] for r in h.records if "eval_loss" in r]
     assert evaluated == [10, 20, 30]
@@ -188,8 +174,8 @@ def test_binary_task_accuracy_is_the_share_of_right_signs():
 # ---------------------------------------------------------------- precision and compile on the CPU
 
 def test_bf16_autocast_through_fit_on_the_cpu():
-    x, y = _data(128)
-    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+    x, y = data(128)
+    h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
             config=TrainConfig(device="cpu", precision="bf16", batch_size=32, epochs=8, lr=1e-2, log_every=8))
     assert h.summary["precision"] == "bf16"
     assert h.records[-1]["loss"] < h.records[0]["loss"]
@@ -197,9 +183,9 @@ def test_bf16_autocast_through_fit_on_the_cpu():
 
 
 def test_compile_trains_on_the_cpu_and_reports_a_planted_recompilation():
-    x, y = _data(40)  # batches of 16, 16 and a last partial one of 8: dim 0 changes under compile
+    x, y = data(40)  # batches of 16, 16 and a last partial one of 8: dim 0 changes under compile
     torch._dynamo.reset()  # dynamo remembers shapes per code object across tests (automatic dynamic)
-    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+    h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
             config=TrainConfig(device="cpu", batch_size=16, steps=8, lr=1e-2, log_every=4, compile=True))
     assert h.summary["compile"] is True
     assert h.records[-1]["loss"] < h.records[0]["loss"]
@@ -219,9 +205,9 @@ def test_fit_gives_back_the_matmul_settings(monkeypatch):
     torch.set_float32_matmul_precision("medium")
     try:
         seen = []
-        model = _model()
+        model = mlp()
         model.register_forward_pre_hook(lambda m, a: seen.append(torch.get_float32_matmul_precision()))
-        fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=1))
+        fit(model, data(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=1))
         assert seen and seen[0] == "high"  # applied during the run
         assert torch.get_float32_matmul_precision() == "medium"  # given back after it
     finally:
@@ -316,8 +302,8 @@ def test_schedule_values():
 
 
 def test_the_schedule_drives_the_optimizer_lr():
-    x, y = _data(64)
-    h = fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+    x, y = data(64)
+    h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, lr=0.1, schedule="cosine", warmup_steps=4,
                                log_every=1))
     from gputrain.train.optim import make_schedule
@@ -341,7 +327,7 @@ class _OOMAbove(nn.Module):
 
 def test_oom_recovery_off_lets_the_error_through():
     with pytest.raises(torch.OutOfMemoryError):
-        fit(_OOMAbove(_model(), limit=4), _data(32), loss_fn=nn.CrossEntropyLoss(),
+        fit(_OOMAbove(mlp(), limit=4), data(32), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=16, steps=1, oom_recovery=False))
 
 
@@ -349,30 +335,30 @@ def test_oom_recovery_off_lets_the_error_through():
 
 def test_resume_refuses_another_seed_or_global_batch(tmp_path):
     run_dir = str(tmp_path / "run")
-    fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+    fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
         config=TrainConfig(device="cpu", batch_size=8, steps=3, run_dir=run_dir, seed=1))
     with pytest.raises(CheckpointError, match="seed=1 but this run has seed=2"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=6, run_dir=run_dir, seed=2, resume=True))
     with pytest.raises(CheckpointError, match="global batch of 8 .* this run has 16"):
-        fit(_model(), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, accumulate=2, steps=6, run_dir=run_dir, seed=1,
                                resume=True))
 
 
 def test_resume_from_a_checkpoint_file(tmp_path):
-    x, y = _data(64)
+    x, y = data(64)
     cfg = dict(device="cpu", batch_size=8, steps=12, log_every=4, seed=5)
-    full = _model()
+    full = mlp()
     fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
-    first = _model()
+    first = mlp()
     fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(),
         config=TrainConfig(**cfg, run_dir=str(tmp_path / "a"), stop_at_step=5))
-    resumed = _model(seed=7)
+    resumed = mlp(seed=7)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(**cfg, resume=str(_latest(tmp_path / "a"))))
     assert h.summary["steps"] == 12
-    assert torch.equal(_params(resumed), _params(full))
+    assert torch.equal(params(resumed), params(full))
 
 
 class _InterruptAt(nn.Module):
@@ -390,41 +376,41 @@ class _InterruptAt(nn.Module):
 
 
 def test_ctrl_c_mid_step_writes_a_checkpoint_that_resumes_exactly(tmp_path):
-    x, y = _data(80)
+    x, y = data(80)
     cfg = dict(device="cpu", batch_size=8, steps=20, log_every=5, seed=4)
-    full = _model()
+    full = mlp()
     h_full = fit(full, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg))
     run_dir = str(tmp_path / "run")
-    interrupted = _InterruptAt(_model(), at=12)  # steps 1..11 done, step 12 interrupted in its forward
+    interrupted = _InterruptAt(mlp(), at=12)  # steps 1..11 done, step 12 interrupted in its forward
     with pytest.raises(KeyboardInterrupt):
         fit(interrupted, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir))
     from gputrain.io.checkpoint import load_checkpoint
 
     assert load_checkpoint(_latest(tmp_path / "run"))["step"] == 11
-    resumed = _InterruptAt(_model(seed=3), at=-1)
+    resumed = _InterruptAt(mlp(seed=3), at=-1)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
-    assert torch.equal(_params(resumed.inner), _params(full))
+    assert torch.equal(params(resumed.inner), params(full))
     assert [r["loss"] for r in h.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
 
 
 def test_golden_run_accumulation_oom_split_stop_and_resume(tmp_path):
     """A seeded run with accumulation, an OOM split and a stop + resume ends exactly where the
     uninterrupted run without OOM ends: the same loss history and the same parameters."""
-    x, y = _data(120)
+    x, y = data(120)
     cfg = dict(device="cpu", batch_size=12, accumulate=2, steps=16, log_every=4, seed=9, schedule="cosine",
                warmup_steps=2, eval_every=8)
-    ref = _model()
+    ref = mlp()
     h_ref = fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
                 config=TrainConfig(**cfg))
     run_dir = str(tmp_path / "run")
-    first = _OOMAbove(_model(), limit=8)  # micro-batches of 12 do not fit: cut in 2 (6 + 6)
+    first = _OOMAbove(mlp(), limit=8)  # micro-batches of 12 do not fit: cut in 2 (6 + 6)
     h1 = fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
              config=TrainConfig(**cfg, run_dir=run_dir, stop_at_step=7))
     assert h1.summary["oom_splits"] == 2 and h1.summary["steps"] == 7
-    second = _OOMAbove(_model(seed=1), limit=8)
+    second = _OOMAbove(mlp(seed=1), limit=8)
     h2 = fit(second, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
              config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
-    assert torch.allclose(_params(second.inner), _params(ref), atol=1e-6)
+    assert torch.allclose(params(second.inner), params(ref), atol=1e-6)
     for a, b in zip(h2.records, h_ref.records, strict=True):
         assert a["step"] == b["step"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -440,6 +426,6 @@ def test_golden_run_accumulation_oom_split_stop_and_resume(tmp_path):
 def test_data_parallel_is_unwrapped_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(nn.DataParallel(_model()), _data(), loss_fn=nn.CrossEntropyLoss(),
+        fit(nn.DataParallel(mlp()), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=1))
     assert sum("nn.DataParallel" in str(w.message) for w in caught) == 1

@@ -201,3 +201,79 @@ def test_the_cli_takes_several_loggers(tracker_env, capsys):
     assert config["loggers"] == ["csv", "tensorboard", "wandb"]
     assert (d / "metrics.csv").exists() and list(d.glob("events.out.tfevents*"))
     assert list((d / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+class _Breaks(nn.Module):
+    """The toy model, raising in its forward from step `at` on (an error in user code mid-run)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.inner, self.at, self.calls = _model(), at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and self.calls >= self.at:
+            raise ValueError("the model broke")
+        return self.inner(x)
+
+
+def _fit_failing(run_dir: Path, loggers, at: int = 6):
+    x, y = _data()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, run_dir=str(run_dir), name="toy",
+                      loggers=loggers)
+    with pytest.raises(ValueError, match="the model broke"):
+        fit(_Breaks(at), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
+
+
+def test_a_failed_run_is_marked_failed_in_mlflow(tracker_env):
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'gputrain[track]')")
+    pytest.importorskip("sqlalchemy", reason="sqlalchemy is not installed (MLflow's local store needs it)")
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tracker_env / "run"
+    _fit_failing(run_dir, ("mlflow",))
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4]  # the log point before
+
+
+def test_a_failed_run_exits_1_in_wandb(tracker_env):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'gputrain[track]')")
+    run_dir = tracker_env / "run"
+    _fit_failing(run_dir, ("wandb",))
+    (wandb_file,) = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = _finished_records(wandb_file)
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
+
+
+def test_wandb_is_online_only_with_an_api_key_or_a_netrc_entry(tracker_env, monkeypatch):
+    from gputrain.report.wandb_tracker import logged_in
+
+    assert not logged_in()  # the fixture: no key, a netrc path that does not exist
+    netrc = tracker_env / "netrc"
+    netrc.write_text("machine api.wandb.ai login user password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert logged_in()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert not logged_in()  # the entry is for another host
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert logged_in()
+
+
+def test_the_tracker_interface_defaults_do_nothing_and_the_shared_helpers(tmp_path):
+    from gputrain.report.tracker_base import (Tracker, TrackerUnavailable, numbers_at_step, read_ids, require,
+                                              resumed_id, write_id)
+
+    tracker = Tracker()
+    assert tracker.log({"step": 1, "loss": 0.5}) is None and tracker.close() is None
+    step, values = numbers_at_step({"step": 3, "loss": 0.25, "lr": 1e-3, "ok": True, "note": "x", "peak": None})
+    assert step == 3 and values == {"loss": 0.25, "lr": 1e-3}  # bools, strings and None are not numbers
+    with pytest.raises(TrackerUnavailable, match=r"no_such_tracker_pkg is not installed .*: pip install it"):
+        require("no_such_tracker_pkg", "pip install it")
+    write_id(tmp_path, "mlflow", "abc")
+    write_id(tmp_path, "wandb", "xyz")
+    assert read_ids(tmp_path) == {"mlflow": "abc", "wandb": "xyz"}
+    assert resumed_id(tmp_path, "mlflow", start_step=5) == "abc"
+    assert resumed_id(tmp_path, "mlflow", start_step=0) is None  # a new run starts a new tracker run

@@ -10,6 +10,8 @@ from typing import Any
 from gputrain.errors import ConfigError
 from gputrain.runtime.precision import CHOICES as PRECISIONS
 
+LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")  # the experiment trackers (report/trackers.py)
+
 
 @dataclass
 class TrainConfig:
@@ -109,8 +111,6 @@ class TrainConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr!r}")
         if self.schedule not in ("constant", "cosine", "linear", "onecycle"):
             raise ConfigError(f"unknown schedule {self.schedule!r}: choose constant, cosine, linear or onecycle")
-        from gputrain.report.trackers import check_loggers
-
         self.loggers = check_loggers(self.loggers)
         if not (0 < self.device_memory_fraction <= 1):
             raise ConfigError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction!r}")
@@ -153,3 +153,17 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_loggers(names: Any) -> tuple[str, ...]:
+    """The logger names as a tuple, each one of LOGGERS; raises ConfigError naming a bad one."""
+    if isinstance(names, str):
+        names = [names]
+    try:
+        out = tuple(dict.fromkeys(str(n).strip().lower() for n in names))
+    except TypeError:
+        raise ConfigError(f"loggers must be a list of names ({', '.join(LOGGERS)}), got {names!r}") from None
+    for n in out:
+        if n not in LOGGERS:
+            raise ConfigError(f"unknown logger {n!r}: choose from {', '.join(LOGGERS)}")
+    return out

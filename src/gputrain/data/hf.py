@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -133,7 +133,3 @@ class HFRows(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         return self.dataset[int(i)]
-
-
-def hf_collate(collate_fn: Callable | None) -> Callable:
-    return collate_fn if collate_fn is not None else collate_rows

@@ -45,7 +45,6 @@ SUFFIX = ".dcp"
 MANIFEST = "MANIFEST.sha256"
 METADATA = ".metadata"  # DCP's own name for its index
 FORMAT = "gputrain-dcp"
-_RUN_FILE = re.compile(r"^run-(\d+)\.pt$")
 _SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank files
 _HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
@@ -164,11 +163,6 @@ def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> bool | D
 
 
 # ---------------------------------------------------------------- reading
-
-
-def saved_world_size(path: Path) -> int:
-    """How many processes wrote the checkpoint (its run-R.pt files)."""
-    return sum(1 for name in os.listdir(path) if _RUN_FILE.match(name))
 
 
 def read_run_state(path: str | os.PathLike, rank: int = 0) -> tuple[dict[str, Any], int]:

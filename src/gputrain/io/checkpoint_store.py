@@ -341,10 +341,7 @@ class CheckpointStore:
                 return state, legacy
         if not skipped:
             return None
-        listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
-        raise CheckpointError(
-            f"{self.folder}: no checkpoint verifies ({listing}); start a new run (or use another --run-dir), "
-            "or pass one of them to --resume if you trust it")
+        raise self._none_verifies(skipped)
 
     def find_latest(self, verify: Callable[[Path], bool | str] | None = None, candidates: list[Path] | None = None,
                     warn: bool = True) -> Path | None:
@@ -373,8 +370,11 @@ class CheckpointStore:
             return legacy
         if not skipped:
             return None
+        raise self._none_verifies(skipped)
+
+    def _none_verifies(self, skipped: list[tuple[Path, str]]) -> CheckpointError:
         listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
-        raise CheckpointError(
+        return CheckpointError(
             f"{self.folder}: no checkpoint verifies ({listing}); start a new run (or use another --run-dir), "
             "or pass one of them to --resume if you trust it")
 

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from gputrain.report.trackers import Tracker, TrackerUnavailable, numeric, read_ids, run_name, write_id
+from gputrain.report.tracker_base import (Tracker, TrackerUnavailable, numbers_at_step, numeric, require, resumed_id,
+                                          run_name, write_id)
 
 INSTALL_HINT = "pip install 'gputrain[track]' (mlflow-skinny, sqlalchemy, alembic)"
 HEALTH_TIMEOUT_S = 5.0
@@ -34,10 +35,8 @@ class MLflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, run_dir: Path, config: dict[str, Any], start_step: int):
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as exc:
-            raise TrackerUnavailable(f"mlflow is not installed ({exc}): {INSTALL_HINT}") from None
+        require("mlflow", INSTALL_HINT)
+        from mlflow.tracking import MlflowClient
         self.run_dir = Path(run_dir)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or default_uri(self.run_dir)
         check_reachable(uri)
@@ -52,7 +51,7 @@ class MLflowTracker(Tracker):
                     (self.run_dir / "mlflow-artifacts").resolve().as_uri()
                 experiment_id = self.client.create_experiment(experiment, artifact_location=local)
         self.uri = uri
-        previous = read_ids(self.run_dir).get(self.name) if start_step > 0 else None
+        previous = resumed_id(self.run_dir, self.name, start_step)
         if previous:
             self.run_id = previous
             self.client.update_run(previous, status="RUNNING")
@@ -73,10 +72,9 @@ class MLflowTracker(Tracker):
     def log(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
-        step = int(record.get("step") or 0)
+        step, values = numbers_at_step(record)
         now = int(time.time() * 1000)
-        metrics = [Metric(k, x, now, step) for k, v in record.items()
-                   if k != "step" and (x := numeric(v)) is not None]
+        metrics = [Metric(k, x, now, step) for k, x in values.items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

@@ -15,88 +15,14 @@ goes on. MLflow and W&B are imported only when named, so `import gputrain` does 
 
 from __future__ import annotations
 
-import json
 import logging
-import numbers
 from pathlib import Path
 from typing import Any, Callable
 
-from gputrain.errors import ConfigError
+from gputrain.config import check_loggers
+from gputrain.report.tracker_base import Tracker, TrackerUnavailable
 
 log = logging.getLogger("gputrain")
-
-LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
-DEFAULT_LOGGERS = ("csv", "tensorboard")
-IDS_FILE = "trackers.json"  # the MLflow / W&B run ids of a run directory, so that a resume continues them
-
-
-class TrackerUnavailable(Exception):
-    """A tracker cannot run here (its package is missing, its server unreachable); the message says why."""
-
-
-class Tracker:
-    """The interface every tracker implements (no-op defaults). Called on rank 0 only."""
-
-    name = "tracker"
-
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self, summary: dict[str, Any] | None = None) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any], files: list[Path]) -> None:
-        pass
-
-    def fail(self, error: BaseException) -> None:
-        pass
-
-
-def check_loggers(names: Any) -> tuple[str, ...]:
-    """The logger names as a tuple, each one of LOGGERS; raises ConfigError naming a bad one."""
-    if isinstance(names, str):
-        names = [names]
-    try:
-        out = tuple(dict.fromkeys(str(n).strip().lower() for n in names))
-    except TypeError:
-        raise ConfigError(f"loggers must be a list of names ({', '.join(LOGGERS)}), got {names!r}") from None
-    for n in out:
-        if n not in LOGGERS:
-            raise ConfigError(f"unknown logger {n!r}: choose from {', '.join(LOGGERS)}")
-    return out
-
-
-def numeric(value: Any) -> float | None:
-    """A record value as a float, or None when it is not a number (bools, strings, None, lists)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return None
-
-
-def run_name(run_dir: Path, config: dict[str, Any]) -> str:
-    """The name a tracker shows for a run: the workload (or config name) and the run directory's name."""
-    name = config.get("name")
-    return f"{name}/{run_dir.name}" if name else run_dir.name
-
-
-def read_ids(run_dir: Path) -> dict[str, str]:
-    try:
-        data = json.loads((run_dir / IDS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
-def write_id(run_dir: Path, tracker: str, run_id: str) -> None:
-    from gputrain.io.atomic import atomic_file
-
-    ids = read_ids(run_dir)
-    ids[tracker] = run_id
-    with atomic_file(run_dir / IDS_FILE, "w") as f:
-        f.write(json.dumps(ids, indent=2) + "\n")
-
 
 # ---------------------------------------------------------------- the files in the run directory
 
@@ -181,10 +107,6 @@ class Trackers:
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = list(trackers)
-
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.trackers]
 
     def _each(self, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from gputrain.report.trackers import Tracker, TrackerUnavailable, numeric, read_ids, run_name, write_id
+from gputrain.report.tracker_base import (Tracker, TrackerUnavailable, numbers_at_step, numeric, require, resumed_id,
+                                          run_name, write_id)
 
 log = logging.getLogger("gputrain")
 
@@ -28,14 +29,11 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def __init__(self, run_dir: Path, config: dict[str, Any], start_step: int):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise TrackerUnavailable(f"wandb is not installed ({exc}): {INSTALL_HINT}") from None
+        wandb: Any = require("wandb", INSTALL_HINT)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         mode = _mode(os.environ.get("WANDB_MODE") or ("online" if logged_in() else "offline"))
-        previous = read_ids(self.run_dir).get(self.name) if start_step > 0 else None
+        previous = resumed_id(self.run_dir, self.name, start_step)
         # console="off": wandb leaves stdout/stderr (the progress bar, the run log) alone; no git or
         # code capture, no system-metrics sampler thread beside the training loop.
         settings = wandb.Settings(silent=True, console="off", save_code=False, disable_git=True,
@@ -51,8 +49,7 @@ class WandbTracker(Tracker):
                      "`wandb sync %s`", self.run.dir, Path(self.run.dir).parent)
 
     def log(self, record: dict[str, Any]) -> None:
-        step = int(record.get("step") or 0)
-        values = {k: x for k, v in record.items() if k != "step" and (x := numeric(v)) is not None}
+        step, values = numbers_at_step(record)
         if values:
             self.run.log(values, step=step)
 
