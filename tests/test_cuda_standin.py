@@ -218,7 +218,7 @@ def test_data_that_fits_in_free_memory_stays_on_the_gpu_else_it_streams(fake_cud
 
 def test_make_loader_puts_resident_data_on_the_gpu(fake_cuda):
     """Keeping data resident copies it to the GPU: a real CUDA tensor, which the stand-in never makes."""
-    from gputrain.data.placement import make_loader
+    from gputrain.data.feed import make_loader
 
     fake_cuda()
     with pytest.raises((AssertionError, RuntimeError)):

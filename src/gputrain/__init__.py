@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __geta
     from gputrain.train.inference import evaluate, predict
     from gputrain.workloads import Workload, get_workload
 
-__version__ = "0.1.0"
+from gputrain.version import __version__
 
 # The trainer and the tools built on it import more of torch; load them on first use so that
 # `import gputrain` and `gputrain info` stay fast.

@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
-    from gputrain import __version__
+    from gputrain.version import __version__
 
     parser.add_argument("--version", action="version", version=f"gputrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -76,7 +76,7 @@ def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
     first = next((a for a in argv if not a.startswith("-")), None)
     if first not in COMMANDS:
         return build_parser()
-    from gputrain import __version__
+    from gputrain.version import __version__
 
     parser = _Parser(prog="gputrain", description="Train PyTorch models on the GPU correctly and fast.")
     parser.add_argument("--version", action="version", version=f"gputrain {__version__}")

@@ -9,8 +9,8 @@ process and DataLoader worker its own part of the stream (data/iterable.py).
 
 from gputrain.data.iterable import IterableBatches, Sharded, my_part, take_part
 from gputrain.data.loader import CudaPrefetcher, LoaderBatches, UserLoaderBatches, default_workers
-from gputrain.data.placement import (Placement, as_columns, as_tensors, choose_device_resident, fits_on_device,
-                                     make_loader)
+from gputrain.data.feed import make_loader
+from gputrain.data.placement import Placement, as_columns, as_tensors, choose_device_resident, fits_on_device
 from gputrain.data.resident import TensorBatches
 from gputrain.data.stream import BatchStream, epoch_seed
 from gputrain.data.tokens import count_tokens

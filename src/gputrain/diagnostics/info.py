@@ -18,7 +18,7 @@ SCHEMA_KEYS = ("gputrain", "python", "torch", "devices", "nvml", "frameworks")
 
 
 def collect_info() -> dict[str, Any]:
-    from gputrain import __version__
+    from gputrain.version import __version__
 
     devices = describe_devices()
     devices["host_memory"] = host_memory()

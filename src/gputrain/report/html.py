@@ -133,7 +133,7 @@ def render_report(records: list[dict[str, Any]], summary: dict[str, Any] | None 
                      if config else "<p>No config recorded.</p>", "config")
     body += _section("Log points", _details(f"{len(records)} records (metrics.jsonl)", _records_table(records))
                      if records else "<p>No log points.</p>", "records")
-    from gputrain import __version__
+    from gputrain.version import __version__
 
     body.append(f"<footer>written by gputrain {_e(__version__)} on "
                 f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')} &middot; "
