@@ -84,44 +84,30 @@ def digits_cnn() -> Workload:
 _MNIST1D_SUMMARY = _summary("MNIST-1D, generated offline and cached", 4000, 1000, (40,), "float32")
 
 
+def _mnist1d(name: str, description: str, make_model, defaults: dict) -> Workload:
+    """A model of the MNIST-1D paper on its data (the three share data, loss and summary)."""
+    return Workload(name=name, description=description, make_data=datasets.load_mnist1d, make_model=make_model,
+                    loss_fn=nn.CrossEntropyLoss(), defaults=defaults, data_summary=_MNIST1D_SUMMARY)
+
+
 def mnist1d_cnn() -> Workload:
-    return Workload(
-        name="mnist1d-cnn",
-        description="MNIST-1D paper's ConvBase (3 Conv1d, 25 channels); paper: 94% test accuracy",
-        make_data=datasets.load_mnist1d,
-        make_model=models.MNIST1DCNN,
-        loss_fn=nn.CrossEntropyLoss(),
-        defaults={"batch_size": 100, "epochs": 100, "lr": 2e-2, "weight_decay": 0.1, "schedule": "cosine",
-                  "log_every": 400},
-        data_summary=_MNIST1D_SUMMARY,
-    )
+    return _mnist1d("mnist1d-cnn", "MNIST-1D paper's ConvBase (3 Conv1d, 25 channels); paper: 94% test accuracy",
+                    models.MNIST1DCNN, {"batch_size": 100, "epochs": 100, "lr": 2e-2, "weight_decay": 0.1,
+                                        "schedule": "cosine", "log_every": 400})
 
 
 def mnist1d_mlp() -> Workload:
-    return Workload(
-        name="mnist1d-mlp",
-        description="MNIST-1D paper's MLP 40-100-100-10; paper: 68% test accuracy",
-        make_data=datasets.load_mnist1d,
-        make_model=models.MNIST1DMLP,
-        loss_fn=nn.CrossEntropyLoss(),
-        # Test accuracy keeps rising while the test loss rises (over-confident but better ranked):
-        # the paper's 6000 steps of batch 100 are needed, weight decay does not help here.
-        defaults={"batch_size": 100, "epochs": 150, "lr": 1e-2, "schedule": "cosine", "log_every": 500},
-        data_summary=_MNIST1D_SUMMARY,
-    )
+    # Test accuracy keeps rising while the test loss rises (over-confident but better ranked): the
+    # paper's 6000 steps of batch 100 are needed, weight decay does not help here.
+    return _mnist1d("mnist1d-mlp", "MNIST-1D paper's MLP 40-100-100-10; paper: 68% test accuracy",
+                    models.MNIST1DMLP, {"batch_size": 100, "epochs": 150, "lr": 1e-2, "schedule": "cosine",
+                                        "log_every": 500})
 
 
 def mnist1d_gru() -> Workload:
-    return Workload(
-        name="mnist1d-gru",
-        description="MNIST-1D paper's bidirectional GRU (hidden 6); paper: 91% test accuracy",
-        make_data=datasets.load_mnist1d,
-        make_model=models.MNIST1DGRU,
-        loss_fn=nn.CrossEntropyLoss(),
-        defaults={"batch_size": 100, "epochs": 50, "lr": 2e-2, "weight_decay": 0.1, "schedule": "cosine",
-                  "log_every": 200},
-        data_summary=_MNIST1D_SUMMARY,
-    )
+    return _mnist1d("mnist1d-gru", "MNIST-1D paper's bidirectional GRU (hidden 6); paper: 91% test accuracy",
+                    models.MNIST1DGRU, {"batch_size": 100, "epochs": 50, "lr": 2e-2, "weight_decay": 0.1,
+                                        "schedule": "cosine", "log_every": 200})
 
 
 def linear_regression(n: int = 1000) -> Workload:
