@@ -81,6 +81,8 @@ class BatchStream:
         # The source's saved state, to restart at (epoch, batch_in_epoch) instead of reading up to it.
         self._pending_state: Any = None
         self.check = None if getattr(loader, "uniform_batches", False) else BatchCheck(describe_source(loader))
+        self._length = known_length(loader)  # batches per epoch (None: unknown); read once, not per pass
+        self._reiterable = getattr(loader, "reiterable", True)
         self.last_batch: Any = None  # the batch yielded last (for the note on a failed first step)
         self.load_error: BaseException | None = None  # set when loading a batch raised
 
@@ -118,7 +120,7 @@ class BatchStream:
     # ------------------------------------------------------------ batches
 
     def _start(self) -> Iterator[Any]:
-        n = known_length(self.loader)
+        n = self._length
         if n is not None and self.batch_in_epoch >= n:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         if self._pending_state is not None:
@@ -154,13 +156,12 @@ class BatchStream:
             return pos[0], pos[1], batch
 
     def _end_of_pass(self) -> None:
-        name = describe_source(self.loader)
         if self.batch_in_epoch == 0:
-            raise DataError(f"the training data gave no batch in epoch {self.epoch}: {name} is empty"
-                            + (" (an exhausted generator?)" if self.epoch == 0 else "")
+            raise DataError(f"the training data gave no batch in epoch {self.epoch}: {describe_source(self.loader)} "
+                            "is empty" + (" (an exhausted generator?)" if self.epoch == 0 else "")
                             + ". Check the data you pass")
-        if not getattr(self.loader, "reiterable", True):
-            raise DataExhausted(f"{name} ran out after {self.batch_in_epoch} batches and can be read only once "
+        if not self._reiterable:
+            raise DataExhausted(f"{describe_source(self.loader)} ran out after {self.batch_in_epoch} batches and can be read only once "
                                 "(a generator or an iterator): the run ends here. Pass something that can be "
                                 "read again for more (a list, a Dataset, a DataLoader, or an object whose "
                                 "__iter__ starts over), or set steps= to what it holds")
