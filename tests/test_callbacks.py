@@ -557,4 +557,4 @@ def test_the_base_hooks_are_no_ops_a_subclass_may_leave_alone(tmp_path):
     resumed = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[SavesOnly(), EveryStep()],
                   config=config.replace(resume=True, stop_at_step=None))
     assert resumed.summary["steps"] == 6
-    assert Callback().on_step(None) is None and Callback().on_checkpoint_load(None, {"seen": 3}) is None  # type: ignore[arg-type]
+    assert Callback().on_step(None) is None and Callback().on_checkpoint_load(None, {"seen": 3}) is None
