@@ -94,7 +94,7 @@ class TensorBatches:
     def _indices(self, epoch: int) -> torch.Tensor | None:
         if self.world_size == 1 and (not self.shuffle or self.batch_size >= self.n):
             # Plain slices, no gather: also for full-batch training, where the order of the samples
-            # inside the one batch does not change the mean loss (seed 003's iris run).
+            # inside the one batch does not change the mean loss (iris's full-batch run).
             return None
         if self.shuffle:
             self._gen.manual_seed(epoch_seed(self.seed, epoch))
