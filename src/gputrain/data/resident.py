@@ -58,6 +58,8 @@ class TensorBatches:
         self.device = device
         # One copy to the device for the whole run (a no-op when already there).
         self.columns = batches.map_tensors(lambda t: t.to(device), columns)
+        # The usual (inputs, targets): a flat tuple of tensors, gathered without the pytree walk.
+        self._flat_tuple = type(self.columns) is tuple and all(isinstance(c, torch.Tensor) for c in self.columns)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -123,6 +125,8 @@ class TensorBatches:
             self._aug.draw_(self._gen)
 
     def _assemble(self, rows, idx: torch.Tensor | None, aug: CropFlip | None) -> Any:
+        if idx is not None and aug is None and self._flat_tuple and self.transform.is_identity:
+            return tuple([t.index_select(0, idx) for t in self.columns])  # per step: one gather a column
         if idx is None:
             # A new container either way (the step may change a dict batch it is given).
             batch = batches.map_tensors((lambda t: t) if rows is None else (lambda t: t[rows]), self.columns)
