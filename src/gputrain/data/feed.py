@@ -33,7 +33,6 @@ class _BatchesArgs(TypedDict):
     transform: BatchTransform | None
 
 
-
 def make_loader(data: Any, batch_size: int, *, device: torch.device, train: bool, seed: int = 0, rank: int = 0,
                 world_size: int = 1, on_device: str | bool = "auto", memory_fraction: float = 0.5,
                 num_workers: int | None = None, transform: BatchTransform | None = None,

@@ -161,8 +161,8 @@ class BatchStream:
                             "is empty" + (" (an exhausted generator?)" if self.epoch == 0 else "")
                             + ". Check the data you pass")
         if not self._reiterable:
-            raise DataExhausted(f"{describe_source(self.loader)} ran out after {self.batch_in_epoch} batches and can be read only once "
-                                "(a generator or an iterator): the run ends here. Pass something that can be "
+            raise DataExhausted(f"{describe_source(self.loader)} ran out after {self.batch_in_epoch} batches and can "
+                                "be read only once (a generator or an iterator): the run ends here. Pass something that can be "
                                 "read again for more (a list, a Dataset, a DataLoader, or an object whose "
                                 "__iter__ starts over), or set steps= to what it holds")
         self.epoch, self.batch_in_epoch = self.epoch + 1, 0

@@ -12,10 +12,11 @@ class RunState:
     """The run's own counters that an exact resume needs (besides the parts that hold theirs: the
     model, the optimizer, the data stream's position, the step's OOM splits; train/checkpoint_parts.py).
 
-    step: optimizer steps done; samples_seen: samples over all processes; loss_since_log: the loss summed (host float) over the steps_since_log steps since the last log
-    point, so that a resumed run logs the same loss as an uninterrupted one; nonfinite_steps: steps
-    with a non-finite loss or gradient so far; stopped_by: why a callback ended the run early ("" when
-    none did): a resumed run that was stopped so trains no further.
+    step: optimizer steps done; samples_seen: samples over all processes; loss_since_log: the loss
+    summed (host float) over the steps_since_log steps since the last log point, so that a resumed
+    run logs the same loss as an uninterrupted one; nonfinite_steps: steps with a non-finite loss or
+    gradient so far; stopped_by: why a callback ended the run early ("" when none did): a resumed
+    run that was stopped so trains no further.
     """
 
     step: int = 0

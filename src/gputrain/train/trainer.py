@@ -46,6 +46,7 @@ from gputrain.train import checkpointing, run_summary
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
+from gputrain.train.signals import StopSignals, agree_to_stop
 from gputrain.train.state import RunState
 from gputrain.train.step import TrainStep
 
@@ -252,7 +253,6 @@ class Trainer:
 
         from gputrain.report.progress import TrainProgress
         from gputrain.report.run_outputs import RunOutputs
-        from gputrain.train.signals import StopSignals
 
         loop = _Loop(self, RunOutputs(self.run_dir, cfg, enabled=self.is_main, start_step=st.step),
                      TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
@@ -325,7 +325,7 @@ class Trainer:
         signals = loop.signals
         if ((loop.world == 1 and signals.requested is not None)
                 or (loop.world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
-                    and loop.agree(signals.requested is not None, self.dist))):
+                    and agree_to_stop(signals.requested is not None, self.dist))):
             self._stop_for_signal(signals)
         self.clock.mark("logging")
 
@@ -336,7 +336,6 @@ class Trainer:
         if self._bare_loop is None:
             from gputrain.report.progress import TrainProgress
             from gputrain.report.run_outputs import RunOutputs
-            from gputrain.train.signals import StopSignals
 
             self._bare_loop = _Loop(self, RunOutputs(None, self.config, enabled=False),
                                     TrainProgress(enabled=False, total_steps=self.total_steps), StopSignals(()))
@@ -368,7 +367,6 @@ class Trainer:
         if path is not None:
             checkpointing.wait_for_saves(self)  # committed before the process leaves
             from gputrain.runtime.slurm import requeue_after_stop
-            from gputrain.train.signals import agree_to_stop
 
             # Slurm's SIGUSR1 before the time limit (on any rank): rank 0 puts a requeuable job back in the queue
             requeue_after_stop(signals.requested, self.dist, any_rank=lambda flag: agree_to_stop(flag, self.dist))
@@ -488,12 +486,9 @@ class _Loop:
     and stop signals, the log interval's clock and samples, the peak memory seen at log points."""
 
     def __init__(self, trainer: Trainer, outputs, progress, signals):
-        from gputrain.train.signals import agree_to_stop
-
         self.outputs, self.progress, self.signals = outputs, progress, signals
         self.on_step = trainer.callbacks.step if trainer.callbacks.per_step else None  # opt-in per-step hooks
         self.world = trainer.dist.world_size
-        self.agree = agree_to_stop
         self.t_start = self.t_log = time.perf_counter()
         self.samples_at_log = trainer.state.samples_seen
         self.peak = 0
