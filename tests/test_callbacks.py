@@ -146,6 +146,25 @@ def test_a_per_step_callback_runs_every_step_and_the_run_log_says_what_it_costs(
     assert row["value"] == "EveryStep (every step)" and "no CUDA graph" in row["reason"]
 
 
+def test_a_stop_requested_from_a_per_step_hook_ends_the_run_after_that_step():
+    """Steps between log points run in a tight stretch: a stop asked for in on_step ends it there."""
+    x, y = data()
+    seen = []
+
+    class StopAtSeven(Callback):
+        every_step = True
+
+        def on_step(self, run):
+            seen.append(run.step)
+            if run.step == 7:
+                run.request_stop("seven")
+
+    history = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[StopAtSeven()],
+                  config=TrainConfig(device="cpu", batch_size=16, steps=30, log_every=5, progress=False))
+    assert seen == list(range(1, 8))
+    assert history.summary["steps"] == 7 and history.summary["stopped_by"] == "seven"
+
+
 # ---------------------------------------------------------------- what a callback may change
 
 

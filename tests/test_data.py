@@ -74,6 +74,29 @@ def test_batch_stream_crosses_epochs_and_restarts_at_a_position():
     assert (e, b) == (1, 2) and yb.tolist() == _ids(loader, 1)[8:]
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_stream_over_resident_tensors_goes_on_across_epochs_as_epoch_by_epoch_reading(drop_last):
+    """Resident tensors are read by one endless iterator (`iter_from`): the same batches, at the same
+    positions, as reading epoch after epoch, also from a position in the middle of an epoch."""
+    x, y = torch.randn(22, 2), torch.arange(22)
+    loader = TensorBatches((x, y), 5, device=CPU, shuffle=True, seed=4, drop_last=drop_last)
+    n = len(loader)
+    expected = [(e, b, yb.tolist()) for e in range(4) for b, (_, yb) in enumerate(loader.iter_epoch(e))]
+    s = BatchStream(loader)
+    assert [(e, b, yb.tolist()) for e, b, (_, yb) in (s.next() for _ in range(3 * n + 1))] == expected[:3 * n + 1]
+    resumed = BatchStream(loader, epoch=1, batch_in_epoch=n - 1)
+    got = [(e, b, yb.tolist()) for e, b, (_, yb) in (resumed.next() for _ in range(n + 1))]
+    assert got == expected[2 * n - 1:3 * n]
+
+
+def test_full_batch_training_in_order_hands_out_the_columns_every_epoch():
+    x, y = torch.randn(12, 2), torch.arange(12)
+    s = BatchStream(TensorBatches((x, y), 64, device=CPU, shuffle=True, seed=0))
+    got = [s.next() for _ in range(3)]
+    assert [(e, b) for e, b, _ in got] == [(0, 0), (1, 0), (2, 0)]
+    assert all(batch[0] is x and batch[1] is y for _, _, batch in got)  # nothing gathered or copied
+
+
 def test_augmentation_keeps_shapes_labels_and_content():
     torch.manual_seed(0)
     x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)

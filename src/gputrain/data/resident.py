@@ -161,9 +161,30 @@ class TensorBatches:
         self._plan(epoch)
         B = self.batch_size
         stop = len(self) * B if self.drop_last else self.per_rank
+        if not self.defer and self._aug is None and self._flat_tuple and self.transform.is_identity:
+            # The usual (inputs, targets) in a shuffled order: one gather a column, nothing else per batch.
+            columns, order = self.columns, self._order
+            if order is not None:
+                for lo in range(start_batch * B, stop, B):
+                    idx = order[lo:lo + B]  # a view of the plan; a slice stops at the end by itself
+                    yield tuple([t.index_select(0, idx) for t in columns])
+                return
         for lo in range(start_batch * B, stop, B):
             hi = min(lo + B, stop)
             yield ResidentRows(self, lo, hi - lo) if self.defer else self.rows(lo, hi)
+
+    def iter_from(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        """Batches from (epoch, start_batch) on, epoch after epoch without end: `BatchStream` counts
+        the position (len(self) batches an epoch), so no epoch ends in a StopIteration and a new
+        generator. Full-batch training in order (iris) hands out the columns themselves every step."""
+        if (not self.defer and len(self) == 1 and self._indices(epoch) is None and not self._augments
+                and type(self.columns) is tuple and self.transform.is_identity):
+            whole = self.rows(0, self.per_rank)  # the columns tuple: nothing is drawn, nothing changes
+            while True:
+                yield whole
+        while True:
+            yield from self.iter_epoch(epoch, start_batch)
+            epoch, start_batch = epoch + 1, 0
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)

@@ -83,6 +83,9 @@ class BatchStream:
         self.check = None if getattr(loader, "uniform_batches", False) else BatchCheck(describe_source(loader))
         self._length = known_length(loader)  # batches per epoch (None: unknown); read once, not per pass
         self._reiterable = getattr(loader, "reiterable", True)
+        # A source that goes on across epochs by itself (`iter_from`, resident tensors): one iterator
+        # for the run, the epoch counted here. Needs a known length.
+        self._endless = self._length is not None and callable(getattr(loader, "iter_from", None))
         self.last_batch: Any = None  # the batch yielded last (for the note on a failed first step)
         self.load_error: BaseException | None = None  # set when loading a batch raised
 
@@ -127,6 +130,8 @@ class BatchStream:
             self.loader.load_state_dict(self._pending_state)
             self._pending_state = None
             return self.loader.iter_epoch(self.epoch, self.batch_in_epoch, restored=True)
+        if self._endless:
+            return self.loader.iter_from(self.epoch, self.batch_in_epoch)
         return self.loader.iter_epoch(self.epoch, self.batch_in_epoch)
 
     def next(self) -> tuple[int, int, Any]:
@@ -134,6 +139,8 @@ class BatchStream:
             it = self._it
             if it is None:
                 it = self._it = self._start()
+            elif self._endless and self.batch_in_epoch == self._length:  # the source went on into the next epoch
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             try:
                 batch = next(it)
             except StopIteration:
@@ -151,9 +158,9 @@ class BatchStream:
             if self.check is not None:
                 self.check(batch, self.epoch, self.batch_in_epoch)
             self.last_batch = batch
-            pos = (self.epoch, self.batch_in_epoch)
-            self.batch_in_epoch += 1
-            return pos[0], pos[1], batch
+            epoch, i = self.epoch, self.batch_in_epoch
+            self.batch_in_epoch = i + 1
+            return epoch, i, batch
 
     def _end_of_pass(self) -> None:
         if self.batch_in_epoch == 0:

@@ -1,5 +1,6 @@
 """A run's checkpoints: the trainer's named parts (train/checkpoint_parts.py), writing them into the
-run's verified store (one file, or each rank its share with DCP), and an exact resume with its checks.
+run's verified store (one file, or each rank its share with DCP), an exact resume with its checks,
+and the checkpoint of the last finished step when user code fails (with the note that says so).
 
 Functions of the Trainer `t`: they need its store, run directory and the path of its last checkpoint.
 """
@@ -13,7 +14,8 @@ from typing import Any
 
 
 from gputrain.batch import move_optimizer_state
-from gputrain.errors import CheckpointError
+from gputrain.data.checks import first_step_note
+from gputrain.errors import CheckpointError, user_frame
 from gputrain.io import checkpoint_dcp
 from gputrain.runtime import distributed
 from gputrain.train.checkpoint_parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
@@ -162,3 +164,24 @@ def check_resumable(t, state: dict, path: Path) -> None:
     if "seed" in saved_cfg and saved_cfg["seed"] != t.config.seed:
         raise CheckpointError(f"{path}: the checkpoint was trained with seed={saved_cfg['seed']} but this run "
                               f"has seed={t.config.seed}; an exact resume needs the same seed")
+
+
+def checkpoint_after_error(t, exc: BaseException) -> None:
+    """An error in user code (model, loss, data) after the first step: checkpoint the last
+    finished step when its state is finite, and add a line saying where and how to resume."""
+    st = t.state
+    where = user_frame(exc)
+    saved = None
+    # Several processes: the other ranks are inside a collective of their own step, so a
+    # checkpoint (itself collective) cannot be written; the periodic ones remain.
+    if t.run_dir and st.step > 0 and t.dist.world_size == 1:
+        try:
+            saved = t.save_checkpoint()
+        except Exception as save_exc:  # a non-finite state, a full disk: the error stays the first one
+            log.warning("no checkpoint after the error: %s", save_exc)
+    how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {t.run_dir}"
+           if saved else "no checkpoint was written after the error"
+           + (f" (resume from the last periodic one with --resume {t.run_dir})" if t.last_checkpoint else ""))
+    exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
+    if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
+        exc.add_note(first_step_note(t.stream.last_batch, t.module))  # data/checks.py

@@ -32,6 +32,9 @@ THE_THREE_WAYS = (
 
 
 def is_pair(batch: Any) -> bool:
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual case, without a subclass's checks (per step)
+        return len(batch) == 2
     return isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields")
 
 

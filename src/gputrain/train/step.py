@@ -89,15 +89,17 @@ class TrainStep:
         # Device accumulators whose storage never changes (a captured graph writes to their address).
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
         # Eager steps' detached losses not yet in loss_sum: `keep_loss` appends them (a list append
-        # launches no kernel, an add_ one per step); under CUDA graphs it is loss_sum.add_ (`sum_in_place`).
+        # launches no kernel, an add_ one per step; `__call__` folds them every FOLD_EVERY steps);
+        # under CUDA graphs it is loss_sum.add_ (`sum_in_place`).
         self.pending: list[torch.Tensor] = []
-        self.keep_loss: Callable[[torch.Tensor], Any] = self._keep
+        self.keep_loss: Callable[[torch.Tensor], Any] = self.pending.append
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
         self.splits = 1  # each micro-batch is cut into this many pieces after OOM recovery (1 = none)
         self.clock: PhaseClock = NO_CLOCK  # marks forward, backward, optimizer (profile's breakdown)
         # Decided once, not per step: autocast (None: fp32/tf32, no context to enter) and the foreach
         # kernels of the norms (CUDA; None: torch's choice).
         self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
+        self._scaled = precision.precision.use_scaler  # fp16: backward and step go through the GradScaler
         self._foreach = device.type == "cuda" or None
         if self.skip_nonfinite:
             # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
@@ -143,7 +145,10 @@ class TrainStep:
             norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self._foreach)
         if self.count_nonfinite:
             step_loss = self._flag_nonfinite(step_loss, norm)
-        self.precision.step(self.optimizer)
+        if self._scaled:
+            self.precision.step(self.optimizer)
+        else:
+            self.optimizer.step()  # looked up per step: a scheduler made later may wrap it
         self.optimizer.zero_grad(set_to_none=True)
         for update in self.after_step:
             update()
@@ -170,12 +175,6 @@ class TrainStep:
         assert step_loss is not None  # at least one piece
         return step_loss
 
-    def _keep(self, step_loss: torch.Tensor) -> None:
-        pending = self.pending
-        pending.append(step_loss)
-        if len(pending) >= FOLD_EVERY:
-            self._fold()
-
     def sum_in_place(self) -> None:
         """Add every step's loss to loss_sum in place: what a captured step must do (its replays write
         to that address); train/graphs.py calls it for all of a graphed run's steps, eager ones too."""
@@ -200,7 +199,10 @@ class TrainStep:
         self.clock.mark("forward")
         # A whole step in one piece has weight 1.0 (a host float): no multiply kernel.
         whole = weight.__class__ is float and weight == 1.0
-        self.precision.backward(loss if whole else loss * weight)
+        if self._scaled:
+            self.precision.backward(loss if whole else loss * weight)
+        else:
+            (loss if whole else loss * weight).backward()
         self.clock.mark("backward")
         term = loss.detach()
         return term if whole else term * weight
@@ -242,6 +244,8 @@ class TrainStep:
         while True:
             try:
                 self.run(micro_batches)
+                if len(self.pending) >= FOLD_EVERY:  # bounded, however long the interval between reads
+                    self._fold()
                 return
             except Exception as exc:  # only OOM is handled; everything else propagates
                 if not (self.oom_recovery and is_oom(exc)):

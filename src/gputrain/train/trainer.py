@@ -27,12 +27,11 @@ from torch import nn
 from gputrain.batch import move, move_optimizer_state
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
-from gputrain.data.checks import first_step_note
 from gputrain.data.deferred import materialize, num_samples
 from gputrain.data.sources import batch_size_used
 from gputrain.data.stream import DataExhausted, known_length, plan_steps
 from gputrain.data.splits import unpack_splits
-from gputrain.errors import ConfigError, GputrainError, StopRequested, user_frame
+from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import synchronizer, take_peak_memory
@@ -228,14 +227,14 @@ class Trainer:
         batches back, so that a checkpoint written then resumes with exactly that step.
         """
         st, stream = self.state, self.stream
-        position = (stream.epoch, stream.batch_in_epoch, st.samples_seen)
+        epoch, batch_in_epoch, samples_seen = stream.epoch, stream.batch_in_epoch, st.samples_seen
         try:
             batches = self.next_step_batches()
             self.clock.mark("data")
             self.step_fn(batches)
         except BaseException:
-            stream.rewind(position[0], position[1])
-            st.samples_seen = position[2]
+            stream.rewind(epoch, batch_in_epoch)
+            st.samples_seen = samples_seen
             self.optimizer.zero_grad(set_to_none=True)
             raise
         self.scheduler.step()
@@ -296,17 +295,31 @@ class Trainer:
         loop.outputs.finish(self.history)
         return self.history
 
-    def _iterate(self, loop: _Loop, stop: int) -> None:
-        """One iteration of the loop: the step, per-step hooks, a log point (and evaluation) every
-        log_every steps, a checkpoint every checkpoint_every, the stop-signal check."""
+    def _iterate(self, loop: _Loop, stop: int, most: int | None = None) -> None:
+        """The loop's steps up to the next log point, checkpoint or `stop` (at most `most` steps).
+
+        Every step: the step, per-step hooks, [the log point (and evaluation) every log_every steps,
+        a checkpoint every checkpoint_every], the stop-signal check, the "logging" mark. The bracketed
+        events fall on the stretch's last step only, so the steps before it run in a tight loop.
+        """
         cfg, st = self.config, self.state
-        self.clock.start()
-        self.train_one_step()
-        if loop.on_step is not None:
-            loop.on_step(self.control)
+        every, ckpt_every = cfg.log_every, cfg.checkpoint_every
+        ends = min(stop, self.total_steps, (st.step // every + 1) * every, st.step + (most or stop))
+        if ckpt_every:
+            ends = min(ends, (st.step // ckpt_every + 1) * ckpt_every)
+        clock, step_once, on_step, control = self.clock, self.train_one_step, loop.on_step, self.control
+        while True:
+            clock.start()
+            step_once()
+            if on_step is not None:
+                on_step(control)  # may request a stop (st.stopped_by): the stretch ends after this step
+            if st.step >= ends or st.stopped_by:
+                break
+            self._check_signals(loop)
+            clock.mark("logging")
         # The run's last step is a log point; an early stop is not (the loss since the last log
         # point goes into the checkpoint, so a resumed history matches).
-        if st.step % cfg.log_every == 0 or st.step == self.total_steps:
+        if st.step % every == 0 or st.step == self.total_steps:
             record = self._log_point(loop.t_log, loop.samples_at_log)
             loop.peak = max(loop.peak, record.get("peak_memory_bytes") or 0)
             loop.t_log, loop.samples_at_log = time.perf_counter(), st.samples_seen
@@ -317,17 +330,20 @@ class Trainer:
                                  samples_per_s=record["samples_per_s"], memory_bytes=record.get("peak_memory_bytes"))
             self.callbacks.log(self.control, record)  # may request a stop: the loop ends here
             loop.t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
-        if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and st.step < stop and self.run_dir:
+        if ckpt_every and st.step % ckpt_every == 0 and st.step < stop and self.run_dir:
             self.save_checkpoint()
-        # A signal is only recorded by its handler; the step it came in has finished. One process
-        # checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY steps (a small gloo
-        # all-reduce, no GPU sync), as the signal may reach one rank only.
+        self._check_signals(loop)
+        clock.mark("logging")
+
+    def _check_signals(self, loop: _Loop) -> None:
+        """A signal is only recorded by its handler; the step it came in has finished. One process
+        checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY steps (a small gloo
+        all-reduce, no GPU sync), as the signal may reach one rank only."""
         signals = loop.signals
         if ((loop.world == 1 and signals.requested is not None)
-                or (loop.world > 1 and st.step % SIGNAL_SYNC_EVERY == 0
+                or (loop.world > 1 and self.state.step % SIGNAL_SYNC_EVERY == 0
                     and agree_to_stop(signals.requested is not None, self.dist))):
             self._stop_for_signal(signals)
-        self.clock.mark("logging")
 
     def run_steps(self, n: int) -> None:
         """n iterations of the training loop's own body (`_iterate`: the step, log points with the
@@ -341,8 +357,9 @@ class Trainer:
                                     TrainProgress(enabled=False, total_steps=self.total_steps), StopSignals(()))
         if not self.model.training:  # train() walks every module: not once per call
             self.model.train()
-        for _ in range(n):
-            self._iterate(self._bare_loop, self.total_steps)
+        done = self.state.step
+        while self.state.step < done + n:
+            self._iterate(self._bare_loop, self.total_steps, most=done + n - self.state.step)
 
     @contextlib.contextmanager
     def timed_phases(self, clock: PhaseClock):
@@ -378,24 +395,7 @@ class Trainer:
                             exit_code=code, step=st.step, checkpoint=str(path) if path else None)
 
     def _checkpoint_after_error(self, exc: BaseException) -> None:
-        """An error in user code (model, loss, data) after the first step: checkpoint the last
-        finished step when its state is finite, and add a line saying where and how to resume."""
-        st = self.state
-        where = user_frame(exc)
-        saved = None
-        # Several processes: the other ranks are inside a collective of their own step, so a
-        # checkpoint (itself collective) cannot be written; the periodic ones remain.
-        if self.run_dir and st.step > 0 and self.dist.world_size == 1:
-            try:
-                saved = self.save_checkpoint()
-            except Exception as save_exc:  # a non-finite state, a full disk: the error stays the first one
-                log.warning("no checkpoint after the error: %s", save_exc)
-        how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {self.run_dir}"
-               if saved else "no checkpoint was written after the error"
-               + (f" (resume from the last periodic one with --resume {self.run_dir})" if self.last_checkpoint else ""))
-        exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
-        if st.step == 0 and self.stream.load_error is not exc and self.stream.last_batch is not None:
-            exc.add_note(first_step_note(self.stream.last_batch, self.module))  # data/checks.py
+        checkpointing.checkpoint_after_error(self, exc)
 
     def collect_step_totals(self) -> None:
         """Read the step's device accumulators into the run state: the loss summed since the last
