@@ -37,7 +37,9 @@ counts the tensor operations of one steady training step (a TorchDispatchMode co
 and those that are not views; on a GPU each non-view op is a kernel launch).
 
 A whole-run figure is kept apart (`--whole`): `gputrain.fit` from the model to the History (setup
-included) against the minimal loop from the model to its last step, for the cases with `epochs`.
+included) against the minimal loop from the model to its last step, and against the seed
+tutorials' loop (DataLoader over a TensorDataset with shuffle, .to(device) per batch, loss.item()
+every step), for the cases with `epochs`; "speedup over seed" is the seed loop's time over fit's.
 
 Rounds are interleaved: every contender once per round, in a rotated order; figures are medians
 over rounds. With `--tree NAME=PATH` (twice or more) the script runs itself once per round per
@@ -208,6 +210,33 @@ def minimal_whole(case: Case) -> float:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    return clock() - t0
+
+
+def seed_whole(case: Case) -> float:
+    """The seed tutorials' loop (BENCHMARKS.md's baseline), seconds for case.epochs epochs from the
+    model to the last step: DataLoader(TensorDataset, shuffle=True), .to(device) per batch (a no-op
+    on the CPU), and loss.item() every step, the tutorials' way of watching the loss."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = case.make_model()
+    x, y = case.make_data()
+    t0 = clock()
+    device = torch.device("cpu")
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    prep = _prep(case)
+    loader = DataLoader(TensorDataset(x, y), batch_size=case.batch, shuffle=True)
+    running = 0.0
+    for _ in range(case.epochs or 1):
+        for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
+            loss = case.loss_fn(model(prep(xb)), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            running += loss.item()
     return clock() - t0
 
 
@@ -489,8 +518,9 @@ def one_round(names: list[str], variants: list[str], rnd: int, warmup: int, log_
             rows.append({"case": name, "contender": who, "round": rnd, "kind": "steady", "pairs": pairs,
                          "patched": patched})
         if whole and case.epochs:
-            for who in (["minimal", "default"] if rnd % 2 == 0 else ["default", "minimal"]):
-                t = minimal_whole(case) if who == "minimal" else gputrain_whole(case)
+            order = ["minimal", "default", "seed"]
+            for who in order[rnd % 3:] + order[:rnd % 3]:
+                t = {"minimal": minimal_whole, "default": gputrain_whole, "seed": seed_whole}[who](case)
                 rows.append({"case": name, "contender": who, "round": rnd, "kind": "whole", "s": t})
         if counts:
             for who in ["minimal", *variants]:
@@ -538,8 +568,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if whole:
             m = statistics.median(r["s"] for r in whole if r["contender"] == "minimal")
             g = statistics.median(r["s"] for r in whole if r["contender"] == "default")
+            seed = [r["s"] for r in whole if r["contender"] == "seed"]
+            sd = statistics.median(seed) if seed else None
             out.append({"tree": tree, "case": case, "contender": "whole-run", "minimal_ms": m * 1e3,
-                        "gputrain_ms": g * 1e3, "ratio": m / g, "n": len(whole) // 2})
+                        "gputrain_ms": g * 1e3, "ratio": m / g, "n": len(seed) or len(whole) // 2,
+                        # gputrain's speed over the seed loop's (>= 1.7: the seed loop takes <= 1/1.7)
+                        "seed_ms": sd * 1e3 if sd else None, "speedup_over_seed": sd / g if sd else None})
     for r in rows:
         if r["kind"] == "python":
             out.append({"tree": r.get("tree", ""), "case": "python", "contender": "python", "ns": r["ns"]})
@@ -563,8 +597,10 @@ def print_table(summary: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         if s["contender"] == "python":
             continue
         if s["contender"] == "whole-run":
+            seed = (f"; seed loop {s['seed_ms']:.1f} ms: gputrain {s['speedup_over_seed']:.2f}x its speed"
+                    if s.get("seed_ms") else "")
             print(f"{s['tree']:<8} {s['case']:<11} {'whole run':<16} gputrain {s['gputrain_ms']:.1f} ms vs minimal "
-                  f"{s['minimal_ms']:.1f} ms: ratio {s['ratio']:.2f} (n={s['n']})")
+                  f"{s['minimal_ms']:.1f} ms: ratio {s['ratio']:.2f}{seed} (n={s['n']})")
             continue
         if s.get("us_per_step") is None:
             print(f"{s['tree']:<8} {s['case']:<11} {s['contender']:<16} n/a (nothing to switch off in this tree)")

@@ -429,3 +429,26 @@ def test_data_parallel_is_unwrapped_with_one_warning():
         fit(nn.DataParallel(mlp()), data(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=1))
     assert sum("nn.DataParallel" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_loss_scaler_scales_the_backward_and_unscales_before_the_update(pieces):
+    """fp16's path through the step on the CPU (torch's GradScaler runs there too): the backward is
+    of the scaled loss and the update of the unscaled gradient, so one step equals the fp32 step.
+    Without the scale in the backward the update is 1/scale of it; without the unscale, scale times."""
+    from gputrain.runtime.precision import Precision, RunPrecision
+    from gputrain.train.loss import LossRule
+    from gputrain.train.step import TrainStep
+
+    x, y = data(32)
+    after = []
+    for scaled in (False, True):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        precision = RunPrecision(Precision("fp16" if scaled else "fp32", None, scaled, False, "test"), CPU)
+        if scaled:
+            precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        step = TrainStep(model, LossRule(loss_fn=nn.CrossEntropyLoss()), opt, precision, device=CPU)
+        step([(x[:16], y[:16]), (x[16:], y[16:])] if pieces == 2 else [(x, y)])
+        after.append(params(model))
+    assert torch.allclose(after[0], after[1], rtol=1e-5, atol=1e-6)

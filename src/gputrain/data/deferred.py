@@ -50,4 +50,6 @@ def materialize(batch: Any) -> Any:
 
 def num_samples(batch: Any) -> int:
     """Samples in a batch, deferred or not (host metadata, no sync)."""
+    if type(batch) is tuple:  # the usual (inputs, targets): no isinstance against the class tree
+        return batches.batch_size(batch)
     return batch.num_samples if isinstance(batch, DeferredBatch) else batches.batch_size(batch)

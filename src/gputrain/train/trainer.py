@@ -308,6 +308,7 @@ class Trainer:
         if ckpt_every:
             ends = min(ends, (st.step // ckpt_every + 1) * ckpt_every)
         clock, step_once, on_step, control = self.clock, self.train_one_step, loop.on_step, self.control
+        signals, one_process = loop.signals, loop.world == 1
         while True:
             clock.start()
             step_once()
@@ -315,7 +316,8 @@ class Trainer:
                 on_step(control)  # may request a stop (st.stopped_by): the stretch ends after this step
             if st.step >= ends or st.stopped_by:
                 break
-            self._check_signals(loop)
+            if not one_process or signals.requested is not None:  # one process: a flag read, no call
+                self._check_signals(loop)
             clock.mark("logging")
         # The run's last step is a log point; an early stop is not (the loss since the last log
         # point goes into the checkpoint, so a resumed history matches).
