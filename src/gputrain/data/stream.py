@@ -14,7 +14,9 @@ A source (what `make_loader` builds) has `iter_epoch(epoch, start_batch)`, `batc
 batches are the iterable's), `num_samples` (per epoch on this process; None: unknown) and a
 `len()` in batches (TypeError: unknown). Optional: `reiterable` (False: a one-shot iterator),
 `uniform_batches` (True: every batch has one structure, so it is not checked), `state_dict()` /
-`load_state_dict()` (the position beyond the count) and `describe` (a name for messages).
+`load_state_dict()` (the position beyond the count), `iter_from(epoch, start_batch)` (one endless
+iterator across epochs, for a source of known length: the stream counts the epochs itself) and
+`describe` (a name for messages).
 """
 
 from __future__ import annotations
