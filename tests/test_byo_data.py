@@ -233,6 +233,31 @@ def test_a_worker_that_dies_names_the_batch_and_the_run_checkpoints_the_last_ste
     assert CheckpointStore(run_dir).latest_path() is not None
 
 
+def test_a_worker_death_reported_inside_the_step_still_names_the_batches(tmp_path):
+    """torch reports a dead worker from its SIGCHLD handler wherever the main process is: here, as
+    that handler would, inside the forward of step 4. The error still names the data and resumes."""
+    x, y = data(96)
+    model = mlp()
+
+    class Dies(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.calls = model, 0
+
+        def forward(self, inputs):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+            return self.net(inputs)
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited unexpectedly") as info:
+        fit(Dies(), DataLoader(TensorDataset(x, y), batch_size=8), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=20, run_dir=str(run_dir)))
+    notes = "\n".join(info.value.__notes__)
+    assert "loading batch 3 of epoch 0 or one after it" in notes and "a checkpoint of step 3" in notes
+
+
 # ---------------------------------------------------------------- 6. say what is used
 
 

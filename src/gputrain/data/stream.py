@@ -164,6 +164,17 @@ class BatchStream:
             self.batch_in_epoch = i + 1
             return epoch, i, batch
 
+    def name_a_lost_worker(self, exc: BaseException) -> None:
+        """A DataLoader worker that dies is reported by torch's SIGCHLD handler wherever the main
+        process is, most often inside the step rather than in `next`: name the batches it was
+        loading ahead (the position is the interrupted step's, as the step gave its batches back)."""
+        if exc is self.load_error or "DataLoader worker" not in str(exc):
+            return
+        exc.add_note(f"gputrain: loading batch {self.batch_in_epoch} of epoch {self.epoch} or one after it "
+                     f"(read ahead by a DataLoader worker) from {describe_source(self.loader)} failed: the worker "
+                     "died while the step ran. The error is in the data: a sample's __getitem__, the collate_fn or "
+                     "the worker's memory; fix it there (num_workers=0 shows the sample's own traceback)")
+
     def _end_of_pass(self) -> None:
         if self.batch_in_epoch == 0:
             raise DataError(f"the training data gave no batch in epoch {self.epoch}: {describe_source(self.loader)} "

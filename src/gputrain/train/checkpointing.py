@@ -182,6 +182,7 @@ def checkpoint_after_error(t, exc: BaseException) -> None:
     how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {t.run_dir}"
            if saved else "no checkpoint was written after the error"
            + (f" (resume from the last periodic one with --resume {t.run_dir})" if t.last_checkpoint else ""))
+    t.stream.name_a_lost_worker(exc)
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
         exc.add_note(first_step_note(t.stream.last_batch, t.module))  # data/checks.py
