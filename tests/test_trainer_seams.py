@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import data, mlp, params
 
-from gputrain import TrainConfig
+from gputrain import TrainConfig, fit
 from gputrain.runtime.timing import NO_CLOCK
 from gputrain.train import Trainer
 
@@ -169,3 +169,16 @@ def test_a_graphed_step_adds_each_loss_in_place():
     assert t.train_step.pending == [] and abs(float(t.train_step.loss_sum) - kept) < 1e-6
     t.train_step([next(iter(t.stream.loader))])
     assert t.train_step.pending == [] and float(t.train_step.loss_sum) > kept
+
+
+def test_checkpoints_fall_on_their_own_steps_between_log_points(tmp_path):
+    """The steps between two log points run as one stretch; a checkpoint every 3 steps with a log
+    point every 10 still lands on steps 3, 6 and 9 (and the run's end on 10)."""
+    from gputrain.io.checkpoint_store import CheckpointStore
+
+    x, y = data(96)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=10, log_every=10, checkpoint_every=3, keep_last=10,
+                      run_dir=str(tmp_path / "run"), progress=False)
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
+    assert [p.name for p in CheckpointStore(tmp_path / "run").list()] == [
+        "step-000003.pt", "step-000006.pt", "step-000009.pt", "step-000010.pt"]

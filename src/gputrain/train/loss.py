@@ -76,7 +76,7 @@ class LossRule:
                 return result, None
             raise DataError(f"compute_loss returned {type(result).__name__}: return the loss tensor or (loss, outputs)")
         if self.loss_fn is not None:
-            if not (type(batch) is tuple and len(batch) == 2) and not is_pair(batch):
+            if not is_pair(batch):
                 raise DataError(f"loss_fn is set, so each batch must be a pair (inputs, targets), but got "
                                 f"{describe(batch)}. {THE_THREE_WAYS}")
             inputs, targets = batch

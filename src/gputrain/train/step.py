@@ -134,21 +134,9 @@ class TrainStep:
     def run(self, micro_batches: Sequence[Any]) -> None:
         """Forward, backward, clip, optimizer step, zero_grad; losses into the device accumulators."""
         if self.splits == 1 and len(micro_batches) == 1 and self.num_items is None:
-            # The whole step in one piece (the common case), `_forward_backward` with weight 1 written
-            # out (a call less per step): no gradient-sync context, no multiply, the loss in its own
-            # dtype (the accumulator's add promotes it to fp32).
-            if self._autocast is None:
-                loss = self.loss(self.model, micro_batches[0])[0]
-            else:
-                with self._autocast():
-                    loss = self.loss(self.model, micro_batches[0])[0]
-            self.clock.mark("forward")
-            if self._scaled:
-                self.precision.backward(loss)
-            else:
-                loss.backward()
-            self.clock.mark("backward")
-            step_loss = loss.detach()
+            # The whole step in one piece (the common case): weight 1, no gradient-sync context, the
+            # loss in its own dtype (the accumulator's add promotes it to fp32).
+            step_loss = self._forward_backward(micro_batches[0], 1.0)
         else:
             step_loss = self._pieces(micro_batches)
         norm = None
