@@ -464,3 +464,31 @@ def test_a_writer_killed_at_any_moment_leaves_a_verifying_checkpoint(tmp_path, m
                  or (n.endswith(".sha256") and not (store.folder / n[:-7]).exists())]
     assert not leftovers
     assert len(store.list()) <= KEEP + 1
+
+
+def test_a_write_removes_only_the_temp_files_of_writers_that_are_gone(tmp_path):
+    """Several processes may write one path at once (the ranks of a run filling one data cache): a
+    writer that finishes first must not remove the others' temp files mid-write (their rename then
+    fails), only those of a dead process of this host and unowned ones older than an hour."""
+    import subprocess
+    import time
+
+    from gputrain.io import atomic
+
+    host = atomic._writer_tag().rsplit("-", 1)[0]
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        names = {"live": f".x.npz.{host}-{live.pid}.a1.tmp", "dead": f".x.npz.{host}-{dead.pid}.a2.tmp",
+                 "other host": f".x.npz.elsewhere-{dead.pid}.a3.tmp", "unowned": ".x.npz.a4.tmp",
+                 "unowned, old": ".x.npz.a5.tmp"}
+        for name in names.values():
+            (tmp_path / name).write_text("partial")
+        old = time.time() - 2 * atomic.UNOWNED_STALE_S
+        os.utime(tmp_path / names["unowned, old"], (old, old))
+        atomic.write_text(tmp_path / "x.npz", "whole")
+        left = {p.name for p in tmp_path.iterdir()}
+    finally:
+        live.kill()
+    assert left == {"x.npz", names["live"], names["other host"], names["unowned"]}

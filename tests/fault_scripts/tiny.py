@@ -26,7 +26,7 @@ from torch import nn
 from gputrain.workloads import Workload
 from gputrain.workloads.base import DataSplits
 
-_CHECKPOINT_TEMP = re.compile(r"^\.step-\d+\.pt\.[^.]+\.tmp$")  # atomic_file's temp of a checkpoint
+_CHECKPOINT_TEMP = re.compile(r"^\.step-\d+\.pt\.[^.]+(\.[^.]+)?\.tmp$")  # atomic_file's temp of a checkpoint
 
 
 class TinyNet(nn.Module):

@@ -13,11 +13,20 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Iterator
 
-TMP_SUFFIX = ".tmp"  # temporary files are named .NAME.<random>.tmp beside NAME
+TMP_SUFFIX = ".tmp"  # temporary files are named .NAME.<host>-<pid>.<random>.tmp beside NAME
+UNOWNED_STALE_S = 3600.0  # a temp file naming no writer (an older layout) is stale after an hour
+
+
+def _writer_tag() -> str:
+    """This process as it appears in its temp files' names: host (letters, digits, _ and -) and pid."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', socket.gethostname())}-{os.getpid()}"
 
 
 @contextlib.contextmanager
@@ -32,7 +41,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         f = os.fdopen(fd, mode) if "b" in mode else os.fdopen(fd, mode, encoding="utf-8", newline="")
         with f:
@@ -80,7 +89,27 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 
 def _remove_stale_temps(path: Path) -> None:
-    """Temp files of `path` left by a writer that was killed before its rename."""
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*{TMP_SUFFIX}"):
+    """Temp files of `path` left by a writer that was killed before its rename: those of a process of
+    this host that no longer exists, and those naming no writer once older than UNOWNED_STALE_S.
+    A live writer's file (another rank, another process) and another host's are left alone."""
+    here, me = _writer_tag().rsplit("-", 1)
+    head = f".{path.name}."
+    for temp in path.parent.glob(f"{glob.escape(head)}*{TMP_SUFFIX}"):
+        writer = re.fullmatch(r"([A-Za-z0-9_-]+)-(\d+)\.[^.]+", temp.name[len(head):-len(TMP_SUFFIX)])
         with contextlib.suppress(OSError):
-            stale.unlink()
+            if writer is None:
+                if time.time() - temp.stat().st_mtime > UNOWNED_STALE_S:
+                    temp.unlink()
+            elif writer[1] == here and writer[2] != me and not _alive(int(writer[2])):
+                temp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by another user
+    return True
