@@ -133,6 +133,56 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
     assert counts["skip"] - counts["bare"] <= 7, counts
 
 
+def _one_step(model, opt):
+    from gputrain.runtime.precision import RunPrecision, resolve_precision
+    from gputrain.train.loss import LossRule
+    from gputrain.train.step import TrainStep
+
+    return TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt, RunPrecision(resolve_precision("fp32", CPU), CPU),
+                     device=CPU)
+
+
+def test_the_step_clears_every_gradient_of_the_optimizer_as_it_is_at_each_step():
+    """The step sets the gradients to None itself (torch's zero_grad opens a profiler range each
+    call): every parameter the optimizer holds at that step, a group added after the step was built
+    included; gradients accumulate into the next step otherwise."""
+    x, y = data(16)
+    model, extra = mlp(), nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _one_step(model, opt)
+    opt.add_param_group({"params": list(extra.parameters())})
+    extra_loss = lambda: extra(x).square().mean().backward()  # noqa: E731
+    extra_loss()
+    step.run([(x, y)])
+    assert all(p.grad is None for p in [*model.parameters(), *extra.parameters()])
+    # the update is one step's gradient, not two steps' summed
+    ref = mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    step.run([(x, y)])
+    assert torch.equal(params(model), params(ref))
+
+
+def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step():
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            type(self).calls += 1
+            assert set_to_none
+            super().zero_grad(set_to_none=set_to_none)
+
+    x, y = data(16)
+    model = mlp()
+    step = _one_step(model, Counting(model.parameters(), lr=0.1))
+    for _ in range(3):
+        step.run([(x, y)])
+    assert Counting.calls == 3
+
+
 def test_max_grad_norm_clips_the_gradient():
     x, y = data(32)
     ref = mlp()

@@ -101,6 +101,7 @@ class TrainStep:
         self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
         self._scaled = precision.precision.use_scaler  # fp16: backward and step go through the GradScaler
         self._foreach = device.type == "cuda" or None
+        self._zero_grad = grad_clearer(optimizer)
         if self.skip_nonfinite:
             # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
             # address); checked like GradScaler's (one kernel over the gradients) unless the
@@ -149,7 +150,7 @@ class TrainStep:
             self.precision.step(self.optimizer)
         else:
             self.optimizer.step()  # looked up per step: a scheduler made later may wrap it
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         for update in self.after_step:
             update()
         self.keep_loss(step_loss)
@@ -341,6 +342,29 @@ class TrainStep:
     def state_is_finite(self) -> bool:
         """The exact check behind a non-finite state probe (host reads: only on that rare path)."""
         return all(bool(torch.isfinite(t).all()) for t in self._state())
+
+
+def grad_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """`optimizer.zero_grad(set_to_none=True)`, as a call without arguments for every step.
+
+    torch's own `zero_grad` sets every parameter's `.grad` to None inside a profiler range
+    (`record_function`), which costs a dispatcher call to open and close whether a profiler runs or
+    not: ~10 us of host time a call on the CPU here against ~1.5 us for the loop alone (3% of a small
+    MLP's step). For an optimizer that keeps torch's `zero_grad` the step runs that loop itself
+    (the same parameters, read from `param_groups` at each call: a loaded state dict replaces the
+    list); an optimizer with a `zero_grad` of its own has it called.
+    """
+    own = type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad or "zero_grad" in vars(optimizer)
+    if own:
+        zero_grad = optimizer.zero_grad
+        return lambda: zero_grad(set_to_none=True)
+
+    def clear() -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    return clear
 
 
 def _shard(t: torch.Tensor) -> torch.Tensor:
