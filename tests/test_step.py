@@ -124,13 +124,17 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
         return lambda: s.run([(x, y)])
 
     counts = {}
-    for name, fn in (("bare", bare), ("stop", step()), ("skip", step(skip_nonfinite=True))):
+    # loss_list=True: the eager CUDA step's way (its losses kept in a list); the CPU's default adds
+    # each loss in place.
+    for name, fn in (("bare", bare), ("stop", step(loss_list=True)), ("skip", step(skip_nonfinite=True, loss_list=True)),
+                     ("stop-cpu", step())):
         fn()  # the optimizer's state is made on the first step
         with Ops() as ops:
             fn()
         counts[name] = ops.n
     assert counts["stop"] == counts["bare"], counts  # the loss is kept, not added: no op of its own
     assert counts["skip"] - counts["bare"] <= 7, counts
+    assert counts["stop-cpu"] == counts["bare"] + 1, counts  # the in-place add
 
 
 def _one_step(model, opt):
@@ -166,6 +170,28 @@ def test_the_step_clears_every_gradient_of_the_optimizer_as_it_is_at_each_step()
     assert torch.equal(params(model), params(ref))
 
 
+def test_a_cpu_step_adds_its_loss_in_place_and_keeps_no_tensor_per_step():
+    """Kept 0-dim tensors between the step's activations made glibc's heap grow ~2 MB a step on the
+    CPU: there every loss goes into the sum at once; the list (no op per step) is CUDA's."""
+    from gputrain.train.step import keeps_losses_in_a_list
+
+    x, y = data(16)
+    model = mlp()
+    step = _one_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref, losses = mlp(), []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        step.run([(x, y)])
+        assert step.pending == []
+        loss = nn.CrossEntropyLoss()(ref(x), y)
+        losses.append(float(loss))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    assert abs(float(step.loss_sum) - sum(losses)) < 1e-5
+    assert keeps_losses_in_a_list(torch.device("cuda", 0)) and not keeps_losses_in_a_list(CPU)
+
+
 def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step():
     class Counting(torch.optim.SGD):
         calls = 0
@@ -181,6 +207,22 @@ def test_an_optimizer_with_its_own_zero_grad_has_it_called_every_step():
     for _ in range(3):
         step.run([(x, y)])
     assert Counting.calls == 3
+
+
+def test_the_run_seed_decides_dropout_whatever_the_global_rng_was():
+    """fit seeds the generator the run draws from (on the CPU, the CPU's): the same seed gives the
+    same weights after a dropout model trains, a different one different weights."""
+    x, y = data(64)
+
+    def trained(seed, draws):
+        model = mlp(dropout=0.5)  # seeds the global RNG for its weights
+        torch.rand(draws)  # then the caller moves it
+        fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", batch_size=16, steps=4, seed=seed, progress=False))
+        return params(model)
+
+    assert torch.equal(trained(3, draws=1), trained(3, draws=50))
+    assert not torch.equal(trained(3, draws=1), trained(4, draws=1))
 
 
 def test_max_grad_norm_clips_the_gradient():

@@ -138,6 +138,7 @@ def test_eager_losses_are_kept_then_folded_every_fold_every_steps(monkeypatch):
 
     monkeypatch.setattr(step_module, "FOLD_EVERY", 4)
     t = _trainer()
+    t.train_step.keep_loss = t.train_step.pending.append  # the eager CUDA step's way (the CPU adds in place)
     losses = []
     original = t.train_step.keep_loss
 
@@ -163,8 +164,10 @@ def test_a_graphed_step_adds_each_loss_in_place():
     from gputrain.train.graphs import GraphedStep
 
     t = _trainer()
+    t.train_step.keep_loss = t.train_step.pending.append  # the eager CUDA step's way (the CPU adds in place)
     t.run_steps(2)
     kept = sum(float(x) for x in t.train_step.pending)
+    assert len(t.train_step.pending) == 2
     GraphedStep(t.train_step, t.device, backend=types.SimpleNamespace())  # the CUDA side is not used here
     assert t.train_step.pending == [] and abs(float(t.train_step.loss_sum) - kept) < 1e-6
     t.train_step([next(iter(t.stream.loader))])

@@ -148,7 +148,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field by name; a list value is copied (the rest are immutable), so the dict can be
+        changed without changing the config. (dataclasses.asdict deep-copies each value: ~0.3 ms.)"""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v
+                for f in dataclasses.fields(self)}
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -7,10 +7,11 @@ In order (the step contract of the design notes):
    micro-batches are cut; gradient sync (DDP/FSDP) only on the last micro-batch;
 2. clip (after unscaling, fp16), optimizer step through the scaler, scaler update, zero_grad, then
    the device-only updates it was given (`after_step`: an EMA of the weights, say);
-3. the detached loss, weighted the same way, is kept on the device: an eager step appends it to a
-   list (no kernel; the list is summed every FOLD_EVERY steps and where it is read), a captured
-   step adds it to an accumulator whose address the graph keeps. Nothing is read on the host: the
-   trainer reads the sum at log points and before checkpoints (`take_totals`).
+3. the detached loss, weighted the same way, is kept on the device: an eager CUDA step appends it
+   to a list (no kernel; the list is summed every FOLD_EVERY steps and where it is read), a
+   captured step and any step elsewhere add it to an accumulator in place (one small op; the graph
+   keeps the accumulator's address). Nothing is read on the host: the trainer reads the sum at log
+   points and before checkpoints (`take_totals`).
 
 Non-finite steps cost nothing per step with on_nan="stop": a non-finite loss leaves the loss sum
 non-finite, and a non-finite gradient leaves non-finite parameters or optimizer state once the
@@ -60,13 +61,16 @@ class TrainStep:
         micro-batch's items.
     world_size: processes whose gradients DDP averages; with num_items the global item count is
         summed across them on the device.
+    loss_list: keep eager steps' losses in a list (True) or add each to the sum in place (False);
+        None: `keeps_losses_in_a_list(device)`.
     """
 
     def __init__(self, model: nn.Module, loss: LossRule, optimizer: torch.optim.Optimizer,
                  precision: RunPrecision, *, device: torch.device, max_grad_norm: float | None = None,
                  num_items: Callable[[Any], Any] | None = None, dist: distributed.DistInfo | None = None,
                  oom_recovery: bool = True, params: Sequence[nn.Parameter] | None = None,
-                 skip_nonfinite: bool = False, after_step: Sequence[Callable[[], None]] = ()):
+                 skip_nonfinite: bool = False, after_step: Sequence[Callable[[], None]] = (),
+                 loss_list: bool | None = None):
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -88,11 +92,16 @@ class TrainStep:
         self.skip_nonfinite = skip_nonfinite and not precision.precision.use_scaler  # fp16: the scaler skips
         # Device accumulators whose storage never changes (a captured graph writes to their address).
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float32)  # sum of step losses since read
-        # Eager steps' detached losses not yet in loss_sum: `keep_loss` appends them (a list append
-        # launches no kernel, an add_ one per step; `__call__` folds them every FOLD_EVERY steps);
-        # under CUDA graphs it is loss_sum.add_ (`sum_in_place`).
+        # Eager CUDA steps' detached losses not yet in loss_sum: `keep_loss` appends them (a list
+        # append launches no kernel, an add_ one per step; `__call__` folds them every FOLD_EVERY
+        # steps); under CUDA graphs it is loss_sum.add_ (`sum_in_place`). Elsewhere (loss_list None
+        # decides by the device) the loss is added in place every step: CUDA's caching allocator
+        # keeps small tensors apart from large ones, but on the CPU each kept 4-byte tensor lands
+        # between the step's activations on glibc's heap, which then grew by ~2 MB a step (500 MB
+        # by the fold, a 2 MB-activation model here) and took page faults to refill.
         self.pending: list[torch.Tensor] = []
-        self.keep_loss: Callable[[torch.Tensor], Any] = self.pending.append
+        listed = keeps_losses_in_a_list(device) if loss_list is None else loss_list
+        self.keep_loss: Callable[[torch.Tensor], Any] = self.pending.append if listed else self.loss_sum.add_
         self.nonfinite = torch.zeros((), device=device, dtype=torch.float32)  # steps with a non-finite loss/grad
         self.splits = 1  # each micro-batch is cut into this many pieces after OOM recovery (1 = none)
         self.clock: PhaseClock = NO_CLOCK  # marks forward, backward, optimizer (profile's breakdown)
@@ -342,6 +351,12 @@ class TrainStep:
     def state_is_finite(self) -> bool:
         """The exact check behind a non-finite state probe (host reads: only on that rare path)."""
         return all(bool(torch.isfinite(t).all()) for t in self._state())
+
+
+def keeps_losses_in_a_list(device: torch.device) -> bool:
+    """Whether eager steps on `device` keep their losses in a list (no op per step) rather than add
+    them in place: on CUDA only (see `TrainStep.__init__` for the CPU heap)."""
+    return device.type == "cuda"
 
 
 def grad_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:

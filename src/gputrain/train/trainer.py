@@ -34,7 +34,7 @@ from gputrain.data.splits import unpack_splits
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
-from gputrain.runtime.devices import synchronizer, take_peak_memory
+from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.speed import SpeedSwitches, decide_speed
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
@@ -72,7 +72,7 @@ class Trainer:
         model = distributed.unwrap_data_parallel(model)
         self.dist, self.device = distributed.init_distributed(config.device)
         self.is_main = self.dist.is_main
-        torch.manual_seed(config.seed + self.dist.rank)
+        seed_run(config.seed + self.dist.rank, self.device)
         self.loss = LossRule(loss_fn, compute_loss)
         self.task = task or (infer_task(loss_fn) if compute_loss is None else None)
         self.warnings: list[str] = []
