@@ -161,6 +161,9 @@ def test_a_batch_whose_dtype_or_structure_changes_is_named():
     dicts = [{"x": x[:16], "labels": y[:16]}, {"x": x[16:]}]
     with pytest.raises(DataError, match="batch 1 of epoch 0 .*structure changed"):
         fit(mlp(), dicts, compute_loss=lambda m, b: m(b["x"]).sum(), config=TrainConfig(device="cpu", steps=2))
+    dicts = [{"x": x[:16], "labels": y[:16]}, {"x": x[16:], "labels": y[16:].int()}]
+    with pytest.raises(DataError, match=r"batch 1 of epoch 0 .*batch\['labels'\] was int64 with 1 dim and is now int32"):
+        fit(mlp(), dicts, compute_loss=lambda m, b: m(b["x"]).sum(), config=TrainConfig(device="cpu", steps=2))
 
 
 def _first_step_error(model, batches_or_data, exc_type, **kw):
