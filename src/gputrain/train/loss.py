@@ -40,6 +40,8 @@ def is_pair(batch: Any) -> bool:
 
 def call_model(model: nn.Module, batch: Any) -> Any:
     """The model applied to a whole batch: **Mapping, *list/tuple, or the batch itself."""
+    if type(batch) is dict:  # the usual dict batch, per step: no isinstance against the Mapping ABC
+        return model(**batch)
     if isinstance(batch, collections.abc.Mapping):
         return model(**batch)
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
