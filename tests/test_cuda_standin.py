@@ -536,3 +536,20 @@ def test_each_local_rank_gets_its_gpu(fake_cuda, count, monkeypatch):
     assert distributed._rank_device("cpu", count) == torch.device("cpu")  # gloo on the CPU: any count
     nccl = distributed.DistInfo(True, rank=1, local_rank=1, world_size=count, backend="nccl")
     assert distributed._collective_device(nccl) == torch.device("cuda", count - 1)  # the current device
+
+
+# ---------------------------------------------------------------- the run's seed
+
+
+def test_a_cuda_run_seeds_every_device_and_a_cpu_run_the_cpu_generator_only(fake_cuda, monkeypatch):
+    """seed_run: torch.manual_seed (CPU and CUDA generators; CUDA's queued until initialized) for a
+    CUDA run; the CPU generator alone for a CPU run, without torch.manual_seed's per-accelerator
+    queueing."""
+    fake_cuda()
+    calls = []
+    real = torch.manual_seed
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append(seed) or real(seed))
+    devices.seed_run(7, CUDA0)
+    assert calls == [7] and torch.initial_seed() == 7
+    devices.seed_run(11, torch.device("cpu"))
+    assert calls == [7] and torch.initial_seed() == 11

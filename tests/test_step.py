@@ -44,6 +44,16 @@ def test_star_import_and_every_name_in_all():
         assert name in gputrain.__all__
 
 
+def test_config_to_dict_holds_every_field_and_copies_lists():
+    import dataclasses
+
+    config = TrainConfig(device="cpu", recompute=["blocks.0"], loggers=("csv",))
+    out = config.to_dict()
+    assert out == dataclasses.asdict(config)
+    out["recompute"].append("head")
+    assert config.recompute == ["blocks.0"]
+
+
 # ---------------------------------------------------------------- host reads
 
 def test_host_reads_happen_only_at_log_points():

@@ -33,24 +33,18 @@ def _kind(x: Any) -> str:
 def _signature(batch: Any) -> tuple:
     """(structure, kind of each leaf): what must not change from batch to batch.
 
-    A flat dict, tuple or list of tensors (the usual batch) is read without the pytree walk
-    (a few us instead of ~90 us for a dict); anything else is flattened. A plain dict, tuple or
-    list is tried first without isinstance checks (0.8 us instead of 1.7 for a dict of two, per
-    batch): a value without a tensor's dtype and dim() sends it down the general path."""
+    A flat dict (or other Mapping), tuple or list of tensors (the usual batch) is read without the
+    pytree walk (0.8 us for a plain dict of two, per batch, against ~90 us for the walk); a value
+    without a tensor's dtype and dim() (a string, a nested container) sends it down the walk. Plain
+    dicts, tuples and lists are told by their type, without isinstance checks (with them: 1.7 us)."""
     kind = type(batch)
-    if kind is dict or kind is tuple or kind is list:
-        try:
-            if kind is dict:
-                return kind, tuple(batch), tuple([(v.dtype, v.dim()) for v in batch.values()])
+    try:
+        if kind is dict or (kind is not tuple and kind is not list and isinstance(batch, collections.abc.Mapping)):
+            return kind, tuple(batch.keys()), tuple([(v.dtype, v.dim()) for v in batch.values()])
+        if kind is tuple or kind is list or isinstance(batch, (tuple, list)):
             return kind, len(batch), tuple([(v.dtype, v.dim()) for v in batch])
-        except (AttributeError, TypeError):
-            pass  # a leaf that is not a tensor (or a nested container): the general path below
-    if isinstance(batch, collections.abc.Mapping):
-        values = list(batch.values())
-        if all(isinstance(v, torch.Tensor) for v in values):
-            return type(batch), tuple(batch.keys()), tuple((v.dtype, v.dim()) for v in values)
-    elif isinstance(batch, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in batch):
-        return type(batch), len(batch), tuple((v.dtype, v.dim()) for v in batch)
+    except (AttributeError, TypeError):
+        pass  # a leaf that is not a tensor: the walk below
     leaves, spec = batches.flatten(batch)
     return spec, tuple((x.dtype, x.dim()) if isinstance(x, torch.Tensor) else type(x) for x in leaves)
 

@@ -40,9 +40,7 @@ def is_pair(batch: Any) -> bool:
 
 def call_model(model: nn.Module, batch: Any) -> Any:
     """The model applied to a whole batch: **Mapping, *list/tuple, or the batch itself."""
-    if type(batch) is dict:  # the usual dict batch, per step: no isinstance against the Mapping ABC
-        return model(**batch)
-    if isinstance(batch, collections.abc.Mapping):
+    if type(batch) is dict or isinstance(batch, collections.abc.Mapping):  # a plain dict skips the ABC check
         return model(**batch)
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return model(*batch)
