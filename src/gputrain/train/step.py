@@ -46,6 +46,7 @@ from gputrain.runtime.oom import free_after_oom, is_oom
 from gputrain.runtime.precision import RunPrecision
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.loss import LossRule
+from gputrain.train.optimizer_calls import grad_clearer, optimizer_stepper
 
 log = logging.getLogger("gputrain")
 
@@ -110,6 +111,8 @@ class TrainStep:
         self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
         self._scaled = precision.precision.use_scaler  # fp16: backward and step go through the GradScaler
         self._foreach = device.type == "cuda" or None
+        # optimizer.step() and zero_grad without torch's per-call profiler range (train/optimizer_calls.py)
+        self._step_optimizer = optimizer_stepper(optimizer)
         self._zero_grad = grad_clearer(optimizer)
         if self.skip_nonfinite:
             # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
@@ -158,7 +161,7 @@ class TrainStep:
         if self._scaled:
             self.precision.step(self.optimizer)
         else:
-            self.optimizer.step()  # looked up per step: a scheduler made later may wrap it
+            self._step_optimizer()
         self._zero_grad()
         for update in self.after_step:
             update()
@@ -357,29 +360,6 @@ def keeps_losses_in_a_list(device: torch.device) -> bool:
     """Whether eager steps on `device` keep their losses in a list (no op per step) rather than add
     them in place: on CUDA only (see `TrainStep.__init__` for the CPU heap)."""
     return device.type == "cuda"
-
-
-def grad_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """`optimizer.zero_grad(set_to_none=True)`, as a call without arguments for every step.
-
-    torch's own `zero_grad` sets every parameter's `.grad` to None inside a profiler range
-    (`record_function`), which costs a dispatcher call to open and close whether a profiler runs or
-    not: ~10 us of host time a call on the CPU here against ~1.5 us for the loop alone (3% of a small
-    MLP's step). For an optimizer that keeps torch's `zero_grad` the step runs that loop itself
-    (the same parameters, read from `param_groups` at each call: a loaded state dict replaces the
-    list); an optimizer with a `zero_grad` of its own has it called.
-    """
-    own = type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad or "zero_grad" in vars(optimizer)
-    if own:
-        zero_grad = optimizer.zero_grad
-        return lambda: zero_grad(set_to_none=True)
-
-    def clear() -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    return clear
 
 
 def _shard(t: torch.Tensor) -> torch.Tensor:
