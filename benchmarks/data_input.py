@@ -1,16 +1,20 @@
 """Your own data through `fit` against the hand-written DataLoader loop, on the same model and data.
 
-Two cases, each timed whole (from the data object to the last optimizer step, setup included):
+Three cases, each timed whole (from the data object to the last optimizer step, setup included):
 
   map-samples    a map-style Dataset of N samples (dicts: a float feature vector and a label) with a
                  collate_fn that stacks them, 4 epochs; fit(dataset, collate_fn=...) against
+                 `for batch in DataLoader(dataset, batch_size, shuffle=True, collate_fn=...)`.
+  hf-rows        a Hugging Face map-style Dataset of token rows of varied length with a collate_fn
+                 that pads them (the DataCollatorWithPadding pattern), 2 epochs;
+                 fit(dataset, collate_fn=...) against
                  `for batch in DataLoader(dataset, batch_size, shuffle=True, collate_fn=...)`.
   stream-tokens  a Hugging Face streaming dataset of token sequences read from a local JSON-lines
                  file (nothing downloaded); fit(stream) (a StatefulDataLoader, gputrain's column
                  collate, the data position checkpointable) against
                  `for batch in DataLoader(stream, batch_size, collate_fn=<stack the rows>)`.
 
-Both loops use the same optimizer (AdamW, fused, as fit's default) and the same learning rate, read
+All loops use the same optimizer (AdamW, fused, as fit's default) and the same learning rate, read
 no loss per step (fit reads it at log points, every 50 steps) and run on the CPU, workers 0. What
 differs is the data path: gputrain's stream, sampler, batch checks and collate against the plain
 DataLoader. Repeats are interleaved (hand, fit, hand, fit, ...) after one burn-in run of each; the
@@ -19,7 +23,7 @@ Clock: this process's CPU time (workers 0: all the work is in this process), so 
 OS gives the 2 shared cores to other jobs is not counted; --clock wall for elapsed time.
 
 Usage:
-  python benchmarks/data_input.py                 # both cases, 5 repeats, table + JSON in benchmarks/results/
+  python benchmarks/data_input.py                 # every case, 5 repeats, table + JSON in benchmarks/results/
   python benchmarks/data_input.py --repeats 3 --json out.json
 """
 
@@ -44,6 +48,7 @@ import gputrain
 
 SAMPLES, FEATURES, CLASSES, MAP_BATCH, EPOCHS = 4096, 32, 10, 64, 4
 SEQUENCES, SEQ_LEN, VOCAB, STREAM_BATCH = 4096, 64, 256, 32
+ROWS, ROWS_EPOCHS = 2048, 2
 
 
 class Samples(Dataset):
@@ -98,6 +103,23 @@ def stack_rows(rows):
     return {"input_ids": torch.tensor([r["input_ids"] for r in rows])}
 
 
+def token_rows():
+    """A Hugging Face Dataset of ROWS token sequences of 16..SEQ_LEN tokens (a tokenized corpus)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, SEQ_LEN + 1, (ROWS,), generator=g).tolist()
+    starts = torch.randint(0, VOCAB, (ROWS,), generator=g).tolist()
+    return datasets.Dataset.from_dict({"input_ids": [[(s + i) % VOCAB for i in range(n)]
+                                                     for s, n in zip(starts, lengths)]})
+
+
+def pad_rows(rows):
+    """Pads a batch's rows to its longest with token 0, as a tokenizer's DataCollatorWithPadding does."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    return {"input_ids": torch.tensor([r["input_ids"] + [0] * (longest - len(r["input_ids"])) for r in rows])}
+
+
 def hand_loop(model, loader, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     model.train()
@@ -125,6 +147,16 @@ def run_case(case: str, contender: str, token_file: str | None, clock) -> tuple[
             gputrain.fit(model, Samples(), collate_fn=collate,
                          config=gputrain.TrainConfig(device="cpu", batch_size=batch, steps=steps, cuda_graphs=False))
         return clock() - start, steps * batch
+    if case == "hf-rows":
+        rows = token_rows()  # built before the clock: a tokenized corpus on disk, as users have
+        model, steps, batch = NextToken(), ROWS_EPOCHS * ROWS // STREAM_BATCH, STREAM_BATCH
+        start = clock()
+        if contender == "hand":
+            hand_loop(model, DataLoader(rows, batch_size=batch, shuffle=True, collate_fn=pad_rows), steps)
+        else:
+            gputrain.fit(model, rows, collate_fn=pad_rows,
+                         config=gputrain.TrainConfig(device="cpu", batch_size=batch, steps=steps))
+        return clock() - start, steps * batch
     import datasets
 
     model, steps, batch = NextToken(), SEQUENCES // STREAM_BATCH, STREAM_BATCH
@@ -140,7 +172,7 @@ def run_case(case: str, contender: str, token_file: str | None, clock) -> tuple[
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", default="map-samples,stream-tokens")
+    parser.add_argument("--cases", default="map-samples,hf-rows,stream-tokens")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="where to write the results (default: benchmarks/results/...)")
@@ -182,7 +214,8 @@ def main(argv=None) -> int:
               "clock": args.clock, "torch": torch.__version__, "datasets": hf_datasets.__version__,
               "torchdata": getattr(torchdata, "__version__", "?"), "gputrain": gputrain.__version__,
               "config": {"samples": SAMPLES, "epochs": EPOCHS, "features": FEATURES, "map_batch": MAP_BATCH,
-                         "sequences": SEQUENCES, "seq_len": SEQ_LEN, "stream_batch": STREAM_BATCH}, "rows": rows}
+                         "sequences": SEQUENCES, "seq_len": SEQ_LEN, "stream_batch": STREAM_BATCH,
+                         "hf_rows": ROWS, "hf_rows_epochs": ROWS_EPOCHS}, "rows": rows}
     out = Path(args.json) if args.json else (Path(__file__).parent / "results"
                                              / f"data_input_cpu-{os.cpu_count()}core_{result['date']}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")

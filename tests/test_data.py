@@ -214,6 +214,41 @@ def test_a_dataset_of_dicts_goes_through_the_dataloader_and_resumes():
     assert [b["label"].tolist() for b in loader.iter_epoch(1, 3)] == [b["label"].tolist() for b in batches[3:]]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_datasets_getitems_reads_each_batch_as_the_dataloader_would(workers):
+    """A dataset with __getitems__ gets the batch's index list in one call, with or without workers
+    (without them the batches are fetched in this process, not by the DataLoader); a falsy
+    __getitems__ means one __getitem__ per sample, as torch's fetcher decides."""
+    from torch.utils.data import Dataset
+
+    class Batched(Dataset):
+        def __init__(self, getitems=True):
+            self.calls = torch.zeros(2, dtype=torch.int64).share_memory_()  # [__getitem__, __getitems__]
+            if not getitems:
+                self.__getitems__ = None
+
+        def __len__(self):
+            return 23
+
+        def __getitem__(self, i):
+            self.calls[0] += 1
+            return {"x": torch.full((2,), float(i)), "label": i}
+
+        def __getitems__(self, idx):
+            self.calls[1] += 1
+            return [{"x": torch.full((2,), float(i)), "label": i} for i in idx]
+
+    ds = Batched()
+    loader, _ = make_loader(ds, 5, device=CPU, train=True, seed=4, num_workers=workers)
+    batches = list(loader.iter_epoch(1))
+    assert ds.calls.tolist() == [0, 5]
+    assert sorted(i for b in batches for i in b["label"].tolist()) == list(range(23))
+    per_sample = Batched(getitems=False)
+    loader, _ = make_loader(per_sample, 5, device=CPU, train=True, seed=4, num_workers=workers)
+    assert [b["label"].tolist() for b in loader.iter_epoch(1)] == [b["label"].tolist() for b in batches]
+    assert per_sample.calls.tolist() == [23, 0]
+
+
 def test_as_tensors_takes_pairs_only():
     from torch.utils.data import TensorDataset
 

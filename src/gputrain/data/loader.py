@@ -137,6 +137,11 @@ class LoaderBatches:
         # bookkeeping (~10 us: profiler annotations, fetcher objects) to what this loop does itself,
         # the same fetch and collate in the same order.
         self._dataset, self._batched = dataset, batched_dataset
+        # A dataset's own batch read, which the DataLoader calls in place of one __getitem__ per
+        # sample when the dataset has a truthy __getitems__ (torch's Subset and StackDataset pass
+        # it on; a Hugging Face Dataset's is one Arrow read for the whole list).
+        getitems = getattr(dataset, "__getitems__", None)
+        self._getitems: Callable[[list[int]], Any] | None = getitems if getitems and callable(getitems) else None
         self._direct = self.num_workers == 0 and not settings.get("pin_memory")
         self._collate = settings.get("collate_fn") or (default_convert if batched_dataset else default_collate)
 
@@ -160,10 +165,17 @@ class LoaderBatches:
             yield self.transform(batch, self.train, self._gen)
 
     def _fetch(self) -> Iterator[Any]:
-        """The batches of the sampler's epoch, fetched and collated here (no workers, no pinning)."""
-        dataset, collate = self._dataset, self._collate
+        """The batches of the sampler's epoch, fetched and collated here (no workers, no pinning),
+        as the DataLoader's fetcher does: the index list to a batched dataset, to __getitems__ when
+        the dataset has one, else one __getitem__ per index."""
+        dataset, collate, getitems = self._dataset, self._collate, self._getitems
         for idx in self.sampler:
-            yield collate(dataset[idx] if self._batched else [dataset[i] for i in idx])
+            if self._batched:
+                yield collate(dataset[idx])
+            elif getitems is not None:
+                yield collate(getitems(idx))
+            else:
+                yield collate([dataset[i] for i in idx])
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)
