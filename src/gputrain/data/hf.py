@@ -139,4 +139,4 @@ class HFRows(Dataset):
         rows of 64 tokens read one by one, here); row by row where the Dataset has none."""
         rows = [int(i) for i in idx]
         getitems = getattr(self.dataset, "__getitems__", None)
-        return getitems(rows) if callable(getitems) else [self.dataset[i] for i in rows]
+        return list(getitems(rows)) if callable(getitems) else [self.dataset[i] for i in rows]
