@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset
@@ -139,4 +139,4 @@ class HFRows(Dataset):
         rows of 64 tokens read one by one, here); row by row where the Dataset has none."""
         rows = [int(i) for i in idx]
         getitems = getattr(self.dataset, "__getitems__", None)
-        return list(getitems(rows)) if callable(getitems) else [self.dataset[i] for i in rows]
+        return cast(list, getitems(rows)) if callable(getitems) else [self.dataset[i] for i in rows]
