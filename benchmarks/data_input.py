@@ -22,9 +22,16 @@ figure is the median of the per-repeat ratios of samples/s (fit / hand; >= 1.0: 
 Clock: this process's CPU time (workers 0: all the work is in this process), so that the time the
 OS gives the 2 shared cores to other jobs is not counted; --clock wall for elapsed time.
 
+`--allocator-ab N` compares glibc's malloc as it comes with fixed thresholds (the setting the run
+summary advises past 256 page faults a step, runtime/host_memory.py): N rounds, each running this
+script (with --repeats, its medians) once with each environment in turn (A B, B A, ...; an allocator setting takes effect only
+when a process starts, so the two cannot share one), and reports per case the median over rounds of
+samples/s with the setting over samples/s without, for the hand loop and for fit.
+
 Usage:
   python benchmarks/data_input.py                 # every case, 5 repeats, table + JSON in benchmarks/results/
   python benchmarks/data_input.py --repeats 3 --json out.json
+  python benchmarks/data_input.py --cases hf-rows,stream-tokens --allocator-ab 5 --json out.json
 """
 
 from __future__ import annotations
@@ -176,7 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="where to write the results (default: benchmarks/results/...)")
+    parser.add_argument("--allocator-ab", type=int, metavar="ROUNDS", default=0,
+                        help="compare the default malloc with fixed thresholds, in this many alternating rounds")
     args = parser.parse_args(argv)
+    if args.allocator_ab:
+        return allocator_ab(args)
     torch.set_num_threads(args.threads)
     logging.getLogger("gputrain").setLevel(logging.ERROR)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -218,6 +229,47 @@ def main(argv=None) -> int:
                          "hf_rows": ROWS, "hf_rows_epochs": ROWS_EPOCHS}, "rows": rows}
     out = Path(args.json) if args.json else (Path(__file__).parent / "results"
                                              / f"data_input_cpu-{os.cpu_count()}core_{result['date']}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def allocator_ab(args) -> int:
+    """Rounds of this script in subprocesses, with glibc's malloc as it comes and with TUNABLES."""
+    import subprocess
+    import sys
+
+    from gputrain.runtime.host_memory import TUNABLES
+
+    envs = {"default": {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
+            "tuned": {**os.environ, "GLIBC_TUNABLES": TUNABLES}}
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.allocator_ab):
+            for name in (("default", "tuned") if r % 2 == 0 else ("tuned", "default")):
+                out = Path(tmp) / f"{name}-{r}.json"
+                subprocess.run([sys.executable, __file__, "--cases", args.cases, "--repeats", str(args.repeats), "--clock", args.clock,
+                                "--threads", str(args.threads), "--json", str(out)], env=envs[name], check=True,
+                               stdout=subprocess.DEVNULL)
+                for row in json.loads(out.read_text())["rows"]:
+                    for who in ("hand", "fit"):
+                        rates.setdefault((row["case"], who, name), []).append(row[f"{who}_samples_per_s"])
+    rows = []
+    for case in args.cases.split(","):
+        row: dict = {"case": case, "rounds": args.allocator_ab}
+        for who in ("hand", "fit"):
+            ratios = [t / d for t, d in zip(rates[(case, who, "tuned")], rates[(case, who, "default")])]
+            row[f"{who}_tuned_over_default"] = statistics.median(ratios)
+            row[f"{who}_range"] = [min(ratios), max(ratios)]
+        rows.append(row)
+        print(f"{case:<15} tuned / default malloc: hand loop {row['hand_tuned_over_default']:.2f}x "
+              f"[{row['hand_range'][0]:.2f}, {row['hand_range'][1]:.2f}], fit {row['fit_tuned_over_default']:.2f}x "
+              f"[{row['fit_range'][0]:.2f}, {row['fit_range'][1]:.2f}]  (median of {args.allocator_ab} rounds)")
+    result = {"benchmark": "data_input --allocator-ab", "date": time.strftime("%Y-%m-%d"), "device": "cpu",
+              "cores": os.cpu_count(), "threads": args.threads, "clock": args.clock, "torch": torch.__version__,
+              "tunables": TUNABLES, "rows": rows}
+    out = Path(args.json) if args.json else (Path(__file__).parent / "results"
+                                             / f"data_input_allocator_cpu-{os.cpu_count()}core_{result['date']}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gputrain.runtime.devices import device_label
+from gputrain.runtime.host_memory import allocator_advice, faults_per_step
 
 log = logging.getLogger("gputrain")
 
@@ -83,6 +84,9 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
             t.warnings.append(report["summary"])
     else:
         summary_recompiles = None
+    page_faults = faults_per_step(recs)
+    if (advice := allocator_advice(page_faults)) is not None:
+        t.warnings.append(advice)
     for spike in t.spikes.spikes:
         t.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                              f"({spike['loss'] / spike['median']:.1f}x the recent median)")
@@ -106,6 +110,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
         "samples": st.samples_seen,
         "samples_per_s": steady_rate(t, elapsed),
         "peak_memory_bytes": peak or None,
+        "host_page_faults_per_step": page_faults,  # minor faults (runtime/host_memory.py); None: not counted
         "world_size": t.dist.world_size,
         "batch_size": getattr(t, "batch_size", t.config.batch_size),
         "accumulate": t.config.accumulate,

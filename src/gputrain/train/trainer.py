@@ -35,6 +35,7 @@ from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
+from gputrain.runtime.host_memory import minor_faults
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.speed import SpeedSwitches, decide_speed
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
@@ -425,6 +426,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],  # host value: no device read
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
             "peak_memory_bytes": take_peak_memory(self.device),
+            "host_page_faults": minor_faults(),  # the process's so far: the summary gives them per step
         }
         if self.recompiles is not None:
             self.recompiles.poll()
