@@ -28,6 +28,26 @@ def mlp(d: int = 6, classes: int = 3, hidden: int = 16, dropout: float | None = 
     return nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), *middle, nn.Linear(hidden, classes))
 
 
+class SignalAt(nn.Module):
+    """Sends this process `sig` (SIGTERM by default) during the forward of training call `at`
+    (mid-step, as a scheduler would); `at=-1`: never (the same module, for resuming its checkpoint)."""
+
+    def __init__(self, inner: nn.Module, at: int, sig: int | None = None):
+        import signal
+
+        super().__init__()
+        self.inner, self.at, self.sig, self.n = inner, at, signal.SIGTERM if sig is None else sig, 0
+
+    def forward(self, x):
+        import os
+
+        if self.training:
+            self.n += 1
+            if self.n == self.at:
+                os.kill(os.getpid(), self.sig)
+        return self.inner(x)
+
+
 def params(m: nn.Module) -> torch.Tensor:
     """All parameters of `m` as one flat tensor (to compare two models)."""
     return torch.cat([p.detach().flatten() for p in m.parameters()])

@@ -13,13 +13,13 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import data, mlp, params
+from helpers import SignalAt, data, mlp, params
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gputrain import TrainConfig, fit
 from gputrain.data import make_loader
-from gputrain.errors import DataError
+from gputrain.errors import DataError, StopRequested
 
 CPU = torch.device("cpu")
 CFG = dict(device="cpu", batch_size=8, log_every=3, seed=4)
@@ -29,17 +29,25 @@ def model():
     return mlp(dropout=0.3)
 
 
-def stop_and_resume(tmp_path, make_data, steps, stop, caplog=None, cfg=None, **kw):
-    """(uninterrupted, resumed) parameters, and the resumed fit's History."""
+def stop_and_resume(tmp_path, make_data, steps, stop, caplog=None, cfg=None, by="stop_at_step", **kw):
+    """(uninterrupted, resumed) parameters, and the resumed fit's History. `by`: how the run stops
+    after step `stop`: "stop_at_step", or "sigterm" (sent to this process in the forward of that
+    step, as a scheduler would: the step finishes, is checkpointed, fit raises StopRequested)."""
     cfg = {**CFG, **(cfg or {}), "steps": steps}
     full = model()
     fit(full, make_data(), config=TrainConfig(**cfg), **kw)
     run_dir = str(tmp_path / "run")
-    fit(model(), make_data(), config=TrainConfig(**cfg, run_dir=run_dir, stop_at_step=stop), **kw)
+    if by == "sigterm":
+        with pytest.raises(StopRequested) as stopped:
+            fit(SignalAt(model(), at=stop), make_data(), config=TrainConfig(**cfg, run_dir=run_dir), **kw)
+        assert stopped.value.exit_code == 143 and stopped.value.step == stop
+    else:
+        fit(model(), make_data(), config=TrainConfig(**cfg, run_dir=run_dir, stop_at_step=stop), **kw)
     resumed = mlp(dropout=0.3, seed=11)  # other weights: the checkpoint must replace them
     if caplog is not None:
         caplog.clear()
-    h = fit(resumed, make_data(), config=TrainConfig(**cfg, run_dir=run_dir, resume=True), **kw)
+    target = SignalAt(resumed, at=-1) if by == "sigterm" else resumed  # the stopped run's module names
+    h = fit(target, make_data(), config=TrainConfig(**cfg, run_dir=run_dir, resume=True), **kw)
     return params(full), params(resumed), h
 
 
@@ -64,8 +72,9 @@ def test_tensors(tmp_path):
     assert torch.equal(full, resumed)
 
 
-def test_a_map_style_dataset_with_two_workers(tmp_path):
-    full, resumed, _ = stop_and_resume(tmp_path, Samples, steps=16, stop=5, cfg={"num_workers": 2},
+@pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])
+def test_a_map_style_dataset_with_two_workers(tmp_path, by):
+    full, resumed, _ = stop_and_resume(tmp_path, Samples, steps=16, stop=5, cfg={"num_workers": 2}, by=by,
                                        loss_fn=nn.CrossEntropyLoss())
     assert torch.equal(full, resumed)
 
@@ -115,7 +124,8 @@ class Numbers(IterableDataset):
         self.start = state["position"]
 
 
-def test_a_stateful_dataloader_over_an_iterable_dataset_restores_its_state(tmp_path, caplog):
+@pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])
+def test_a_stateful_dataloader_over_an_iterable_dataset_restores_its_state(tmp_path, caplog, by):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     caplog.set_level(logging.WARNING, "gputrain")
@@ -127,7 +137,7 @@ def test_a_stateful_dataloader_over_an_iterable_dataset_restores_its_state(tmp_p
 
     # 12 batches per pass: stop after step 17, in the second pass; the resumed run makes 13 steps.
     full, resumed, _ = stop_and_resume(tmp_path, make, steps=30, stop=17, loss_fn=nn.CrossEntropyLoss(),
-                                       caplog=caplog)
+                                       caplog=caplog, by=by)
     assert torch.equal(full, resumed)
     assert made[-1].produced == 13 * 8 and "read again" not in caplog.text  # from its state, nothing re-read
 
@@ -155,7 +165,8 @@ def test_an_iterable_without_state_is_skipped_by_counting_with_a_warning(tmp_pat
         in caplog.text
 
 
-def test_a_hugging_face_streaming_dataset(tmp_path, caplog):
+@pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])
+def test_a_hugging_face_streaming_dataset(tmp_path, caplog, by):
     datasets = pytest.importorskip("datasets")
     x, y = data(96)
     path = tmp_path / "train.jsonl"
@@ -168,7 +179,7 @@ def test_a_hugging_face_streaming_dataset(tmp_path, caplog):
         return F.cross_entropy(m(batch["x"]), batch["y"])
 
     caplog.set_level(logging.WARNING, "gputrain")
-    full, resumed, h = stop_and_resume(tmp_path, make, steps=30, stop=17, compute_loss=loss, caplog=caplog)
+    full, resumed, h = stop_and_resume(tmp_path, make, steps=30, stop=17, compute_loss=loss, caplog=caplog, by=by)
     assert torch.equal(full, resumed)
     assert "read again" not in caplog.text  # the dataset's own state_dict(), through the StatefulDataLoader
 

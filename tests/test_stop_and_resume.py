@@ -4,33 +4,17 @@ damaged newest checkpoint falls back to the one before, preflight refuses a run 
 (the fault runs in subprocesses are in test_faults.py)."""
 
 import json
-import os
 import signal
 
 import pytest
 import torch
-from helpers import data, mlp, params
+from helpers import SignalAt, data, mlp, params
 from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.cli import main
 from gputrain.errors import ConfigError, StopRequested
 from gputrain.io.checkpoint_store import CheckpointStore
-
-
-class _SignalAt(nn.Module):
-    """Sends this process `sig` during the forward of training call `at` (mid-step, as a scheduler would)."""
-
-    def __init__(self, inner, at, sig=signal.SIGTERM):
-        super().__init__()
-        self.inner, self.at, self.sig, self.n = inner, at, sig, 0
-
-    def forward(self, x):
-        if self.training:
-            self.n += 1
-            if self.n == self.at:
-                os.kill(os.getpid(), self.sig)
-        return self.inner(x)
 
 
 CFG = dict(device="cpu", batch_size=8, steps=30, log_every=5, seed=3)
@@ -44,12 +28,12 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_pat
     before = signal.getsignal(sig)
     run_dir = str(tmp_path / "run")
     with pytest.raises(StopRequested) as info:
-        fit(_SignalAt(mlp(), at=12, sig=sig), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        fit(SignalAt(mlp(), at=12, sig=sig), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(**CFG, run_dir=run_dir))
     assert info.value.exit_code == code and info.value.step == 12  # step 12 was finished, then the stop
     assert "--resume" in str(info.value) and signal.getsignal(sig) is before  # handler given back
     assert CheckpointStore(run_dir).latest_path().name == "step-000012.pt"
-    resumed = _SignalAt(mlp(seed=5), at=-1)
+    resumed = SignalAt(mlp(seed=5), at=-1)
     h = fit(resumed, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG, run_dir=run_dir, resume=True))
     assert torch.equal(params(resumed.inner), params(full))
     assert [r["loss"] for r in h.records] == pytest.approx([r["loss"] for r in h_full.records], rel=1e-6)
@@ -60,7 +44,7 @@ def test_a_handler_installed_before_fit_is_chained_and_restored(tmp_path):
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
         with pytest.raises(StopRequested):
-            fit(_SignalAt(mlp(), at=3, sig=signal.SIGUSR1), data(80), loss_fn=nn.CrossEntropyLoss(),
+            fit(SignalAt(mlp(), at=3, sig=signal.SIGUSR1), data(80), loss_fn=nn.CrossEntropyLoss(),
                 config=TrainConfig(**CFG, run_dir=str(tmp_path / "r")))
         assert seen == [signal.SIGUSR1]
         handler = signal.getsignal(signal.SIGUSR1)
@@ -153,7 +137,7 @@ def test_preflight_refuses_a_run_dir_that_cannot_be_created(tmp_path, capsys):
 
 def test_no_run_dir_stop_says_nothing_was_saved():
     with pytest.raises(StopRequested, match="nothing was saved"):
-        fit(_SignalAt(mlp(), at=2), data(80), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
+        fit(SignalAt(mlp(), at=2), data(80), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**CFG))
 
 
 def test_json_summary_still_reports_after_a_normal_run(tmp_path, capsys):
