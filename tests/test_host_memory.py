@@ -41,7 +41,7 @@ def test_the_advice_comes_past_the_threshold_on_glibc_unless_the_allocator_was_s
     assert allocator_advice(1536.0) is None
 
 
-def test_a_run_counts_its_faults_at_log_points_and_the_summary_says_them(monkeypatch):
+def test_a_run_counts_its_faults_at_log_points_and_the_summary_says_them(monkeypatch, caplog):
     x, y = data(64)
     cfg = TrainConfig(device="cpu", batch_size=8, steps=20, log_every=5)
     h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)  # the real count
@@ -60,3 +60,4 @@ def test_a_run_counts_its_faults_at_log_points_and_the_summary_says_them(monkeyp
     h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
     assert h.summary["host_page_faults_per_step"] == 1000.0
     assert [w for w in h.summary["warnings"] if "page faults a step" in w] == [allocator_advice(1000.0)]
+    assert [r.getMessage() for r in caplog.records if "page faults a step" in r.getMessage()] == [allocator_advice(1000.0)]

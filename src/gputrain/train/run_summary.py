@@ -87,6 +87,8 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
     page_faults = faults_per_step(recs)
     if (advice := allocator_advice(page_faults)) is not None:
         t.warnings.append(advice)
+        if t.is_main:  # in the terminal too: the advice is about how Python is started next time
+            log.warning("%s", advice)
     for spike in t.spikes.spikes:
         t.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                              f"({spike['loss'] / spike['median']:.1f}x the recent median)")
