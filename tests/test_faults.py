@@ -23,42 +23,43 @@ def h(tmp_path_factory):
                       in_process=True)
 
 
-def _check(trial):
-    assert trial.ok, trial.detail
-
-
 @pytest.mark.parametrize("aim,seed", [("training", 1), ("write", 2)])
 def test_sigkill_mid_training_or_mid_write_then_resume_ends_exact(h, aim, seed):
     # (a kill after a checkpoint's rename and before `latest` names it resumes from the one before,
     # by design: exact all the same)
-    _check(fi.trial_sigkill(h, random.Random(seed), aim=aim))
+    trial = fi.trial_sigkill(h, random.Random(seed), aim=aim)
+    assert trial.ok, trial.detail
 
 
 def test_sigterm_checkpoints_exits_143_and_resume_ends_exact(h):
     trial = fi.trial_sigterm(h, random.Random(3))
-    _check(trial)
+    assert trial.ok, trial.detail
     assert trial.lost_steps == 0
 
 
 def test_a_damaged_newest_checkpoint_falls_back_with_a_warning_and_ends_exact(h):
     # (the benchmark also truncates and empties it)
-    _check(fi.trial_corrupt(h, random.Random(4), how="flip"))
+    trial = fi.trial_corrupt(h, random.Random(4), how="flip")
+    assert trial.ok, trial.detail
 
 
 @pytest.mark.parametrize("kind,on_nan", [("lr", "stop"), ("inf", "stop"), ("inf", "skip")])
 def test_a_non_finite_step_stops_or_skips_as_configured_and_checkpoints_stay_finite(h, kind, on_nan):
-    _check(fi.trial_nonfinite(h, random.Random(5), kind, on_nan, resume_check=False))
+    trial = fi.trial_nonfinite(h, random.Random(5), kind, on_nan, resume_check=False)
+    assert trial.ok, trial.detail
 
 
 def test_a_nan_gradient_under_a_finite_loss_stops_without_a_non_finite_checkpoint(h):
     # An inf input into a tanh: the forward saturates (finite loss), the backward gives 0 * inf =
     # NaN in the first layer's gradient; --on-nan's help promises "a non-finite loss or gradient".
     # Checkpoints every step, so the step is a checkpoint's. (The benchmark runs --on-nan skip too.)
-    _check(fi.trial_nonfinite(h, random.Random(6), "inf-grad", "stop"))
+    trial = fi.trial_nonfinite(h, random.Random(6), "inf-grad", "stop")
+    assert trial.ok, trial.detail
 
 
 def test_enospc_in_a_checkpoint_write_keeps_the_previous_one_and_resume_ends_exact(h):
-    _check(fi.trial_enospc(h, random.Random(7)))
+    trial = fi.trial_enospc(h, random.Random(7))
+    assert trial.ok, trial.detail
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +69,22 @@ def tmpfs(h):
 
 
 def test_a_tmpfs_filled_mid_run_keeps_the_previous_checkpoint_and_resume_ends_exact(h, tmpfs):
-    _check(fi.trial_tmpfs(h, random.Random(8)))
+    trial = fi.trial_tmpfs(h, random.Random(8))
+    assert trial.ok, trial.detail
 
 
 def test_preflight_on_a_too_small_tmpfs_is_one_line_and_exit_2(h, tmpfs):
-    _check(fi.trial_preflight_full(h, random.Random(9)))
+    trial = fi.trial_preflight_full(h, random.Random(9))
+    assert trial.ok, trial.detail
 
 
 def test_torchrun_sigterm_to_one_rank_both_stop_at_one_step_one_checkpoint_resume_exact(h):
-    _check(fi.trial_torchrun(h, random.Random(10)))
+    trial = fi.trial_torchrun(h, random.Random(10))
+    assert trial.ok, trial.detail
 
 
 def test_a_damaged_shard_of_a_dcp_checkpoint_falls_back_naming_the_file_and_ends_exact(h):
     import fault_harness_dcp
 
-    _check(fault_harness_dcp.trial_dcp_damaged(h, random.Random(11)))
+    trial = fault_harness_dcp.trial_dcp_damaged(h, random.Random(11))
+    assert trial.ok, trial.detail

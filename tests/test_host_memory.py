@@ -61,3 +61,17 @@ def test_a_run_counts_its_faults_at_log_points_and_the_summary_says_them(monkeyp
     assert h.summary["host_page_faults_per_step"] == 1000.0
     assert [w for w in h.summary["warnings"] if "page faults a step" in w] == [allocator_advice(1000.0)]
     assert [r.getMessage() for r in caplog.records if "page faults a step" in r.getMessage()] == [allocator_advice(1000.0)]
+
+
+def test_a_resumed_run_counts_only_its_own_log_points(tmp_path, monkeypatch):
+    """The resumed History holds the stopped run's records, counted by another process (or before
+    this one's setup): the faults a step come from this run's log points alone."""
+    x, y = data(64)
+    cfg = dict(device="cpu", batch_size=8, steps=30, log_every=5, run_dir=str(tmp_path / "run"))
+    monkeypatch.setattr("gputrain.train.trainer.minor_faults", iter(range(0, 10**6, 100)).__next__)
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, stop_at_step=15))
+    monkeypatch.setattr("gputrain.train.trainer.minor_faults", iter(range(10**7, 2 * 10**7, 100)).__next__)
+    h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, resume=True))
+    assert [r["step"] for r in h.records] == [5, 10, 15, 20, 25, 30]
+    assert h.summary["host_page_faults_per_step"] == 20.0  # (steps 25 -> 30) 100 faults / 5 steps
+    assert not [w for w in h.summary["warnings"] if "page faults a step" in w]

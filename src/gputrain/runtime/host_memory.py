@@ -56,8 +56,7 @@ def allocator_advice(per_step: float | None) -> str | None:
     if "malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(
             name in os.environ.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return None
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    return (f"{per_step:,.0f} page faults a step (~{per_step * page / 2**20:.1f} MiB of host memory given back to "
+    return (f"{per_step:,.0f} page faults a step (~{per_step * os.sysconf('SC_PAGE_SIZE') / 2**20:.1f} MiB of host memory given back to "
             "the OS and taken again every step): glibc's malloc trims its heap after steps of this size. Start "
             f"Python with GLIBC_TUNABLES={TUNABLES} (or preload jemalloc or tcmalloc); a variable-length text "
             "model trained 1.08x as fast on the CPU that way (gputrain's benchmarks/data_input.py)")

@@ -37,7 +37,6 @@ _STEP_WRAPPER_CODE = _torch_step_wrapper_code()
 # per optimizer (register_step_pre/post_hook). Missing in a torch that moved them: no shortcut.
 _GLOBAL_HOOKS = tuple(getattr(torch_optimizer, name, None)
                       for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
-_OWN_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
 
 def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any] | None:
@@ -61,7 +60,7 @@ def optimizer_stepper(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
 
     def step() -> Any:
         if (pre_global or post_global or autograd_profiler._is_profiler_enabled or "step" in attrs
-                or attrs.get(_OWN_HOOKS[0]) or attrs.get(_OWN_HOOKS[1])):
+                or attrs.get("_optimizer_step_pre_hooks") or attrs.get("_optimizer_step_post_hooks")):
             return optimizer.step()  # torch's wrapper: hooks, the profiler's range, a wrapped instance step
         return inner(optimizer)
 

@@ -68,7 +68,8 @@ def graph_status(t) -> str:
         return f"off: {t.speed.reasons['cuda_graphs']}"
     return "on" if t.graphed.failed is None else f"off: {t.graphed.failed}"
 
-def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
+def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
+    """The History's summary; `start_step`: where this process's loop began (a resumed run's)."""
     recs, st = t.history.records, t.state
     splits = t.train_step.splits
     if splits > 1:
@@ -84,7 +85,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool) -> None:
             t.warnings.append(report["summary"])
     else:
         summary_recompiles = None
-    page_faults = faults_per_step(recs)
+    page_faults = faults_per_step([r for r in recs if r["step"] > start_step])  # this process's counts only
     if (advice := allocator_advice(page_faults)) is not None:
         t.warnings.append(advice)
         if t.is_main:  # in the terminal too: the advice is about how Python is started next time

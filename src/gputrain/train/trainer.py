@@ -291,7 +291,7 @@ class Trainer:
         if self.run_dir:
             self.save_checkpoint()
             checkpointing.wait_for_saves(self)  # an asynchronous save is committed before the run ends
-        self._summarize(elapsed, loop.peak, stopped=st.step < self.total_steps)
+        self._summarize(elapsed, loop.peak, stopped=st.step < self.total_steps, start_step=loop.start_step)
         self.callbacks.run_end(self.control, self.history)
         loop.outputs.finish(self.history)
         return self.history
@@ -481,8 +481,8 @@ class Trainer:
     def _announce(self) -> None:
         run_summary.announce(self)
 
-    def _summarize(self, elapsed: float, peak: int, stopped: bool) -> None:
-        run_summary.summarize(self, elapsed, peak, stopped)
+    def _summarize(self, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
+        run_summary.summarize(self, elapsed, peak, stopped, start_step)
 
 
 class _Loop:
@@ -495,4 +495,5 @@ class _Loop:
         self.world = trainer.dist.world_size
         self.t_start = self.t_log = time.perf_counter()
         self.samples_at_log = trainer.state.samples_seen
+        self.start_step = trainer.state.step  # a resumed run's history also holds the stopped run's records
         self.peak = 0
