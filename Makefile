@@ -18,8 +18,9 @@ test:
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
 
-# Line coverage of src/gputrain under the CPU suite (subprocesses included) and the functions it never
-# runs: coverage-out/ (report.txt, coverage.json, html/, uncovered_functions.txt). See docs/gpu_checklist.md.
+# Line and branch coverage of src/gputrain under the CPU suite (subprocesses included), the functions it
+# never runs and the branches it never takes: coverage-out/ (report.txt, coverage.json, html/,
+# uncovered_functions.txt, untaken_branches.txt), checked against docs/gpu_checklist.md.
 coverage:
 	@bash scripts/setup.sh --with-browser
 	@bash scripts/coverage.sh

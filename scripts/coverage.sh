@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# `make coverage`: line coverage of src/gputrain under the CPU test suite (the same tests as
-# `make test`), subprocesses included, and the map of what the suite never runs.
+# `make coverage`: line and branch coverage of src/gputrain under the CPU test suite (the same tests
+# as `make test`), subprocesses included, and the map of what the suite never runs.
 #
 # The settings are in pyproject.toml ([tool.coverage.*]): patch = ["subprocess"] makes every Python
 # started below the measured pytest (`python -m gputrain ...`, the `gputrain` script, torchrun and its
 # workers, `python -c ...`) measure itself, each into its own data file (parallel = true) under
 # coverage-out/; `coverage combine` merges them. Output (git-ignored), in coverage-out/:
-#   coverage.json        per file and per function (scripts/uncovered_functions.py reads it)
-#   html/index.html      the annotated source
-#   uncovered_functions.txt  every function of src/gputrain with no line run
+#   coverage.json        per file and per function, lines and branches (the two scripts below read it)
+#   html/index.html      the annotated source (partial branches marked)
+#   report.txt           per file: statements, branches, partial branches, missed lines
+#   uncovered_functions.txt  every function of src/gputrain with no line run (scripts/uncovered_functions.py)
+#   untaken_branches.txt     every branch never taken in a function the suite enters, CUDA-only ones
+#                            first (scripts/untaken_branches.py)
+# A full run (no arguments) also checks both lists against docs/gpu_checklist.md and exits 1 when the
+# page lacks one or names one that no longer exists (after pytest's own status).
 # Arguments go to pytest, e.g. `scripts/coverage.sh tests/test_report_html.py` for one file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,13 +53,24 @@ echo "coverage: combining $files data files (pytest and the Python processes it 
 "$VPY" -m coverage html -q -d "$OUT/html"
 "$VPY" -m coverage report --sort=cover > "$OUT/report.txt"
 "$VPY" scripts/uncovered_functions.py "$OUT/coverage.json" > "$OUT/uncovered_functions.txt"
+"$VPY" scripts/untaken_branches.py "$OUT/coverage.json" > "$OUT/untaken_branches.txt"
 grep "^TOTAL" "$OUT/report.txt"
-"$VPY" - "$OUT/coverage.json" "$OUT/uncovered_functions.txt" <<'PY'
+"$VPY" - "$OUT/coverage.json" "$OUT/uncovered_functions.txt" "$OUT/untaken_branches.txt" <<'PY'
 import json, sys
-totals = json.load(open(sys.argv[1]))["totals"]
+t = json.load(open(sys.argv[1]))["totals"]
 n = sum(1 for line in open(sys.argv[2]) if line.startswith("src/"))
-print(f"coverage: {totals['percent_covered']:.1f}% of src/gputrain lines run by the CPU suite "
-      f"({totals['covered_lines']}/{totals['num_statements']}); {n} functions with no line run "
-      f"({sys.argv[2]}); report: {sys.argv[1].replace('coverage.json', 'html/index.html')}")
+branches = [line for line in open(sys.argv[3]) if line.startswith("# total:")]
+print(f"coverage: {100 * t['covered_lines'] / max(t['num_statements'], 1):.1f}% of src/gputrain lines run by the CPU "
+      f"suite ({t['covered_lines']}/{t['num_statements']}); branches taken {t['covered_branches']}/{t['num_branches']} "
+      f"({100 * t['covered_branches'] / max(t['num_branches'], 1):.1f}%, {t['num_partial_branches']} decisions "
+      f"taken one way only); {n} functions with no line run ({sys.argv[2]})")
+print("coverage: " + (branches[-1][len("# total: "):].strip() if branches else "no branch summary") + f" ({sys.argv[3]})")
+print(f"coverage: report {sys.argv[1].replace('coverage.json', 'html/index.html')}")
 PY
-exit $rc
+crc=0
+if [[ $# -eq 0 ]]; then  # the whole suite ran: every CUDA-only function and branch must be on the checklist
+    "$VPY" scripts/uncovered_functions.py "$OUT/coverage.json" --checklist docs/gpu_checklist.md > /dev/null || crc=1
+    "$VPY" scripts/untaken_branches.py "$OUT/coverage.json" --checklist docs/gpu_checklist.md > /dev/null || crc=1
+    [[ $crc == 0 ]] && echo "coverage: docs/gpu_checklist.md names every CUDA-only function and branch, and nothing stale"
+fi
+exit $(( rc != 0 ? rc : crc ))
