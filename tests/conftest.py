@@ -264,3 +264,29 @@ def fake_cuda(monkeypatch):
         return FakeCuda(**kwargs).install(monkeypatch)
 
     return make
+
+
+# ---------------------------------------------------------------- CUDA graphs with capture semantics, on the CPU
+
+
+@pytest.fixture
+def capture_graphs(monkeypatch):
+    """`fit` on the CPU takes the CUDA-graph path (runtime/speed.py lets "cpu" capture), through the
+    stand-in of tests/graph_capture.py: capture records the step's ops, replay re-issues them and runs
+    no Python. Call the returned function with EagerGraphs for the eager reference (every capture
+    fails, every step runs eagerly on the same optimizer). `CaptureGraphs.instances` lists the
+    backends made."""
+    import gputrain.runtime.speed as speed
+    import gputrain.train.graphs as graphs
+    from graph_capture import CaptureGraphs
+
+    monkeypatch.setattr(speed, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    CaptureGraphs.instances.clear()
+
+    def use(backend=CaptureGraphs):
+        monkeypatch.setattr(graphs, "CudaGraphs", backend)
+        return backend
+
+    use()
+    yield use
+    CaptureGraphs.instances.clear()

@@ -385,35 +385,6 @@ def test_ema_is_the_average_of_the_weights_after_each_step():
     assert not torch.allclose(params(ema.model), seen[-1], atol=1e-4)  # an average, not the last weights
 
 
-class CallGraphs:
-    """CudaGraphs' stand-in: capture records the callable without running it, replay calls it."""
-
-    def __init__(self):
-        self.replaying = False
-
-    def eager(self, fn):
-        fn()
-
-    def capture(self, fn, share_pool_with=None):
-        owner = self
-
-        class Recorded:
-            def replay(self):
-                owner.replaying = True
-                try:
-                    fn()
-                finally:
-                    owner.replaying = False
-
-            def pool(self):
-                return None
-
-        return Recorded()
-
-    def synchronize(self):
-        pass
-
-
 def test_ema_average_comes_back_from_the_checkpoint_on_resume(tmp_path):
     """A run stopped at step 8 and resumed ends with the same average (and update count) as the run
     that went through: the resume loads the saved average, it does not restart it from the weights."""
@@ -434,9 +405,12 @@ def test_ema_average_comes_back_from_the_checkpoint_on_resume(tmp_path):
 
 
 def test_ema_runs_inside_the_captured_step():
-    """With the step captured (a stand-in graph on the CPU), the EMA update is part of every replay:
-    the host runs no tensor op for it between replays, and the average equals the eager run's."""
+    """With the step captured (the stand-in with CUDA's capture semantics, tests/graph_capture.py),
+    the EMA update is part of every replay: the host runs no tensor op for it between replays, and
+    the average equals the eager run's."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graph_capture import CaptureGraphs
 
     from gputrain.runtime.precision import RunPrecision, resolve_precision
     from gputrain.train.ema import EMA
@@ -464,7 +438,7 @@ def test_ema_runs_inside_the_captured_step():
         updates = [ema.step_update(model)] if with_ema else []
         step = TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt,
                          RunPrecision(resolve_precision("fp32", CPU), CPU), device=CPU, after_step=updates)
-        backend = CallGraphs() if graphed else None
+        backend = CaptureGraphs() if graphed else None
         runner = GraphedStep(step, CPU, backend=backend) if graphed else step
         for _ in range(5):  # 3 eager warm-up steps, the capture (and its replay), one replay
             runner([(x, y)])

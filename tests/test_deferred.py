@@ -1,7 +1,7 @@
 """Resident batches assembled inside the step's CUDA graph (data/deferred.py, train/graphs.py).
 
-On the CPU a stand-in for CudaGraphs records the captured callable and calls it on replay. That
-checks what every replay reads: the start position the host wrote, this epoch's order and
+On the CPU the stand-in for CudaGraphs with CUDA's capture semantics (tests/graph_capture.py: the
+ops recorded once, re-issued on replay, no Python) checks what every replay reads: the start position the host wrote, this epoch's order and
 augmentation draws, the right graph per batch size; and counts the operations the host still runs
 outside the graph per step.
 """
@@ -19,6 +19,8 @@ from gputrain.train.graphs import WARMUP_STEPS, GraphedStep
 from gputrain.train.loss import LossRule
 from gputrain.train.optim import make_optimizer
 from gputrain.train.step import TrainStep
+
+from graph_capture import CaptureGraphs
 
 CPU = torch.device("cpu")
 MEAN, STD = (120.0, 115.0, 100.0), (60.0, 61.0, 62.0)
@@ -110,39 +112,6 @@ def test_materialize_passes_plain_batches_through():
 # ---------------------------------------------------------------- the graph side, with a stand-in
 
 
-class CallGraphs:
-    """CudaGraphs' stand-in: capture records the callable without running it, replay calls it."""
-
-    def __init__(self):
-        self.replaying = False
-        self.captures = 0
-
-    def eager(self, fn):
-        fn()
-
-    def capture(self, fn, share_pool_with=None):
-        self.captures += 1
-        return _Recorded(fn, self)
-
-    def synchronize(self):
-        pass
-
-
-class _Recorded:
-    def __init__(self, fn, owner):
-        self.fn, self.owner = fn, owner
-
-    def replay(self):
-        self.owner.replaying = True
-        try:
-            self.fn()
-        finally:
-            self.owner.replaying = False
-
-    def pool(self):
-        return None
-
-
 class HostOps(TorchDispatchMode):
     """Counts the tensor operations run outside graph replays (on a GPU: kernel launches by the host)."""
 
@@ -168,7 +137,7 @@ def _train(batch_size, steps, *, graphed, deferred, count_from=None, transform=N
     opt, _ = make_optimizer(None, model.parameters(), lr=0.05, weight_decay=0.0, device=CPU, capturable=True)
     step = TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt, RunPrecision(resolve_precision("fp32", CPU), CPU),
                      device=CPU)
-    backend = CallGraphs()
+    backend = CaptureGraphs()
     runner = GraphedStep(step, CPU, backend=backend) if graphed else step
     loader = TensorBatches(_images(), batch_size, device=CPU, seed=5, transform=transform or _transform())
     loader.defer = deferred
@@ -224,7 +193,7 @@ def test_eager_fallback_assembles_a_deferred_batch(caplog):
     """A capture that fails leaves the run eager; deferred batches are then assembled before the step."""
     eager, _, _ = _train(32, 8, graphed=False, deferred=False)
 
-    class Failing(CallGraphs):
+    class Failing(CaptureGraphs):
         def capture(self, fn, share_pool_with=None):
             raise RuntimeError("operation not permitted when stream is capturing")
 

@@ -94,6 +94,53 @@ def test_count_host_reads_points_at_the_users_line():
     assert count_host_reads(clean, steps=2)["total"] == 0
 
 
+def test_count_host_reads_sees_a_read_inside_a_cpp_op():
+    """A 0-dim tensor given where an op takes a Scalar is read on the host by the op's argument
+    parsing (aten._local_scalar_dense), below anything Python sees: the dispatcher's view counts it,
+    on the user's line. (EMA's warm-up weight read the host every step this way.)"""
+    a, b = [torch.zeros(3)], [torch.ones(3)]
+    weight = torch.tensor(0.5)
+    lines = {}
+
+    def step():
+        lines["lerp"] = inspect.currentframe().f_lineno + 1
+        torch._foreach_lerp_(a, b, weight)  # pyright: ignore[reportPrivateImportUsage]
+
+    r = count_host_reads(step, steps=4)
+    assert r["total"] == 4 and r["sites"][0]["line"] == lines["lerp"] and r["sites"][0]["file"] == __file__
+    assert ".item()" in r["sites"][0]["what"]
+    assert count_host_reads(lambda: torch._foreach_lerp_(a, b, 0.5), steps=4)["total"] == 0  # a Python number
+
+
+def test_host_read_rule_names_each_kind():
+    from gputrain.diagnostics.syncs import host_read
+
+    aten = torch.ops.aten
+    t, mask, idx = torch.randn(4), torch.tensor([True, False, True, False]), torch.tensor([0, 2])
+    reads = {
+        "item": host_read(aten._local_scalar_dense.default, (t[0],)),
+        "nonzero": host_read(aten.nonzero.default, (t,)),
+        "mask": host_read(aten.index.Tensor, (t, [mask])),
+        "equal": host_read(aten.equal.default, (t, t)),
+        "tensor": host_read(aten.lift_fresh.default, (t,)),
+        "repeat": host_read(aten.repeat_interleave.Tensor, (idx,)),
+    }
+    assert all(reads.values()), reads
+    assert "output size depends on the data" in reads["mask"] and ".item()" in reads["item"]
+    assert host_read(aten.index.Tensor, (t, [idx])) is None  # integer indices: a fixed size
+    assert host_read(aten.add.Tensor, (t, t)) is None
+    assert host_read(aten.repeat_interleave.Tensor, (idx,), {"output_size": 2}) is None
+
+
+def test_the_verdict_names_host_reads_that_would_sync_on_a_gpu():
+    cpu = diagnose({"device_type": "cpu", "breakdown_ms": {"data": 0.1, "forward": 5.0, "backward": 9.0},
+                    "host_reads_per_step": 1.0, "host_read_site": "ema.py:134 (.item())"})
+    assert any("1 host read(s) of device values per step, most at ema.py:134" in a and "a sync on a GPU" in a
+               for a in cpu["also"])
+    clean = diagnose({"device_type": "cpu", "breakdown_ms": {"forward": 5.0}, "host_reads_per_step": 0.0})
+    assert not any("host read" in a for a in clean["also"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_detect_syncs_on_the_cpu_says_it_needs_a_gpu():
     calls = []

@@ -281,6 +281,8 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
         "gpu_busy": trace["gpu_busy"],
         "gpu_util_pct": util["mean_pct"] if util else None,
         "syncs_per_step": syncs_per_step,
+        "host_reads_per_step": host_reads["per_step"],
+        "host_read_site": _first_site(host_reads),
         "sync_wait_share": trace["sync_wait_share"],
         "mfu": mfu,
     }
@@ -331,3 +333,11 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
     with atomic_file(summary_path, "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary
+
+
+def _first_site(reads: dict[str, Any]) -> str | None:
+    """The most frequent host read as "file:line (what)", for the verdict."""
+    if not reads.get("sites"):
+        return None
+    site = reads["sites"][0]
+    return f"{os.path.basename(site['file'])}:{site['line']} ({site['what']})"

@@ -2,11 +2,19 @@
 
 - `detect_syncs(step_fn, steps)`: every call that makes the host wait for the GPU, with the file
   and line that made it (CUDA's sync debug mode).
-- `count_host_reads(step_fn, steps)`: the same question on any device: the calls that read a tensor
-  on the host (.item(), .tolist(), `if tensor:` ...), each of which syncs when the tensor is on a GPU
-  (a TorchFunctionMode counts them).
+- `count_host_reads(step_fn, steps)` / `watch_host_reads()`: the same question on any device, the
+  CPU included: every read of a tensor's value on the host, each of which syncs when the tensor is
+  on a GPU. Two views make it whole. At the dispatcher (a TorchDispatchMode) every aten op is seen,
+  also those that a C++ op issues for itself before its kernel: `aten._local_scalar_dense` is the
+  `.item()` that turning a 0-dim tensor into a Scalar argument costs (`torch._foreach_lerp_(a, b,
+  tensor)`), ops whose output size depends on the values (`nonzero`, boolean masks, `unique`),
+  answers the host waits for (`equal`, `is_nonzero`), and device-to-host copies. At Python calls (a
+  TorchFunctionMode) `.tolist()` and `.numpy()`, which read memory without an op. A read seen by
+  both is counted once, at the Python call.
+- `host_read(func, args, kwargs)`: the dispatcher's rule alone, for one op: why it reads the host,
+  or None. The CPU tests' CUDA-graph stand-in raises on exactly these, as CUDA capture does.
 
-Both attribute each call to a source line with `_SiteCounter` (user code first, then gputrain's).
+All attribute each read to a source line with `_SiteCounter` (user code first, then gputrain's).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 # ---------------------------------------------------------------- whose line is it
@@ -68,6 +77,9 @@ class _SiteCounter:
         self.boundary = boundary
         self.step = 0
         self.sites: dict[tuple[str, int], dict[str, Any]] = {}
+        self.total = 0
+        # > 0 while a read counted at a Python call runs: the ops it dispatches are that same read
+        self.quiet = 0
 
     def hit(self, frame, what: str) -> None:
         file, line, func = _call_site(frame, self.boundary)
@@ -78,6 +90,7 @@ class _SiteCounter:
                 "code": linecache.getline(file, line).strip(), "what": set(), "count": 0}
         site["count"] += 1
         site["what"].add(what)
+        self.total += 1
 
     def result(self, steps: int, **extra: Any) -> dict[str, Any]:
         sites = sorted(self.sites.values(), key=lambda s: -s["count"])
@@ -145,6 +158,68 @@ _READS = {"item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__inde
 _DATA_DEPENDENT = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 
 
+def _aten_ops(*names: str) -> frozenset:
+    """The aten overload packets of these names that this torch has."""
+    aten = torch.ops.aten
+    return frozenset(op for op in (getattr(aten, n, None) for n in names) if op is not None)
+
+
+# The host waits for a device value: a Scalar made of a tensor (.item(), `if t:`, float(t), and a
+# 0-dim tensor passed where an op takes a Scalar), or an answer returned to Python.
+_VALUE_OPS = _aten_ops("_local_scalar_dense", "item", "is_nonzero", "equal", "allclose")
+# The output's size depends on the values: the host reads the count before it can allocate.
+_SIZE_OPS = _aten_ops("nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2", "unique_dim",
+                      "unique_consecutive", "unique_dim_consecutive", "bincount")
+_INDEX_OPS = _aten_ops("index", "index_put", "index_put_", "_index_put_impl_")
+# A tensor made of Python data (torch.tensor, as_tensor of a list): on a GPU it is copied from pageable
+# host memory, a blocking copy (and its value is the one of that moment, frozen into a captured graph).
+_FROM_HOST_OPS = _aten_ops("lift_fresh", "lift_fresh_copy")
+
+
+def _leaves(values) -> list:
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(_leaves(v))
+        else:
+            out.append(v)
+    return out
+
+
+def _off_host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
+def host_read(func, args: tuple = (), kwargs: dict | None = None) -> str | None:
+    """Why the aten op `func` (an OpOverload, as a TorchDispatchMode sees it) makes the host wait
+    for a device value, or None. On a CPU tensor the same op costs nothing, which is why this is
+    decided by the op and not by the device: what is a read on the CPU syncs on a GPU."""
+    kwargs = kwargs or {}
+    packet = getattr(func, "overloadpacket", func)
+    name = getattr(packet, "__name__", str(func))
+    if packet in _VALUE_OPS:
+        return ".item() (a device value read on the host)" if name in ("_local_scalar_dense", "item") \
+            else f"{name} (answers the host with a device value)"
+    if packet in _SIZE_OPS:
+        return f"{name} (output size depends on the data)"
+    if packet in _INDEX_OPS and len(args) > 1 and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in _leaves([args[1]])):
+        return "boolean-mask indexing (output size depends on the data)"
+    if packet is torch.ops.aten.repeat_interleave and kwargs.get("output_size") is None \
+            and isinstance(args[0] if args else None, torch.Tensor) and (len(args) < 2 or isinstance(args[1], torch.Tensor)):
+        return "repeat_interleave with tensor repeats and no output_size (output size depends on the data)"
+    if packet in _FROM_HOST_OPS:
+        return "torch.tensor() of host values (a blocking copy to a GPU)"
+    if packet is torch.ops.aten._to_copy and args and _off_host(args[0]):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cpu":
+            return ".to('cpu') (a device-to-host copy)"
+    if packet is torch.ops.aten.copy_ and len(args) > 1 and isinstance(args[0], torch.Tensor) \
+            and args[0].device.type == "cpu" and _off_host(args[1]):
+        return "copy_ into a host tensor (a device-to-host copy)"
+    return None
+
+
 def _to_host(args, kwargs) -> bool:
     """Whether a .to(...) call copies a device tensor to the host."""
     if not args or not isinstance(args[0], torch.Tensor) or args[0].device.type == "cpu":
@@ -155,6 +230,9 @@ def _to_host(args, kwargs) -> bool:
 
 
 class _HostReadMode(TorchFunctionMode):
+    """Reads at Python calls: what the user wrote (.item(), `if loss < best:`), and .tolist() /
+    .numpy(), which read a CPU tensor's memory without dispatching an op."""
+
     def __init__(self, counter: _SiteCounter):
         super().__init__()
         self.counter = counter
@@ -172,25 +250,85 @@ class _HostReadMode(TorchFunctionMode):
         elif name in ("__getitem__", "__setitem__") and len(args) > 1 and isinstance(args[1], torch.Tensor) \
                 and args[1].dtype == torch.bool:
             what = "boolean-mask indexing"
-        if what is not None:
-            self.counter.hit(sys._getframe(1), what)
+        if what is None:
+            return func(*args, **kwargs)
+        self.counter.hit(sys._getframe(1), what)
+        self.counter.quiet += 1  # the ops this call dispatches are the read just counted
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counter.quiet -= 1
+
+
+class _HostReadDispatch(TorchDispatchMode):
+    """Reads at the dispatcher: every aten op, those a C++ op issues for itself included."""
+
+    def __init__(self, counter: _SiteCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.counter.quiet:
+            what = host_read(func, args, kwargs)
+            if what is not None:
+                self.counter.hit(sys._getframe(1), what)
         return func(*args, **kwargs)
 
 
+class HostReads:
+    """`with watch_host_reads() as reads:` counts every host read of the block (see the module
+    docstring); `reads.total`, and `reads.result(steps)` in `count_host_reads`'s shape."""
+
+    def __init__(self, boundary):
+        self.counter = _SiteCounter(boundary)
+        self._modes = (_HostReadMode(self.counter), _HostReadDispatch(self.counter))
+
+    @property
+    def total(self) -> int:
+        return self.counter.total
+
+    def __enter__(self) -> "HostReads":
+        # The Python view outside, the dispatcher's inside: each op reaches the function mode first.
+        self._modes[0].__enter__()
+        try:
+            self._modes[1].__enter__()
+        except BaseException:
+            self._modes[0].__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._modes[1].__exit__(*exc)
+        finally:
+            self._modes[0].__exit__(*exc)
+
+    def result(self, steps: int) -> dict[str, Any]:
+        return self.counter.result(steps, kind="host-reads")
+
+
+def watch_host_reads() -> HostReads:
+    """A context manager that counts every host read made inside it, with its source line (lines
+    are looked for below the caller's frame)."""
+    return HostReads(sys._getframe(1))
+
+
 def count_host_reads(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 0) -> dict[str, Any]:
-    """The calls in `steps` calls of `step_fn()` that read tensor values on the host, on any device.
+    """The host reads that `steps` calls of `step_fn()` make, on any device.
 
     Counts .item(), .tolist(), .numpy(), .cpu(), .to('cpu'), float()/int()/bool() of a tensor
-    (`if loss < best:`), formatting a tensor (f"{loss:.3f}"), boolean-mask indexing and ops whose
-    output size depends on the data (nonzero, masked_select, unique). On a GPU each of these makes
-    the host wait for the device; on the CPU they are free, so this shows what would sync there.
+    (`if loss < best:`), formatting a tensor (f"{loss:.3f}"), boolean-mask indexing, ops whose
+    output size depends on the data (nonzero, masked_select, unique), and the reads that ops make
+    for themselves (a 0-dim tensor passed as a Scalar). On a GPU each of these makes the host wait
+    for the device; on the CPU they are free, so this shows what would sync there.
     Returns the same shape as `detect_syncs` with kind "host-reads".
     """
     for _ in range(warmup):
         step_fn()
-    counter = _SiteCounter(sys._getframe())
-    with _HostReadMode(counter):
+    reads = HostReads(sys._getframe())
+    with reads:
         for s in range(steps):
-            counter.step = s
+            reads.counter.step = s
             step_fn()
-    return counter.result(steps, kind="host-reads")
+    return reads.result(steps)

@@ -49,6 +49,8 @@ def diagnose(metrics: dict[str, Any]) -> dict[str, Any]:
       kernels_per_step, median_kernel_us: from the profiler trace
       gpu_busy: fraction of the step with a kernel or copy running (trace); or gpu_util_pct (NVML)
       syncs_per_step: synchronizing calls per step; sync_wait_share: host time blocked in them / step
+      host_reads_per_step: reads of device values on the host per step, counted at the dispatcher on
+        any device (each a sync on a GPU); host_read_site: the most frequent one, "file:line (what)"
       mfu: model FLOP utilization (0..1) where the device's peak is known
 
     Returns {"verdict", "evidence": [str], "suggestions": [str], "also": [str] (other findings worth
@@ -66,9 +68,10 @@ def diagnose(metrics: dict[str, Any]) -> dict[str, Any]:
     syncs = metrics.get("syncs_per_step")
     sync_share = metrics.get("sync_wait_share")
     mfu = metrics.get("mfu")
+    reads = metrics.get("host_reads_per_step")
     numbers = {"data_share": data_share, "gpu_busy": busy, "median_kernel_us": kernel_us,
                "kernels_per_step": kernels, "syncs_per_step": syncs, "sync_wait_share": sync_share, "mfu": mfu,
-               "step_ms": metrics.get("step_ms")}
+               "host_reads_per_step": reads, "step_ms": metrics.get("step_ms")}
 
     evidence: list[str] = []
     suggestions: list[str] = []
@@ -136,6 +139,12 @@ def diagnose(metrics: dict[str, Any]) -> dict[str, Any]:
         if syncs:
             also.append(f"{syncs:g} sync(s) per step: cheap while the GPU stays busy, but {sync_advice()}")
 
+    if reads and not syncs:
+        # Off CUDA (or where CUDA's detector saw none): what would sync on a GPU, from the dispatcher.
+        site = metrics.get("host_read_site")
+        also.append(f"{reads:g} host read(s) of device values per step" + (f", most at {site}" if site else "")
+                    + (": free here, but each one is a sync on a GPU" if device != "cuda" else "")
+                    + f"; {sync_advice()}")
     if verdict != "input-bound" and data_share is not None and data_share >= 0.10:
         also.append(f"getting the batch still takes {_pct(data_share)} of the step")
     return {"verdict": verdict, "evidence": evidence, "suggestions": suggestions, "also": also, "numbers": numbers}

@@ -14,6 +14,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+# Where a whole step can be captured. The CPU suite adds "cpu" with its stand-in for CUDA graphs
+# (tests/graph_capture.py), so that the graph path runs there with CUDA's capture semantics.
+GRAPH_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
 
 def has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in model.modules())
@@ -47,7 +51,7 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
     optimizer: None when gputrain builds it (then capturable), an Optimizer instance given by the
     user (it must have been created with capturable=True), or a factory (unknown: not captured).
     """
-    if device.type != "cuda":
+    if device.type not in GRAPH_DEVICE_TYPES:
         return f"CUDA graphs need a CUDA device (running on {device.type})"
     if accumulate > 1:
         return "gradient accumulation (several backward passes per step) is not captured"
@@ -78,6 +82,18 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
     return None
 
 
+def scheduler_blocker(scheduler) -> str | None:
+    """Why the run's scheduler keeps the step out of a CUDA graph, or None. A captured optimizer step
+    keeps the Python numbers it was given; torch's OneCycleLR and CyclicLR (cycle_momentum=True, their
+    default) write beta1 / momentum as Python numbers every step. (train/graphs.py also switches graphs
+    off at the first replay after any such value changes; this says so before the run starts.)"""
+    if getattr(scheduler, "cycle_momentum", False):
+        return (f"the scheduler {type(scheduler).__name__} cycles the momentum (cycle_momentum=True): it writes the "
+                "optimizer's beta1/momentum as a Python number every step, which a replayed graph would keep at its "
+                "capture value; create it with cycle_momentum=False to keep CUDA graphs")
+    return None
+
+
 @dataclass
 class SpeedSwitches:
     """The speed decisions of a run, each with its reason."""
@@ -99,6 +115,13 @@ class SpeedSwitches:
         if self._benchmark_before is not None:
             torch.backends.cudnn.benchmark = self._benchmark_before
             self._benchmark_before = None
+
+    def refuse_graphs(self, reason: str | None) -> None:
+        """Graphs off for `reason`, found after the decision (the scheduler is built after the
+        optimizer, which is made capturable when graphs are on); None: the decision stands."""
+        if reason is not None and self.cuda_graphs:
+            self.cuda_graphs = False
+            self.reasons["cuda_graphs"] = reason
 
     def decisions(self) -> list[dict[str, str]]:
         """[{name, value, reason}] for the log, the summary and the report."""

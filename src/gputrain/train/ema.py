@@ -1,11 +1,17 @@
 """EMA: an exponential moving average of the weights, updated on the device inside the training step.
 
 After every optimizer step, `ema = ema + (w - ema) * (1 - decay_t)` over all parameters and
-floating-point buffers (BatchNorm's running statistics) in one `torch._foreach_lerp_`, with
-integer buffers copied. The update is given to the `TrainStep` (`step_update`), so it runs in the
-step's body: inside the CUDA graph when the step is captured, with no host work per step. With
-`warmup`, decay_t = min(decay, (1 + n) / (10 + n)) after n updates, computed on the device, so that
-an early average is not dominated by the initial weights.
+floating-point buffers (BatchNorm's running statistics), with integer buffers copied. The update
+is given to the `TrainStep` (`step_update`), so it runs in the step's body: inside the CUDA graph
+when the step is captured, with no host read per step. With `warmup`, decay_t = min(decay,
+(1 + n) / (10 + n)) after n updates, computed on the device, so that an early average is not
+dominated by the initial weights.
+
+The weight 1 - decay_t is a device scalar with warm-up, a host constant without. A constant is one
+`torch._foreach_lerp_`. A device scalar cannot go to that op: it takes its weight as a Scalar, and
+a 0-dim tensor given there is read on the host first (`aten._local_scalar_dense`, a sync per step
+on a GPU and an error inside graph capture). So the warm-up update is three multi-tensor kernels
+that take a tensor: the difference, times the weight (`_foreach_mul_`'s Tensor overload), added.
 
 At each evaluation the averaged model is evaluated too (`eval_ema_<metric>` beside `eval_<metric>`:
 one more host read per evaluation, none per step); checkpoints hold its weights beside the raw ones
@@ -76,9 +82,9 @@ class EMA(Callback):
         self.updates.add_(1.0)
         if self.warmup:
             # 1 - min(decay, n / (9 + n)) after n updates ((1 + m) / (10 + m) for m = n - 1 before this
-            # one), as a device scalar: the lerp weight.
+            # one), as a device scalar (shape ()): the lerp weight.
             weight = 1.0 - torch.clamp(self.updates / (self.updates + 9.0), max=self.decay)
-            _lerp_(self._shadow, self._live, weight)
+            _lerp_by_tensor_(self._shadow, self._live, weight)
         else:
             _lerp_(self._shadow, self._live, 1.0 - self.decay)
         if self._shadow_other:
@@ -128,10 +134,17 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in module.parameters()] + [b for b in module.buffers()]
 
 
-# torch's stubs list neither op as public, nor lerp's 0-dim tensor weight (a device scalar, so that the
-# warm-up decay needs no host value and a captured graph replays it); both exist in torch >= 2.1.
-def _lerp_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: torch.Tensor | float) -> None:
-    torch._foreach_lerp_(shadow, live, weight)  # pyright: ignore[reportPrivateImportUsage, reportCallIssue, reportArgumentType]
+# torch's stubs do not list the foreach ops as public; all exist in torch >= 2.1.
+def _lerp_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: float) -> None:
+    torch._foreach_lerp_(shadow, live, weight)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _lerp_by_tensor_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: torch.Tensor) -> None:
+    """shadow += (live - shadow) * weight, weight a 0-dim device tensor never read on the host. The
+    difference is a transient copy of the averaged tensors; the step has just freed the gradients."""
+    step = torch._foreach_sub(live, shadow)  # pyright: ignore[reportPrivateImportUsage]
+    torch._foreach_mul_(step, weight)  # pyright: ignore[reportPrivateImportUsage]
+    torch._foreach_add_(shadow, step)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def _copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

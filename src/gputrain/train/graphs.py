@@ -17,6 +17,12 @@ tensor shapes (Python values the graph would freeze), graphs are switched off wi
 Anything that cannot be captured falls back to eager steps; a failed first capture switches the run
 to eager for good, with the reason logged.
 
+A graph keeps every Python number it was given at capture: the optimizer's betas, eps, weight
+decay (and its lr, unless that is a tensor, as gputrain's capturable optimizer makes it). Before
+each replay the optimizer's Python numbers are compared with those of the capture (`_PythonValues`,
+a few dict reads); when a scheduler or callback has rewritten one (OneCycleLR's cycled momentum, a
+float lr that a schedule moves), graphs are switched off with that reason and the step runs eagerly.
+
 A deferred batch (data/deferred.py: resident data, not yet gathered) is assembled inside the graph:
 the capture records `build` (gather by the epoch's order, normalize, augment, layout) together with
 the step, and per step the host only writes the batch's start position into a device scalar. Its
@@ -80,6 +86,34 @@ class _Graph:
             dst.copy_(src, non_blocking=True)
 
 
+class _PythonValues:
+    """The optimizer's hyperparameters that are Python numbers (or tuples of them, as betas), read as
+    a captured step saw them: a replay keeps those values whatever is written later."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.keys = [(i, k) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
+                     if _is_number(v) or (isinstance(v, tuple) and all(_is_number(x) for x in v))]
+        self.values = self.read()
+
+    def read(self) -> list[Any]:
+        groups = self.optimizer.param_groups  # looked up each time: load_state_dict replaces the groups
+        return [groups[i][k] for i, k in self.keys]
+
+    def changed(self) -> str | None:
+        """Which value differs from its capture-time one, as a sentence; None when none does."""
+        now = self.read()
+        if now == self.values:
+            return None
+        (i, key), was, new = next((k, a, b) for k, a, b in zip(self.keys, self.values, now) if a != b)
+        return (f"the optimizer's {key!r} (group {i}) changed from {was!r} to {new!r} after capture, written as a "
+                "Python number (by the scheduler or a callback), and a replayed graph keeps the captured value")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _tensors(batch: Any) -> tuple[list[torch.Tensor], list[Any], Any]:
     leaves, spec = batches.flatten(batch)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -134,6 +168,7 @@ class GraphedStep:
         self._last_layout: tuple | None = None  # (tensor shapes, non-tensor leaves) of the last batch
         self.replays = 0
         self.eager_fallbacks = 0
+        self._values: _PythonValues | None = None  # the optimizer's Python numbers at the first capture
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -183,6 +218,13 @@ class GraphedStep:
                 return
             key = batches.signature(batch)
         captured = self.graphs.get(key)
+        if captured is not None and self._values is not None:
+            changed = self._values.changed()
+            if changed is not None:
+                self.failed = changed
+                log.warning("CUDA graphs: %s; training continues eagerly", changed)
+                self._eager(micro_batches)
+                return
         if captured is not None:
             if tensors is None:
                 batch.load(captured.static)  # a deferred batch's start position: one fill_
@@ -248,6 +290,8 @@ class GraphedStep:
             tensors = _tensors(batch)[0]
             captured.last = (tensors, _Graph.identity(tensors))
         self.graphs[key] = captured
+        if self._values is None:
+            self._values = _PythonValues(self.step.optimizer)
         # Capture records kernels without running them: replay once for this step's batch.
         graph.replay()
         self.replays += 1

@@ -49,9 +49,13 @@ def make_optimizer(
     elif device.type == "cuda":
         kwargs["foreach"] = True
         how = "foreach"
-    if capturable and device.type == "cuda":
-        kwargs["capturable"] = True  # step counters on the device: no host reads inside the graph
+    if capturable:
+        # The lr as a device tensor, which a schedule writes in place (a Python float would be
+        # frozen into the graph at its capture value); step counters on the device (capturable, a
+        # CUDA flag: the fused CPU kernel of the CPU suite's graph stand-in reads its own).
         kwargs["lr"] = torch.tensor(lr, device=device)
+        if device.type == "cuda":
+            kwargs["capturable"] = True
         how += ", graph-capturable"
     return torch.optim.AdamW(params, **kwargs), f"AdamW ({how})"
 

@@ -37,7 +37,7 @@ from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
 from gputrain.runtime.host_memory import minor_faults
 from gputrain.runtime.precision import RunPrecision, resolve_precision
-from gputrain.runtime.speed import SpeedSwitches, decide_speed
+from gputrain.runtime.speed import SpeedSwitches, decide_speed, scheduler_blocker
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.graphs import GraphedStep
@@ -162,6 +162,7 @@ class Trainer:
             else (make_scheduler(self.optimizer, cfg.schedule, self.total_steps, cfg.warmup_steps),
                   f"{cfg.schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
                   + " (built-in)")
+        self.speed.refuse_graphs(scheduler_blocker(self.scheduler))  # one that writes Python numbers each step
 
     def _setup_step(self, num_items: Callable | None) -> None:
         cfg = self.config
