@@ -125,6 +125,12 @@ CELLS = {
         {"model": _convnet, "data": _images, "loss_fn": nn.CrossEntropyLoss()}, "on"),
     "dict batches, the model's own loss": (
         {"model": DictNet, "data": lambda: dict(zip(("features", "labels"), data())), "loss_fn": None}, "on"),
+    "dict batches with a text leaf": (
+        {"model": DictNet, "loss_fn": None,
+         "compute_loss": lambda model, batch: model(batch["features"], batch["labels"])["loss"],
+         "data": lambda: [{"features": x, "labels": y, "source": "a"} for x, y in zip(*(t.split(16) for t in data()))]},
+        "on"),
+    "bf16 autocast": ({"config": {"precision": "bf16"}}, "on"),
     "compute_loss": ({"compute_loss": lambda model, batch: (F.cross_entropy(model(batch[0]), batch[1]), None),
                       "loss_fn": None}, "on"),
     "num_items": ({"num_items": lambda batch: (batch[1] > 0).sum()}, "on"),

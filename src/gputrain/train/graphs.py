@@ -28,9 +28,10 @@ the capture records `build` (gather by the epoch's order, normalize, augment, la
 the step, and per step the host only writes the batch's start position into a device scalar. Its
 key is the deferred batch's own (the data source and the batch size).
 
-The CUDA calls (side stream, capture, memory pool) sit in `CudaGraphs`; the tests put a stand-in
-there whose capture records the callable and whose replay calls it, to check on the CPU what
-each replay reads.
+The CUDA calls (side stream, capture, memory pool) sit in `CudaGraphs`; the CPU suite puts a
+stand-in there with CUDA's capture semantics (tests/graph_capture.py: the ops recorded once, re-issued
+on replay with the Python numbers of the capture, no Python run), so that what a replay computes is
+checked against eager steps without a GPU.
 """
 
 from __future__ import annotations
