@@ -39,6 +39,7 @@ fi
 
 rm -rf "$OUT"/.coverage* "$OUT"/html "$OUT"/coverage.json
 start=$(date +%s)
+echo "$start" > "$OUT/run_started"  # untaken_branches.py names the source files modified after it
 # -p no:cacheprovider: leave .pytest_cache alone; -p coverage_guard (scripts/coverage_guard.py): puts
 # coverage's tracer back after any test that removed it with sys.settrace; the rest as `make test` runs it.
 PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \

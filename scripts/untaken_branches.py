@@ -58,6 +58,10 @@ Which untaken branches are CUDA-only (the rule)
    no pattern can see, such as a tensor learning rate that only a capturable optimizer on CUDA has).
    It passes the check while it stays an untaken branch; a tag in the source makes it required.
 Everything else untaken is printed as `other` (information: CPU code that no test takes).
+
+A file that changed since the run (a measured line that is no statement's first line today) is named
+and not read; the check then exits 1 (measure again). A file modified after the run started
+(`run_started` beside the JSON, from scripts/coverage.sh) whose lines still fit is named as a warning.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class Result:
     branches: list[Branch] = field(default_factory=list)
     unreached: int = 0
     outside: int = 0  # module-level / class-body
-    changed: list[str] = field(default_factory=list)  # files edited after the run (line numbers may be off)
+    edited: list[str] = field(default_factory=list)  # edited after the run started; the measured lines still fit
+    drifted: list[str] = field(default_factory=list)  # the measured lines no longer fit the source: not read
     unknown: list[str] = field(default_factory=list)  # arcs whose line is no decision in today's source
 
 
@@ -239,6 +244,14 @@ class Source:
         self.decisions: dict[int, Decision] = {}
         self.functions: dict[int, ast.AST] = {}
         self.tags: dict[int, str] = {}
+        # the lines coverage.py can report: first lines of statements (and decorators, except, case)
+        self.starts: set[int] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.stmt, ast.ExceptHandler)):
+                self.starts.add(n.lineno)
+                self.starts.update(d.lineno for d in getattr(n, "decorator_list", ()))
+            elif isinstance(n, ast.match_case):
+                self.starts.add(n.pattern.lineno)
         try:
             for tok in tokenize.generate_tokens(io.StringIO(text).readline):
                 if tok.type == tokenize.COMMENT and (m := TAG_RE.search(tok.string)):
@@ -315,13 +328,17 @@ def _resolve(path: str, root: Path) -> Path:
     return p if p.is_absolute() else root / p
 
 
-def untaken(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT) -> Result:
-    """Every untaken branch in an entered function of the files under `prefix`, classified."""
+def untaken(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT, since: float | None = None) -> Result:
+    """Every untaken branch in an entered function of the files under `prefix`, classified.
+
+    since: when the measured run started (epoch seconds; default the report's own time stamp): a file
+    modified later is named as edited. A file whose measured lines are not all first lines of statements
+    in today's source has changed since: it is named as drifted and its branches are not read."""
     res = Result()
     if not report.get("meta", {}).get("branch_coverage"):
         raise SystemExit("this coverage JSON has no branch data: measure with branch = true (pyproject's [tool.coverage.run])")
     stamp = report["meta"].get("timestamp")
-    when = datetime.fromisoformat(stamp).timestamp() if stamp else None
+    when = since if since is not None else datetime.fromisoformat(stamp).timestamp() if stamp else None
     for raw, data in sorted(report["files"].items()):
         norm = raw.replace("\\", "/")
         if prefix not in norm:
@@ -333,9 +350,12 @@ def untaken(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT) -> R
         except (OSError, SyntaxError) as exc:
             res.unknown.append(f"{rel}: cannot read the source ({exc})")
             continue
-        if when is not None and file.stat().st_mtime > when:
-            res.changed.append(rel)
         executed = set(data["executed_lines"])
+        if not executed | set(data.get("missing_lines", ())) <= src.starts:
+            res.drifted.append(rel)
+            continue
+        if when is not None and file.stat().st_mtime > when:
+            res.edited.append(rel)
         functions = data.get("functions")
         if functions is None:
             raise SystemExit("this coverage JSON has no per-function data: coverage.py 7.x writes it (`coverage json`)")
@@ -398,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="print a Markdown row for each CUDA-only branch the checklist lacks (to paste into it)")
     args = ap.parse_args(argv)
     report = json.loads(Path(args.json).read_text())
-    res = untaken(report, args.prefix, args.root)
+    started = Path(args.json).with_name("run_started")  # scripts/coverage.sh writes it: the run's start, epoch seconds
+    since = float(started.read_text()) if started.is_file() else None
+    res = untaken(report, args.prefix, args.root, since)
     listed = set(checklist_ids(args.checklist.read_text())) if args.checklist else set()
     for b in res.branches:
         if b.kind == "other" and b.id in listed:
@@ -419,9 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         print(show(b))
     for note in res.unknown:
         print(f"# warning: {note}")
-    if res.changed:
-        print(f"# warning: {len(res.changed)} source files changed after the run (line numbers may be off): "
-              + ", ".join(res.changed))
+    if res.edited:
+        print(f"# warning: {len(res.edited)} source files were modified after the run started (their measured "
+              f"lines still fit; the data may be from an older text): " + ", ".join(res.edited))
+    if res.drifted:
+        print(f"# warning: {len(res.drifted)} source files changed since the run (measured lines that are no "
+              f"statement today): their branches are not read: " + ", ".join(res.drifted))
     t = report["totals"]
     tagged = sum(b.why.startswith("tag") for b in cuda)
     by_hand = sum(b.listed for b in cuda)
@@ -438,15 +463,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     missing = [b for b in cuda if b.id not in listed]
     every = {b.id for b in res.branches}
-    stale = sorted(i for i in listed if i not in every)
+    unread = tuple(f"{path}::" for path in res.drifted)  # entries of files not read: neither stale nor current
+    stale = sorted(i for i in listed if i not in every and not i.startswith(unread))
     for b in missing:
         print(f"not in {args.checklist}: {b.id}   (line {b.line}; {b.why})", file=sys.stderr)
     for i in stale:
         print(f"stale in {args.checklist}: {i}   (no longer an untaken branch of an entered function: taken, renamed or gone)",
               file=sys.stderr)
-    if missing or stale:
-        print(f"# {len(missing)} CUDA-only untaken branches missing from {args.checklist}, {len(stale)} stale entries",
-              file=sys.stderr)
+    if res.drifted:
+        print(f"cannot check {len(res.drifted)} files that changed since the run ({', '.join(res.drifted)}): "
+              f"measure again (make coverage)", file=sys.stderr)
+    if missing or stale or res.drifted:
+        print(f"# {len(missing)} CUDA-only untaken branches missing from {args.checklist}, {len(stale)} stale entries"
+              + (f", {len(res.drifted)} files not checked" if res.drifted else ""), file=sys.stderr)
         return 1
     print(f"# every CUDA-only untaken branch is in {args.checklist} ({len(listed)} entries, none stale)")
     return 0

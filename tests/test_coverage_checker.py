@@ -77,7 +77,7 @@ def _write(tmp_path: Path, source: str = SOURCE, shift: int = 0) -> Path:
                  # the loop's line never ran: counted behind the untaken branch, not listed
                  "missing": [[avail, loop], [loop, loop + 1], [loop, loop + 2]]},
     }
-    executed = sorted({ln for f in functions.values() for ln in f["executed"]} | {1, L("def step")})
+    executed = sorted({ln for f in functions.values() for ln in f["executed"]} | {L("import torch"), L("def step")})
     report = {
         "meta": {"version": "7.17.3", "timestamp": "2999-01-01T00:00:00", "branch_coverage": True},
         "totals": {"covered_lines": len(executed), "num_statements": 20, "covered_branches": 5, "num_branches": 11,
@@ -89,7 +89,7 @@ def _write(tmp_path: Path, source: str = SOURCE, shift: int = 0) -> Path:
                        "summary": {"covered_lines": len(f["executed"]), "num_statements": len(f["executed"]) + 2},
                        "executed_branches": f["taken"], "missing_branches": f["missing"]}
                 for name, f in functions.items()} | {
-                "": {"start_line": 1, "executed_lines": [1], "summary": {"covered_lines": 1, "num_statements": 1},
+                "": {"start_line": 1, "executed_lines": [L("import torch")], "summary": {"covered_lines": 1, "num_statements": 1},
                      "executed_branches": [], "missing_branches": []}}}},
     }
     path = tmp_path / "coverage.json"
@@ -180,3 +180,21 @@ def test_the_pattern_reads_which_way_of_a_condition_implies_cuda(condition, trut
 def test_a_report_without_branch_data_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no branch data"):
         branches.untaken({"meta": {"branch_coverage": False}, "files": {}, "totals": {}})
+
+
+def test_a_file_that_changed_since_the_run_is_not_read_and_the_check_says_measure_again(tmp_path, capsys):
+    report = _write(tmp_path)
+    page = _checklist(tmp_path, *CUDA_IDS)
+    file = tmp_path / "src" / "gputrain" / "mod.py"
+    file.write_text(SOURCE.replace("    if scale is None:\n", "    # a comment where a measured line was\n"
+                                                              "    if scale is None:\n"))
+    assert branches.main([str(report), "--root", str(tmp_path), "--checklist", str(page)]) == 1
+    out, err = capsys.readouterr()
+    assert "1 source files changed since the run" in out and "cuda   mod.py::" not in out
+    assert "cannot check 1 files that changed since the run (mod.py)" in err
+    assert "stale" not in err.replace("0 stale", "")  # its entries are neither stale nor current
+    # modified after the run started, lines unchanged: read, with a warning
+    file.write_text(SOURCE)
+    (tmp_path / "run_started").write_text("0")
+    assert branches.main([str(report), "--root", str(tmp_path), "--checklist", str(page)]) == 0
+    assert "1 source files were modified after the run started" in capsys.readouterr().out
