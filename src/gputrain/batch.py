@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from gputrain.errors import DataError, DeviceError
+from gputrain.runtime.torch_compat import pytree
 
 _register_lock = threading.Lock()
 

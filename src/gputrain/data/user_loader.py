@@ -47,7 +47,7 @@ def _plain_shuffle(loader: DataLoader) -> bool | None:
     sampler = loader.sampler
     if type(sampler) is SequentialSampler:
         return False
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         return True
     if type(sampler) is DistributedSampler:
         return bool(sampler.shuffle)

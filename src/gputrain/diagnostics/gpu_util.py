@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from gputrain.runtime import torch_compat
+
 
 class GpuUtilSampler:
     """Samples NVML's GPU utilization (% of time a kernel ran) in a background thread.
@@ -34,10 +36,7 @@ class GpuUtilSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            try:
-                index = torch.cuda._get_nvml_device_index(self.device)  # honours CUDA_VISIBLE_DEVICES
-            except Exception:  # noqa: BLE001 - private helper; fall back to the CUDA index
-                index = self.device.index or 0
+            index = torch_compat.nvml_device_index(self.device)  # honours CUDA_VISIBLE_DEVICES
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             pynvml.nvmlDeviceGetUtilizationRates(handle)
         except Exception as exc:  # noqa: BLE001 - NVML missing or unusable: report None

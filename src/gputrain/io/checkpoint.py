@@ -24,6 +24,7 @@ import torch
 
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
+from gputrain.runtime.torch_compat import COMPILED_MODULE_ATTR
 
 FORMAT = "gputrain-checkpoint"
 VERSION = 1
@@ -175,7 +176,7 @@ def _neighbours(path: Path) -> str:
 
 # ---------------------------------------------------------------- does it fit the model?
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+_WRAPPER_PREFIXES = ("module.", COMPILED_MODULE_ATTR + ".")  # DDP / DataParallel, torch.compile
 
 
 def check_model_state(model_state: dict[str, torch.Tensor], model: torch.nn.Module,

@@ -40,6 +40,7 @@ from torch import nn
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
 from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.runtime import torch_compat
 
 SUFFIX = ".dcp"
 MANIFEST = "MANIFEST.sha256"
@@ -196,15 +197,9 @@ def load_full(path: str | os.PathLike) -> dict[str, Any]:
     """The whole checkpoint in this process, as a one-file checkpoint would hold it: full CPU tensors
     under "model" and "optimizer" (keyed by parameter name) plus rank 0's run state. No process
     group or model needed (for tests, comparisons and conversions)."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    tensors: dict[str, Any] = {}
     # What torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file.
     with single_process_quiet(True):
-        _load_state_dict(tensors, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        tensors = torch_compat.read_whole_dcp(path)
     state, _ = read_run_state(path, 0)
     return {**state, "model": tensors.get("model", {}), "optimizer": tensors.get("optimizer", {})}
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.runtime.torch_compat import compiled_inner
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # torchrun's store, and the process groups init_distributed made on it in this process (see there).
@@ -233,7 +234,7 @@ def wrap_model(model: nn.Module, info: DistInfo, device: torch.device, shard: bo
 
 
 def _peel_compile(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    return compiled_inner(model)
 
 
 def _is_fsdp(model: nn.Module) -> bool:

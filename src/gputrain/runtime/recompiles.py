@@ -6,7 +6,8 @@
     watcher.summary()  # "recompiled 1 time: input 0 dim 0 8 -> 3 (last partial batch): set drop_last ..."
     watcher.stop()
 
-Where the data comes from (torch 2.13's dynamo, read only; nothing is switched on):
+Where the data comes from (dynamo's records, read only, nothing switched on; reached through
+runtime/torch_compat.py, which says what happens on a torch without them):
 - `torch._dynamo.utils.get_compilation_metrics()`: one CompilationMetrics per frame compilation,
   kept in a deque of the last 64. A recompilation carries `recompile_reason`, the first guard that
   failed (e.g. "0/0: tensor 'args[0]' size mismatch at index 0. expected 8, actual 3"), and every
@@ -27,6 +28,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from gputrain.runtime import torch_compat
 
 _SIZE = re.compile(r"tensor '(?P<name>[^']+)' size mismatch at index (?P<dim>\d+)\. "
                    r"expected (?P<expected>\d+), actual (?P<actual>\d+)")
@@ -92,9 +95,14 @@ def _where(m) -> str | None:
     name, filename = getattr(m, "co_name", None), getattr(m, "co_filename", None) or ""
     if not name:
         return None
-    if filename.replace("\\", "/").endswith("torch/_dynamo/external_utils.py"):
+    if torch_compat.is_compiled_forward_wrapper(filename):
         return "a compiled module's forward"  # torch.compile(module) wraps forward in external_utils.inner
     return f"{name} ({filename}:{getattr(m, 'co_firstlineno', '?')})"
+
+
+def _unchanged(records, seen: list) -> bool:
+    """Whether dynamo's records end where they ended at the last poll (or both are empty)."""
+    return bool(seen and records and records[-1] is seen[-1]) or (not seen and not records)
 
 
 def _compile_seconds(m) -> float:
@@ -138,10 +146,8 @@ class RecompileWatcher:
 
     def start(self) -> "RecompileWatcher":
         """Remember what dynamo has recorded so far; only later compilations are reported."""
-        from torch._dynamo.utils import counters, get_compilation_metrics
-
-        self._seen = get_compilation_metrics()
-        self._breaks = Counter(counters["graph_break"])
+        self._seen = torch_compat.compilation_metrics()
+        self._breaks = Counter(torch_compat.dynamo_counters().get("graph_break", {}))
         self._break_total = sum(self._breaks.values())
         self._running = True
         return self
@@ -165,22 +171,22 @@ class RecompileWatcher:
         """Take in what dynamo recorded since the last poll."""
         if not self._running:
             return
-        from torch._dynamo.utils import counters, get_compilation_metrics
-
-        self._poll_compiles(get_compilation_metrics)
-        graph_breaks = counters.get("graph_break")
+        self._poll_compiles()
+        graph_breaks = torch_compat.dynamo_counters().get("graph_break")
         if graph_breaks is not None and sum(graph_breaks.values()) != self._break_total:
             self._poll_breaks(graph_breaks)
 
-    def _poll_compiles(self, get_compilation_metrics) -> None:
-        from torch._dynamo.utils import _compilation_metrics as deque_now
-
-        if (self._seen and deque_now and deque_now[-1] is self._seen[-1]) or (not self._seen and not deque_now):
+    def _poll_compiles(self) -> None:
+        live = torch_compat.compilation_metrics_log()  # None: a torch without it; then a copy per poll
+        if live is not None and _unchanged(live, self._seen):
             return  # nothing new (the common case): no copy
-        metrics = get_compilation_metrics()
+        metrics = torch_compat.compilation_metrics()
+        if live is None and _unchanged(metrics, self._seen):
+            return
+        maxlen = live.maxlen if live is not None else None
         seen_ids = {id(m) for m in self._seen}
         new = [m for m in metrics if id(m) not in seen_ids]
-        if self._seen and new and len(metrics) == deque_now.maxlen and not any(id(m) in seen_ids for m in metrics):
+        if self._seen and new and len(metrics) == maxlen and not any(id(m) in seen_ids for m in metrics):
             self.missed = True  # everything we had seen was pushed out: some compiles went unseen
         for m in new:
             if getattr(m, "is_runtime", False):

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gputrain.errors import ConfigError
+from gputrain.runtime.torch_compat import BATCHNORM_TYPES
 
 class _Unit:
     """What one checkpoint covers: a module, or a run of children of an nn.Sequential."""
@@ -130,7 +131,7 @@ def _resolve_target(model: nn.Module, name: str) -> _Unit:
 
 
 def _bn_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-    return [b for m in modules for sub in m.modules() if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+    return [b for m in modules for sub in m.modules() if isinstance(sub, BATCHNORM_TYPES)
             for b in sub.buffers()]
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.runtime import torch_compat
 
 if TYPE_CHECKING:
     from gputrain.config import TrainConfig
@@ -228,8 +229,7 @@ def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, factor: flo
             lr.fill_(new)
         else:
             group["lr"] = new
-    if hasattr(scheduler, "_last_lr"):  # torch's LRScheduler reports this from get_last_lr()
-        setattr(scheduler, "_last_lr", [g["lr"] for g in optimizer.param_groups])
+    torch_compat.set_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])  # what get_last_lr() reports
 
 
 class CallbackList:

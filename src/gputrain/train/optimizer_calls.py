@@ -12,7 +12,9 @@ Both fall back to the optimizer's own call whenever anything could see the diffe
 wrapper's pre- and post-hooks (global or the optimizer's, looked at every call, so a hook
 registered mid-run is called from its next step on), a running profiler (its trace keeps the
 "Optimizer.step#..." range), a `step` or `zero_grad` set on the instance (an LR scheduler's step
-counter, a library's wrapper) or defined by the optimizer's class in place of torch's.
+counter, a library's wrapper) or defined by the optimizer's class in place of torch's. The wrapper,
+its hook dicts and the profiler's flag are torch's private corners (runtime/torch_compat.py): on a
+torch without one of them, every call goes through torch's own `step()` / `zero_grad()`.
 """
 
 from __future__ import annotations
@@ -20,30 +22,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.autograd.profiler as autograd_profiler
-import torch.optim.optimizer as torch_optimizer
+
+from gputrain.runtime import torch_compat
+from gputrain.runtime.torch_compat import profiler_enabled
 
 
 def _torch_step_wrapper_code() -> Any:
     """The code object of torch's step wrapper (every optimizer class's `step` is wrapped in a
     function with this code): tells torch's wrapper from any other decorator. None when this torch
     has no such wrapper (then `optimizer.step()` is called as it is)."""
-    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    wrap = torch_compat.optimizer_step_wrapper()
     return getattr(wrap(lambda *a, **k: None), "__code__", None) if callable(wrap) else None
 
 
 _STEP_WRAPPER_CODE = _torch_step_wrapper_code()
 # The hook dicts torch's wrapper reads: module-level (register_optimizer_step_pre/post_hook) and
 # per optimizer (register_step_pre/post_hook). Missing in a torch that moved them: no shortcut.
-_GLOBAL_HOOKS = tuple(getattr(torch_optimizer, name, None)
-                      for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
+_GLOBAL_HOOKS = torch_compat.optimizer_global_hooks()
+_OWN_HOOKS = torch_compat.optimizer_step_hook_attrs()
 
 
 def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any] | None:
     """The class's step without torch's profiler wrapper, or None when the class's step is not
     exactly torch's wrapper around it (another decorator, an optimizer outside torch.optim.Optimizer)."""
     step = getattr(type(optimizer), "step", None)
-    if _STEP_WRAPPER_CODE is None or any(h is None for h in _GLOBAL_HOOKS) or \
+    if _STEP_WRAPPER_CODE is None or _GLOBAL_HOOKS is None or _OWN_HOOKS is None or \
             getattr(step, "__code__", None) is not _STEP_WRAPPER_CODE:
         return None
     inner = getattr(step, "__wrapped__", None)
@@ -53,14 +56,15 @@ def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.O
 def optimizer_stepper(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """`optimizer.step()`, as a call without arguments for every step (see the module docstring)."""
     inner = _unwrapped_step(optimizer)
-    if inner is None:
+    if inner is None or _GLOBAL_HOOKS is None or _OWN_HOOKS is None:
         return lambda: optimizer.step()  # looked up per call: a scheduler made later may wrap it
     pre_global, post_global = _GLOBAL_HOOKS
+    pre_own, post_own = _OWN_HOOKS
     attrs = vars(optimizer)
 
     def step() -> Any:
-        if (pre_global or post_global or autograd_profiler._is_profiler_enabled or "step" in attrs
-                or attrs.get("_optimizer_step_pre_hooks") or attrs.get("_optimizer_step_post_hooks")):
+        if (pre_global or post_global or profiler_enabled() or "step" in attrs
+                or attrs.get(pre_own) or attrs.get(post_own)):
             return optimizer.step()  # torch's wrapper: hooks, the profiler's range, a wrapped instance step
         return inner(optimizer)
 
@@ -80,7 +84,7 @@ def grad_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         return lambda: zero_grad(set_to_none=True)
 
     def clear() -> None:
-        if autograd_profiler._is_profiler_enabled:  # the trace keeps torch's "Optimizer.zero_grad#..." range
+        if profiler_enabled():  # the trace keeps torch's "Optimizer.zero_grad#..." range
             optimizer.zero_grad(set_to_none=True)
             return
         for group in optimizer.param_groups:
