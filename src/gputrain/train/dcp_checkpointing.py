@@ -35,6 +35,7 @@ from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io import checkpoint_dcp
+from gputrain.runtime import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
 log = logging.getLogger("gputrain")
@@ -187,6 +188,9 @@ class DcpCheckpointer:
             self._stager = None
 
     def _get_stager(self):
+        if self._stager is not None and not torch_compat.dcp_stager_reusable():
+            self._stager.close()  # torch 2.11's stager stages once (see torch_compat): a new one each save
+            self._stager = None
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
