@@ -14,6 +14,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+# From its own module: torch 2.13's torch.amp lists it in __all__, 2.11's does not (a private import to the type gate).
+from torch.amp.grad_scaler import GradScaler
 
 from gputrain.errors import ConfigError
 
@@ -90,9 +92,9 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
     return Precision("fp16", torch.float16, True, False, f"fp16 autocast with loss scaling as requested on {dev}")
 
 
-def make_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler:
+def make_scaler(precision: Precision, device: torch.device) -> GradScaler:
     """A GradScaler that is enabled only for fp16 (a disabled scaler passes everything through)."""
-    return torch.amp.GradScaler(device.type if device.type in ("cuda", "mps") else "cpu",
+    return GradScaler(device.type if device.type in ("cuda", "mps") else "cpu",
                                 enabled=precision.use_scaler)
 
 
