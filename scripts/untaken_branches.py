@@ -52,7 +52,9 @@ Which untaken branches are CUDA-only (the rule)
    - a comparison with GPU strings: `X == 'cuda'`, `X in ('cuda', 'mps')`, `X.startswith('cuda')`
      true (every string is `cuda...`, `nccl` or `mps`; `!=` / `not in` false), and a device type that
      is not the CPU: `X.type != 'cpu'` true, `X.type == 'cpu'` false (X ending in `type` or naming a
-     device).
+     device), unless X's CUDA case was dealt with before (an earlier `if X == 'cuda'` at the same
+     level whose body returns, raises, continues or breaks, or an `if` above it in its elif chain):
+     then "not the CPU" is some third device.
    Loops and `match` are CUDA-only by tag only.
 3. Listed by hand: a branch that neither rule marks but the checklist names (a CUDA-only condition that
    no pattern can see, such as a tensor learning rate that only a capturable optimizer on CUDA has).
@@ -156,7 +158,7 @@ def _device_type(node: ast.AST) -> bool:
     return ident == "type" or ident.endswith("_type") or "device" in ident.lower() or ident in ("dev", "kind")
 
 
-def _compare(left: ast.AST, op: ast.cmpop, right: ast.AST, value: bool) -> str | None:
+def _compare(left: ast.AST, op: ast.cmpop, right: ast.AST, value: bool, handled: frozenset[str] = frozenset()) -> str | None:
     text = f"{ast.unparse(left)} {_OPS.get(type(op), '?')} {ast.unparse(right)}"
     for subject, other in ((left, right), (right, left)):
         strings = _strings(other)
@@ -164,7 +166,7 @@ def _compare(left: ast.AST, op: ast.cmpop, right: ast.AST, value: bool) -> str |
             if all(GPU_STRINGS.match(s) for s in strings) and any(s != "mps" for s in strings):
                 if isinstance(op, (ast.Eq, ast.In, ast.Is)) and value or isinstance(op, (ast.NotEq, ast.NotIn, ast.IsNot)) and not value:
                     return text
-            if strings == ["cpu"] and _device_type(subject):
+            if strings == ["cpu"] and _device_type(subject) and ast.unparse(subject) not in handled:
                 if isinstance(op, (ast.NotEq, ast.NotIn)) and value or isinstance(op, (ast.Eq, ast.In)) and not value:
                     return text
             return None
@@ -192,14 +194,17 @@ _OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.In: "in", ast.NotIn: "not in", ast.Is
         ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<="}
 
 
-def implies_cuda(node: ast.AST, value: bool) -> str | None:
-    """The atom (source text) that makes `node` evaluating to `value` (its truth) imply a CUDA device, or None."""
+def implies_cuda(node: ast.AST, value: bool, handled: frozenset[str] = frozenset()) -> str | None:
+    """The atom (source text) that makes `node` evaluating to `value` (its truth) imply a CUDA device, or None.
+
+    handled: subjects (source text) whose CUDA case was dealt with before this decision (an earlier
+    `if X == 'cuda': return`, or an `if` above this `elif`): "not the CPU" no longer means CUDA for them."""
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return implies_cuda(node.operand, not value)
+        return implies_cuda(node.operand, not value, handled)
     if isinstance(node, ast.NamedExpr):
-        return implies_cuda(node.value, value)
+        return implies_cuda(node.value, value, handled)
     if isinstance(node, ast.BoolOp):
-        parts = [implies_cuda(v, value) for v in node.values]
+        parts = [implies_cuda(v, value, handled) for v in node.values]
         # and: true -> every operand true (one implying CUDA is enough); false -> some operand false (all must)
         # or: false -> every operand false (one is enough); true -> some operand true (all must)
         one_is_enough = isinstance(node.op, ast.And) == value
@@ -208,10 +213,10 @@ def implies_cuda(node: ast.AST, value: bool) -> str | None:
         return " and ".join(p for p in parts if p) if all(parts) else None  # type: ignore[misc]
     if isinstance(node, ast.Compare):
         if len(node.ops) == 1:
-            return _compare(node.left, node.ops[0], node.comparators[0], value)
+            return _compare(node.left, node.ops[0], node.comparators[0], value, handled)
         # a chain is the `and` of its pairs
         lefts = [node.left, *node.comparators[:-1]]
-        parts = [_compare(a, op, b, value) for a, op, b in zip(lefts, node.ops, node.comparators)]
+        parts = [_compare(a, op, b, value, handled) for a, op, b in zip(lefts, node.ops, node.comparators)]
         if value:
             return next((p for p in parts if p), None)
         return None
@@ -233,6 +238,7 @@ class Decision:
     function: ast.AST | None
     occurrence: int = 1
     tag: str | None = None  # "cuda-only" | "not-cuda-only"
+    handled: frozenset[str] = frozenset()  # see implies_cuda
 
 
 class Source:
@@ -259,6 +265,7 @@ class Source:
         except (tokenize.TokenError, SyntaxError):
             pass
         self._walk(tree, None)
+        self._handled(tree)
         seen: dict[tuple[int, str, str], int] = {}
         for line in sorted(self.decisions):
             d = self.decisions[line]
@@ -291,6 +298,45 @@ class Source:
             elif isinstance(child, ast.Match):
                 self.decisions[child.lineno] = Decision(child, "match", ast.unparse(child.subject), function)
             self._walk(child, function)
+
+    def _handled(self, tree: ast.AST) -> None:
+        """Each if/elif's subjects whose CUDA case an earlier sibling `if` (ending in return/raise/
+        continue/break) or an `if` above it in its elif chain has taken."""
+        for node in ast.walk(tree):
+            for name in ("body", "orelse", "finalbody"):
+                stmts = getattr(node, name, None)
+                if not isinstance(stmts, list):
+                    continue
+                before: set[str] = set()
+                for s in stmts:
+                    if not isinstance(s, ast.If) or (name == "orelse" and self._is_elif(s)):
+                        continue
+                    above = set(before)
+                    link: ast.If | None = s
+                    while link is not None:
+                        if (d := self.decisions.get(link.lineno)) is not None:
+                            d.handled = frozenset(above)
+                        subjects = _gpu_subjects(link.test)
+                        above |= subjects
+                        if link.body and isinstance(link.body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                            before |= subjects
+                        nxt = link.orelse[0] if len(link.orelse) == 1 else None
+                        link = nxt if isinstance(nxt, ast.If) and self._is_elif(nxt) else None
+
+    def _is_elif(self, node: ast.If) -> bool:
+        return self.lines[node.lineno - 1].lstrip().startswith("elif")
+
+
+def _gpu_subjects(test: ast.AST) -> set[str]:
+    """The subjects (source text) that `test` compares with GPU strings (`device.type == 'cuda'` -> device.type)."""
+    out = set()
+    for n in ast.walk(test):
+        if isinstance(n, ast.Compare) and len(n.ops) == 1:
+            for subject, other in ((n.left, n.comparators[0]), (n.comparators[0], n.left)):
+                strings = _strings(other)
+                if strings and any(GPU_STRINGS.match(s) for s in strings):
+                    out.add(ast.unparse(subject))
+    return out
 
 
 def _first_line(stmts: list[ast.stmt]) -> int | None:
@@ -385,7 +431,7 @@ def untaken(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT, sinc
                 if d.tag == "cuda-only":
                     why = "tag: # cuda-only"
                 elif d.tag is None and truth is not None:
-                    why = implies_cuda(d.node.test, truth) or ""  # type: ignore[attr-defined]
+                    why = implies_cuda(d.node.test, truth, d.handled) or ""  # type: ignore[attr-defined]
                 br = Branch(branch_id(rel, qualname, d, label), rel, a, "cuda" if why else "other", why)
                 listed.append(br)
             res.branches.extend(listed)

@@ -198,3 +198,57 @@ def test_a_file_that_changed_since_the_run_is_not_read_and_the_check_says_measur
     (tmp_path / "run_started").write_text("0")
     assert branches.main([str(report), "--root", str(tmp_path), "--checklist", str(page)]) == 0
     assert "1 source files were modified after the run started" in capsys.readouterr().out
+
+
+def test_not_the_cpu_means_cuda_only_unless_an_earlier_branch_took_the_cuda_case():
+    source = branches.Source('''\
+def device_name(device):
+    if device.type == "cuda":
+        return "gpu"
+    if device.type == "cpu":
+        return "cpu"
+    return str(device)
+
+
+def to_device(batch, device):
+    if device.type == "cpu":
+        return batch
+    return batch.to(device, non_blocking=True)
+
+
+def pinned(batch, device):
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    if device.type == "cpu":
+        return batch
+    return batch.to(device, non_blocking=True)
+
+
+def pick(dev):
+    if dev == "cuda":
+        x = 1
+    elif dev == "cpu":
+        x = 2
+    return x
+
+
+def precision(name, dev):
+    if name == "tf32":
+        if dev != "cuda":
+            raise ValueError(dev)
+    if dev == "cpu":
+        raise ValueError("fp16 on the CPU")
+    return name
+''')
+    false_side = {(d.function.name, d.text): bool(branches.implies_cuda(d.node.test, False, d.handled))
+                  for d in source.decisions.values()}
+    assert false_side == {
+        ("device_name", "device.type == 'cuda'"): False,
+        ("device_name", "device.type == 'cpu'"): False,  # cuda returned above: a third device
+        ("to_device", "device.type == 'cpu'"): True,
+        ("pinned", "device.type == 'cuda'"): False,
+        ("pinned", "device.type == 'cpu'"): True,  # the cuda case above goes on: this one still sees it
+        ("pick", "dev == 'cuda'"): False, ("pick", "dev == 'cpu'"): False,  # the elif below the cuda case
+        ("precision", "name == 'tf32'"): False, ("precision", "dev != 'cuda'"): True,
+        ("precision", "dev == 'cpu'"): True,  # the cuda test above is nested, not a sibling
+    }
