@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup fit test test-gpu coverage info doctor
+.PHONY: setup fit test test-torch test-gpu coverage info doctor
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,16 @@ fit: setup
 test:
 	@bash scripts/setup.sh --with-browser
 	$(BIN)/python -m pytest -q
+
+# The suite under another torch release, in a venv of its own (.venv-torch$(TORCH), git-ignored; made by
+# scripts/setup.sh, which installs exactly torch==$(TORCH), several GB with its CUDA libraries, unless
+# the machine's own torch is that release): `make test-torch TORCH=2.11.0` (the GPU machine's torch,
+# the default). PYTEST_ARGS picks tests (.ci/run passes the subset it runs under 2.11).
+TORCH ?= 2.11.0
+PYTEST_ARGS ?=
+test-torch:
+	@GPUTRAIN_VENV=.venv-torch$(TORCH) GPUTRAIN_TORCH=$(TORCH) bash scripts/setup.sh --with-browser
+	.venv-torch$(TORCH)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

@@ -4,17 +4,31 @@
 # torch: reuse any torch the base Python already has (the venv sees system site-packages, so a
 # machine that ships its own CUDA build keeps it and needs no network); otherwise install exactly
 # torch==2.13.0. Never an unpinned torch: pip would resolve it to the newest CUDA build (GBs).
+#
+# GPUTRAIN_TORCH=X.Y.Z (with GPUTRAIN_VENV, as `make test-torch TORCH=X.Y.Z` sets them): the venv
+# must have exactly that torch release (any local build of it, +cpu or +cu130); installs
+# torch==X.Y.Z when the one it sees is another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${GPUTRAIN_VENV:-.venv}
+TORCH=${GPUTRAIN_TORCH:-}
+if [ -n "$TORCH" ] && ! [[ "$TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    echo "setup: GPUTRAIN_TORCH must be an exact release such as 2.11.0, not '$TORCH'" >&2
+    exit 2
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
 
-if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+if [ -n "$TORCH" ]; then
+    if ! "$VPY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" >/dev/null 2>&1; then
+        echo "setup: installing torch==$TORCH in $VENV (several GB with its CUDA libraries)"
+        "$VPY" -m pip install -q "torch==$TORCH"
+    fi
+elif ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: no importable torch, installing torch==2.13.0"
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
@@ -27,7 +41,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
         || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
     # The torch that is there stays: no extra or test library may pull another build in its place.
     keep_torch=$(mktemp)
-    "$VPY" -c "import torch; print(f'torch=={torch.__version__}')" > "$keep_torch"
+    # (the distribution's version: PyPI's CUDA wheels say 2.11.0 there but 2.11.0+cu130 in __version__)
+    "$VPY" -c "import importlib.metadata as m; print(f'torch=={m.version(\"torch\")}')" > "$keep_torch"
     if ! "$VPY" -m pip install -q -c constraints.txt -c "$keep_torch" -e ".[test]"; then
         # No package index (an offline GPU machine): install gputrain alone and use what is there.
         echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
