@@ -1,0 +1,252 @@
+"""`gpu` tests for CUDA-only branches that no other `gpu` test or smoke line takes (docs/gpu_checklist.md,
+"CUDA-only branches", names each branch beside its test). Each runs a branch that the CPU suite cannot
+and asserts what it does there. All skip without CUDA (tests/conftest.py); `make test-gpu` runs them."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import data, mlp, params
+from torch import nn
+
+from gputrain import TrainConfig, fit
+
+
+@pytest.mark.gpu
+def test_tf32_precision_turns_tf32_matmuls_on_for_the_run_and_gives_the_setting_back():
+    """resolve_precision("tf32") on CUDA (refused on the CPU) and apply_matmul_settings' CUDA side."""
+    from gputrain.runtime.precision import RunPrecision, resolve_precision
+
+    dev = torch.device("cuda")
+    p = resolve_precision("tf32", dev)
+    assert (p.name, p.autocast_dtype, p.use_scaler, p.tf32) == ("tf32", None, False, True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a, b = torch.randn(512, 4096, device=dev, generator=g), torch.randn(4096, 256, device=dev, generator=g)
+    exact = a.double() @ b.double()
+
+    def error() -> float:
+        return ((a @ b).double() - exact).abs().max().item()
+
+    caller = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        run = RunPrecision(p, dev).apply()
+        try:
+            assert torch.get_float32_matmul_precision() == "high"
+            tf32_error = error()
+        finally:
+            run.restore()
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert tf32_error > 20 * error()  # TF32 keeps 10 mantissa bits: its rounding dwarfs fp32's
+    finally:
+        torch.set_float32_matmul_precision(caller)
+    h = fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cuda", precision="tf32", batch_size=32, steps=6, log_every=3))
+    assert h.summary["precision"] == "tf32" and math.isfinite(h.final("loss"))
+
+
+@pytest.mark.gpu
+def test_a_dataset_a_user_loader_and_a_stream_reach_the_gpu_whole_and_in_order(monkeypatch):
+    """data/loader.py's _to_device (the CudaPrefetcher of gputrain's DataLoader and of a user's) and
+    data/iterable.py's (a stream's batches moved with non_blocking)."""
+    from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+    from gputrain.data import loader as loader_module
+    from gputrain.data.feed import make_loader
+
+    x = torch.arange(96 * 3, dtype=torch.float32).reshape(96, 3)
+    y = torch.arange(96)
+
+    class Rows(Dataset):
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return ((x[i], y[i]) for i in range(len(x)))
+
+    prefetchers = []
+
+    class Counting(loader_module.CudaPrefetcher):
+        def __iter__(self):
+            prefetchers.append(self)
+            yield from super().__iter__()
+
+    monkeypatch.setattr(loader_module, "CudaPrefetcher", Counting)
+    sources = {"dataset": Rows(), "user DataLoader": DataLoader(TensorDataset(x, y), batch_size=16),
+               "stream": DataLoader(Stream(), batch_size=16)}
+    for name, source in sources.items():
+        loader, _ = make_loader(source, 16, device=torch.device("cuda"), train=False, on_device=False, num_workers=0)
+        got = list(loader.iter_epoch(0, 0))
+        assert got and all(t.is_cuda for b in got for t in b), name
+        assert torch.equal(torch.cat([b[0] for b in got]).cpu(), x), name
+        assert torch.equal(torch.cat([b[1] for b in got]).cpu(), y), name
+    # gputrain's DataLoader and the user's copy on a side stream; a stream's batches are moved one by one
+    assert len(prefetchers) == 2
+
+
+@pytest.mark.gpu
+def test_a_callback_sets_the_device_lr_that_the_graph_replays_read():
+    """train/callbacks.py's scale_schedule on a capturable optimizer: the lr is a CUDA tensor that the
+    captured step reads, written in place (fill_), so the replays after the callback use the new rate."""
+    from gputrain.train.trainer import Trainer
+
+    seen: dict = {}
+
+    class Freeze:
+        def on_log(self, run, record):
+            if run.step == 20 and "before" not in seen:
+                seen["lr"] = run.optimizer.param_groups[0]["lr"]
+                run.set_lr(1e-30)
+                seen["before"] = params(run.model).clone()
+
+    model = mlp()
+    trainer = Trainer(model, data(512), loss_fn=nn.CrossEntropyLoss(), callbacks=[Freeze()],
+                      scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=40, log_every=10,
+                                         lr=1e-2, cuda_graphs=True))
+    h = trainer.run()
+    assert h.summary["cuda_graphs"] == "on" and trainer.graphed is not None and trainer.graphed.replays > 20
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert lr is seen["lr"] and lr.is_cuda and lr.item() == pytest.approx(1e-30)
+    # AdamW moves a weight by about lr a step: at 1e-30 the 20 replays after the callback change nothing
+    assert torch.equal(params(model), seen["before"])
+    assert not torch.equal(seen["before"].cpu(), params(mlp()))  # (the first 20 steps did train)
+
+
+@pytest.mark.gpu
+def test_the_built_in_schedule_writes_the_device_lr_between_replays():
+    """train/optim.py's LRSchedule on a capturable optimizer: each change is a fill_ of the lr tensor
+    that the graph captured (a Python float would stay at its capture value)."""
+    from gputrain.train.trainer import Trainer
+
+    start: dict = {}
+
+    class Watch:
+        def on_run_start(self, run):
+            start["lr"] = run.optimizer.param_groups[0]["lr"]
+
+    trainer = Trainer(mlp(), data(512), loss_fn=nn.CrossEntropyLoss(), callbacks=[Watch()],
+                      config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=30, log_every=10,
+                                         lr=1e-2, schedule="linear", cuda_graphs=True))
+    h = trainer.run()
+    assert h.summary["cuda_graphs"] == "on" and trainer.graphed is not None and trainer.graphed.replays > 20
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert lr is start["lr"] and lr.is_cuda
+    assert lr.item() == pytest.approx(1e-2 * trainer.scheduler.fn(30), abs=1e-9)  # linear: 0 at the end
+    assert [r["lr"] for r in h.records if "lr" in r] == pytest.approx([1e-2 * 20 / 30, 1e-2 * 10 / 30, 0.0], abs=1e-9)
+
+
+@pytest.mark.gpu
+def test_a_scheduler_that_cycles_momentum_turns_the_graphs_off_before_the_run():
+    """runtime/speed.py's SpeedSwitches.refuse_graphs after graphs were decided on (CUDA only)."""
+    h = fit(mlp(), data(256), loss_fn=nn.CrossEntropyLoss(),
+            scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20),
+            config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=20, log_every=10))
+    assert h.summary["cuda_graphs"].startswith("off: ") and "cycle_momentum" in h.summary["cuda_graphs"]
+    assert h.summary["steps"] == 20
+
+
+@pytest.mark.gpu
+def test_evaluate_and_predict_run_the_model_under_bf16_autocast_on_cuda():
+    """Precision.autocast's autocast side in gputrain.evaluate / gputrain.predict on the GPU."""
+    from gputrain import evaluate, predict
+
+    class Seen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.dtypes: set[torch.dtype] = set()
+
+        def forward(self, x):
+            out = self.net(x)
+            self.dtypes.add(out.dtype)
+            return out
+
+    x, y = data(256)
+    model = Seen()
+    scores, outputs = {}, {}
+    for p in ("fp32", "bf16"):
+        model.dtypes.clear()
+        scores[p] = evaluate(model, (x, y), loss_fn=nn.CrossEntropyLoss(), device="cuda", precision=p)
+        outputs[p] = predict(model, x, device="cuda", precision=p)
+        assert model.dtypes == {torch.float32 if p == "fp32" else torch.bfloat16}, p
+    assert outputs["fp32"].dtype == torch.float32 and outputs["bf16"].dtype == torch.bfloat16
+    assert torch.allclose(outputs["bf16"].float(), outputs["fp32"], atol=5e-2, rtol=5e-2)
+    assert scores["bf16"]["eval_loss"] == pytest.approx(scores["fp32"]["eval_loss"], rel=2e-2)
+    assert scores["bf16"]["eval_accuracy"] == pytest.approx(scores["fp32"]["eval_accuracy"], abs=0.02)
+
+
+@pytest.mark.gpu
+def test_host_reads_count_a_cuda_tensor_copied_to_the_host_and_not_one_kept_on_the_gpu():
+    """diagnostics/syncs.py's _to_host for a tensor on the GPU (on the CPU a .to('cpu') reads nothing)."""
+    from gputrain.diagnostics.syncs import count_host_reads
+
+    t = torch.ones(4, device="cuda")
+    to_host = count_host_reads(lambda: (t.to("cpu"), t.to(device="cpu")), steps=2)
+    assert to_host["supported"] and to_host["per_step"] >= 2
+    assert any("cpu" in s["what"] for s in to_host["sites"])
+    assert count_host_reads(lambda: t.to("cuda") * 2, steps=2)["total"] == 0
+
+
+@pytest.mark.gpu
+def test_a_process_group_on_nccl_puts_the_rank_on_its_gpu(monkeypatch):
+    """runtime/distributed.py's _rank_device (cuda:LOCAL_RANK) and _collective_device (NCCL's tensors on
+    the GPU), in a one-process NCCL group (a one-GPU machine can run it)."""
+    import torch.distributed as dist
+
+    from gputrain.runtime import distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        info, device = distributed.init_distributed("auto")
+        assert device == torch.device("cuda", 0) and info.backend == "nccl" and not info.owns_group
+        assert distributed._collective_device(info) == torch.device("cuda", torch.cuda.current_device())
+        t = torch.ones(2, device=device)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_devices_match_by_index():
+    """batch.py's _same for two CUDA devices (an index of None is device 0), as check_devices uses it."""
+    from gputrain import batch as batches
+    from gputrain import check_devices
+    from gputrain.errors import DeviceError
+
+    assert batches._same(torch.device("cuda"), torch.device("cuda:0"))
+    assert not batches._same(torch.device("cuda:0"), torch.device("cuda:1"))
+    model = mlp().to("cuda")
+    assert check_devices(model, (torch.randn(4, 6, device="cuda"),)) == torch.device("cuda", 0)
+    with pytest.raises(DeviceError, match="different devices"):
+        check_devices(model, (torch.randn(4, 6),))
+
+
+@pytest.mark.gpu
+def test_adamw_without_the_fused_kernel_is_foreach_on_cuda_and_steps_as_the_for_loop_does():
+    """train/optim.py's make_optimizer with fused off on CUDA: the multi-tensor (foreach) AdamW."""
+    from gputrain.train.optim import make_optimizer
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    a = mlp().to(dev)
+    b = copy.deepcopy(a)
+    opt_a, how = make_optimizer(None, a.parameters(), lr=1e-2, weight_decay=0.01, device=dev, fused=False)
+    assert how == "AdamW (foreach)" and opt_a.defaults["foreach"] is True
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    x, y = (t.to(dev) for t in data(64))
+    for _ in range(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert torch.allclose(params(a), params(b), atol=1e-6)
