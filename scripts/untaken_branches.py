@@ -250,14 +250,7 @@ class Source:
         self.decisions: dict[int, Decision] = {}
         self.functions: dict[int, ast.AST] = {}
         self.tags: dict[int, str] = {}
-        # the lines coverage.py can report: first lines of statements (and decorators, except, case)
-        self.starts: set[int] = set()
-        for n in ast.walk(tree):
-            if isinstance(n, (ast.stmt, ast.ExceptHandler)):
-                self.starts.add(n.lineno)
-                self.starts.update(d.lineno for d in getattr(n, "decorator_list", ()))
-            elif isinstance(n, ast.match_case):
-                self.starts.add(n.pattern.lineno)
+        self.starts = statement_lines(text)
         try:
             for tok in tokenize.generate_tokens(io.StringIO(text).readline):
                 if tok.type == tokenize.COMMENT and (m := TAG_RE.search(tok.string)):
@@ -372,6 +365,36 @@ def branch_id(path: str, qualname: str, d: Decision, label: str) -> str:
 def _resolve(path: str, root: Path) -> Path:
     p = Path(path)
     return p if p.is_absolute() else root / p
+
+
+def statement_lines(text: str) -> set[int]:
+    """The lines coverage.py can report for a source text: first lines of statements (and decorators,
+    except clauses, match cases). A measured line outside them means the file changed since the run."""
+    starts: set[int] = set()
+    for n in ast.walk(ast.parse(text)):
+        if isinstance(n, (ast.stmt, ast.ExceptHandler)):
+            starts.add(n.lineno)
+            starts.update(d.lineno for d in getattr(n, "decorator_list", ()))
+        elif isinstance(n, ast.match_case):
+            starts.add(n.pattern.lineno)
+    return starts
+
+
+def drifted_files(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT) -> list[str]:
+    """The files (relative to the package) whose measured lines no longer fit today's source; files
+    that cannot be read are left out."""
+    out = []
+    for raw, data in sorted(report["files"].items()):
+        norm = raw.replace("\\", "/")
+        if prefix not in norm or "executed_lines" not in data:
+            continue
+        try:
+            starts = statement_lines(_resolve(raw, root).read_text())
+        except (OSError, SyntaxError):
+            continue
+        if not set(data["executed_lines"]) | set(data.get("missing_lines", ())) <= starts:
+            out.append(norm[norm.index(prefix) + len(prefix):])
+    return out
 
 
 def untaken(report: dict, prefix: str = "src/gputrain/", root: Path = ROOT, since: float | None = None) -> Result:

@@ -252,3 +252,16 @@ def precision(name, dev):
         ("precision", "name == 'tf32'"): False, ("precision", "dev != 'cuda'"): True,
         ("precision", "dev == 'cpu'"): True,  # the cuda test above is nested, not a sibling
     }
+
+
+def test_the_function_check_refuses_a_file_that_changed_since_the_run(tmp_path, capsys):
+    functions = _load(ROOT / "scripts" / "uncovered_functions.py")
+    report = _write(tmp_path)  # every function of mod.py ran
+    page = _checklist(tmp_path)
+    argv = [str(report), "--root", str(tmp_path), "--checklist", str(page)]
+    assert functions.main(argv) == 0
+    file = tmp_path / "src" / "gputrain" / "mod.py"
+    file.write_text("\n\n" + SOURCE[:SOURCE.index("def load")])  # lines moved, a function gone
+    assert functions.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "1 source files changed since the run" in out and "cannot check 1 files that changed since the run (mod.py)" in err
