@@ -102,7 +102,7 @@ def test_min_mode_keeps_the_lowest(tmp_path):
 def test_bad_settings_and_unsaveable_states_fail_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match="keep_last must be an integer >= 1"):
         CheckpointStore(tmp_path, keep_last=0)
-    with pytest.raises(ConfigError, match="best_mode must be 'max' or 'min'"):
+    with pytest.raises(ConfigError, match="best_mode must be 'auto', 'max' or 'min'"):
         CheckpointStore(tmp_path, best_mode="maximum")
     store = CheckpointStore(tmp_path, best_metric="acc")
     store.save(_state(1), 1)

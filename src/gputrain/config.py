@@ -30,7 +30,12 @@ class TrainConfig:
     warmup_steps: int = 0
     # reporting
     log_every: int = 50  # optimizer steps between reads of the loss (the only host syncs)
-    eval_every: int | None = None  # optimizer steps between evaluations; None: at each epoch end
+    # optimizer steps between evaluations (each one a log point too), and at the run's end; None: at
+    # each epoch end and the run's end, or, for data without a length (no epoch ends), at every log point
+    eval_every: int | None = None
+    # which way a metric improves, where gputrain's rule (gputrain/metric_direction.py) would guess:
+    # {"eval_margin": "min"}; a key without "ema_" covers its EMA twin (eval_ema_margin) too
+    metric_modes: dict[str, str] | None = None
     progress: bool = False  # rich progress bar (the CLI turns it on for terminals)
     seed: int = 0
     # files
@@ -41,7 +46,7 @@ class TrainConfig:
     stop_at_step: int | None = None  # stop early (checkpointing first), as an interrupted run would
     keep_last: int = 2  # checkpoints kept in run_dir/checkpoints (plus the best by best_metric)
     best_metric: str | None = None  # e.g. "eval_accuracy": its best checkpoint is kept too
-    best_mode: str = "max"  # "max" | "min" for best_metric
+    best_mode: str = "auto"  # "auto" (gputrain/metric_direction.py's rule) | "max" | "min" for best_metric
     # "auto": every rank writes its part with torch.distributed.checkpoint (a step-N.dcp folder) when
     # there are several processes, one file (step-N.pt) for one process | "dcp" | "file"
     checkpoint_format: str = "auto"
@@ -124,8 +129,12 @@ class TrainConfig:
             raise ConfigError(f"spike_ratio must be > 1 (or None to switch spike detection off), got {self.spike_ratio!r}")
         positive("spike_window")
         positive("keep_last")
-        if self.best_mode not in ("max", "min"):
-            raise ConfigError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.best_mode not in ("auto", "max", "min"):
+            raise ConfigError(f"best_mode must be 'auto', 'max' or 'min', got {self.best_mode!r}")
+        if self.metric_modes is not None and not (isinstance(self.metric_modes, dict) and all(
+                isinstance(k, str) and v in ("min", "max") for k, v in self.metric_modes.items())):
+            raise ConfigError("metric_modes must be a dict {metric: 'min' or 'max'}, e.g. {'eval_margin': 'min'}, "
+                              f"got {self.metric_modes!r}")
         if self.checkpoint_format not in ("auto", "dcp", "file"):
             raise ConfigError(f"checkpoint_format must be 'auto', 'dcp' or 'file', got {self.checkpoint_format!r}")
         if self.async_checkpoint and self.checkpoint_format == "file":
@@ -148,10 +157,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name; a list value is copied (the rest are immutable), so the dict can be
-        changed without changing the config. (dataclasses.asdict deep-copies each value: ~0.3 ms.)"""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v
-                for f in dataclasses.fields(self)}
+        """Every field by name; a list or dict value is copied (the rest are immutable), so the dict can
+        be changed without changing the config. (dataclasses.asdict deep-copies each value: ~0.3 ms.)"""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else dict(v) if isinstance(v, dict)
+                else v for f in dataclasses.fields(self)}
 
     @classmethod
     def field_names(cls) -> list[str]:

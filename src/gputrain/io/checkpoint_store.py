@@ -52,6 +52,7 @@ from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io.atomic import atomic_file, fsync_dir
 from gputrain.io import checkpoint_dcp
 from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.metric_direction import Direction, metric_direction
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +99,24 @@ class CheckpointStore:
 
     keep_last: how many of the newest checkpoints to keep (>= 1). best_metric: a key of the
     `metrics` given to `save` (e.g. "eval_accuracy"); the checkpoint with its best value is kept
-    as well, whatever its age. best_mode: "max" or "min". One process writes a run directory
-    (rank 0 under torch.distributed).
+    as well, whatever its age. best_mode: "max", "min", or "auto": by the name, as
+    gputrain/metric_direction.py decides (lower for a loss, an error, ...). One process writes a
+    run directory (rank 0 under torch.distributed).
     """
 
     def __init__(self, run_dir: str | os.PathLike, keep_last: int = 2, best_metric: str | None = None,
-                 best_mode: str = "max"):
+                 best_mode: str = "auto"):
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be an integer >= 1 (checkpoints to keep), got {keep_last!r}")
-        if best_mode not in ("max", "min"):
-            raise ConfigError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        if best_mode not in ("auto", "max", "min"):
+            raise ConfigError(f"best_mode must be 'auto', 'max' or 'min', got {best_mode!r}")
         self.run_dir = Path(run_dir)
         self.folder = self.run_dir / FOLDER
         self.keep_last = keep_last
         self.best_metric = best_metric
-        self.best_mode = best_mode
+        self.best_direction = (metric_direction(best_metric or "") if best_mode == "auto"
+                               else Direction(best_mode, "stated"))
+        self.best_mode = self.best_direction.mode
 
     # ------------------------------------------------------------ saving
 
@@ -203,8 +207,7 @@ class CheckpointStore:
             return
         if best is not None and best["file"] != path.name and (self.folder / best["file"]).exists() \
                 and (best.get("metric"), best.get("mode")) == (self.best_metric, self.best_mode):
-            better = value > best["value"] if self.best_mode == "max" else value < best["value"]
-            if not better:
+            if not self.best_direction.better(value, best["value"]):
                 return
         self._write_index({"file": path.name, "step": step, "metric": self.best_metric, "mode": self.best_mode,
                            "value": value})

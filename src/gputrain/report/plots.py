@@ -24,13 +24,16 @@ def plot_history(history, path: str | Path) -> Path | None:
         points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         return [p[0] for p in points], [p[1] for p in points]
 
-    # Every evaluation metric but the loss: the built-in accuracy and the user's eval_<name> values.
-    acc_keys = sorted({k for r in recs for k in r if k.startswith("eval_") and k != "eval_loss"
-                       and isinstance(r[k], (int, float))})
+    # The losses (train, eval, the EMA weights' eval) on the left; every other evaluation metric (the
+    # built-in accuracy and the user's eval_<name> values) on the right.
+    eval_keys = sorted({k for r in recs for k in r if k.startswith("eval_") and isinstance(r[k], (int, float))})
+    loss_keys = [k for k in eval_keys if k == "eval_loss" or k.endswith("_loss")]
+    acc_keys = [k for k in eval_keys if k not in loss_keys]
     fig = new_figure(10 if acc_keys else 6, 4)
     ax = fig.add_subplot(1, 2 if acc_keys else 1, 1)
     losses = []
-    for key, label, style in (("loss", "train loss", {}), ("eval_loss", "eval loss", {"marker": "o", "markersize": 3})):
+    dots = {"marker": "o", "markersize": 3}
+    for key, label, style in (("loss", "train loss", {}), *[(k, k.replace("_", " "), dots) for k in loss_keys]):
         x, y = series(key)
         if x:
             ax.plot(x, y, label=label, **style)

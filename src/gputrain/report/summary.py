@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrain.metric_direction import MIN
 from gputrain.report.format import format_bytes, format_duration
 
 _KNOWN_METRICS = ("loss", "eval_loss", "eval_accuracy")
@@ -42,16 +43,20 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if summary.get("time_s") is not None:
         add("time", format_duration(summary["time_s"]))
     if summary.get("samples_per_s") is not None:
-        add("samples/s", f"{summary['samples_per_s']:,.0f} (median over log intervals after the first)")
+        how = summary.get("samples_per_s_how") or "median over log intervals after the first"
+        add("samples/s", f"{summary['samples_per_s']:,.0f} ({how})")
     if summary.get("final_loss") is not None:
         add("final train loss", _num(summary["final_loss"]))
+    if summary.get("evaluation") and summary["evaluation"] != "none":
+        add("evaluations", f"{summary.get('evaluations', '?')} ({summary['evaluation']})")
     others = sorted(k[len("final_"):] for k in summary if k.startswith("final_"))
+    directions = summary.get("metric_directions")
     for key in ("eval_loss", "eval_accuracy", *[k for k in others if k not in _KNOWN_METRICS]):
         final, best = summary.get(f"final_{key}"), summary.get(f"best_{key}")
         if final is None:
             continue
         label = key.replace("_", " ")
-        add(f"{label} (final / best)" if best is not None else label,
+        add(f"{label} (final / {best_label(directions, key)})" if best is not None else label,
             f"{_num(final)} / {_num(best)}" if best is not None else _num(final))
     peak = summary.get("peak_memory_bytes")
     add("peak device memory", format_bytes(peak) if peak else "not measured on this device")
@@ -68,6 +73,17 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         add("OOM recovery", f"micro-batches split {summary['oom_splits']}x")
     add("run directory", summary.get("run_dir"))
     return rows
+
+
+def best_label(directions: Any, key: str) -> str:
+    """"lowest" / "highest" (and "guessed from the name" / "guessed" where the rule guessed) for a
+    metric of a summary with "metric_directions"; "best" for an older summary, which does not say."""
+    way = directions.get(key) if isinstance(directions, dict) else None
+    if not isinstance(way, dict):
+        return "best"
+    word = "lowest" if way.get("mode") == MIN else "highest"
+    guess = {"name": ", guessed from the name", "default": ", guessed: say otherwise with metric_modes"}
+    return word + guess.get(str(way.get("by")), "")
 
 
 def _short(seconds: float | None) -> str:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.metric_direction import Direction, metric_direction
 from gputrain.runtime import torch_compat
 
 if TYPE_CHECKING:
@@ -170,6 +171,11 @@ class RunControl:
     def stop_reason(self) -> str:
         """Why a stop was requested ("" when none was)."""
         return self._t.state.stopped_by
+
+    def metric_direction(self, key: str) -> Direction:
+        """Which way record key `key` improves, by gputrain's one rule (gputrain/metric_direction.py):
+        stated in TrainConfig.metric_modes, a torchmetrics metric's own higher_is_better, or the name."""
+        return metric_direction(key, self._t.config.metric_modes, self._t.evaluator.metrics)
 
     # ---------------------------------------------------------------- what a callback may change
 

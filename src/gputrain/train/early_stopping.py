@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from gputrain.errors import ConfigError
+from gputrain.metric_direction import Direction, metric_direction
 from gputrain.train.callbacks import Callback, RunControl
 
 
@@ -21,7 +22,9 @@ class EarlyStopping(Callback):
     metric: a record key, e.g. "eval_loss", "eval_accuracy" (any `eval_<name>` of your metrics).
     patience: evaluations without improvement before the stop (>= 1).
     min_delta: the smallest change that counts as an improvement (in the metric's units, >= 0).
-    mode: "min", "max", or "auto" ("min" for a metric whose name ends in "loss", else "max").
+    mode: "min", "max", or "auto": gputrain's one rule (gputrain/metric_direction.py), as the summary
+        and the best checkpoint use it: TrainConfig.metric_modes, a torchmetrics metric's own
+        higher_is_better, else lower for a name that says loss, error, MSE, perplexity..., else higher.
     """
 
     def __init__(self, metric: str = "eval_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"):
@@ -31,19 +34,26 @@ class EarlyStopping(Callback):
             raise ConfigError(f"EarlyStopping patience must be a positive integer, got {patience!r}")
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
             raise ConfigError(f"EarlyStopping min_delta must be >= 0, got {min_delta!r}")
-        if mode == "auto":
-            mode = "min" if metric.endswith("loss") else "max"
-        if mode not in ("min", "max"):
+        if mode not in ("min", "max", "auto"):
             raise ConfigError(f"EarlyStopping mode must be 'min', 'max' or 'auto', got {mode!r}")
-        self.metric, self.patience, self.min_delta, self.mode = metric, patience, float(min_delta), mode
+        self.auto = mode == "auto"  # decided again at the run's start, where the run's metrics are known
+        self.direction = metric_direction(metric) if self.auto else Direction(mode, "stated")
+        self.metric, self.patience, self.min_delta = metric, patience, float(min_delta)
         self.best: float | None = None
         self.best_step = 0
         self.bad_evaluations = 0  # evaluations in a row without an improvement
+
+    @property
+    def mode(self) -> str:
+        """"min" or "max": the direction in force."""
+        return self.direction.mode
 
     def on_run_start(self, run: RunControl) -> None:
         if self.metric.startswith("eval_") and not run.has_eval_data:
             raise ConfigError(f"EarlyStopping watches {self.metric!r}, but this run has no eval data: give "
                               "eval_data to fit (or a workload with a test split), or watch another metric")
+        if self.auto:
+            self.direction = run.metric_direction(self.metric)
 
     def improved(self, value: float) -> bool:
         if self.best is None:
@@ -64,7 +74,7 @@ class EarlyStopping(Callback):
         if self.bad_evaluations >= self.patience:
             best = f"{self.best:.4g} at step {self.best_step}" if self.best is not None else "none finite"
             run.request_stop(f"EarlyStopping: {self.metric} did not improve by more than {self.min_delta:g} in "
-                             f"{self.patience} evaluation(s) (best {best})")
+                             f"{self.patience} evaluation(s) (best {best}; {self.direction.why()})")
 
     def on_run_end(self, run: RunControl, history) -> None:
         if history.records and not any(self.metric in r for r in history.records):
