@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gputrain.data.hf import HFColumns, HFRows, collate_rows, is_hf_dataset, is_hf_iterable, split_by_node
 from gputrain.data.iterable import IterableBatches, build_iterable_loader, stateful_loader_class
-from gputrain.data.loader import LoaderBatches, default_workers
+from gputrain.data.loader import LoaderBatches, UserLoaderBatches, default_workers
 from gputrain.data.placement import Placement
 from gputrain.data.transforms import BatchTransform
 from gputrain.errors import ConfigError, DataError
@@ -145,10 +145,27 @@ def _python_iterable(data: Any, *, device: torch.device, train: bool, rank: int,
 
 
 def batch_size_used(source: Any, given: int, default: int) -> tuple[int | None, str | None]:
-    """The per-process batch size the data give (a DataLoader's own; None: an iterable's batches, as
-    they come) and a warning when TrainConfig.batch_size was set (not left at `default`) and differs."""
+    """The per-process batch size the data give (a DataLoader's own; None: batches made by the data,
+    an iterable's or those of a DataLoader with batch_size=None, whose size is known once they are
+    read: `unused_batch_size_note`) and a warning when TrainConfig.batch_size was set (not left at
+    `default`) and differs."""
+    loader = getattr(source, "loader", None)
+    if isinstance(source, UserLoaderBatches) and isinstance(loader, DataLoader) and loader.batch_size is None:
+        return None, None  # the dataset makes the batches: their size is read from them (run_summary)
     size = getattr(source, "batch_size", given)
     if size is None or size == given or given == default:
         return size, None
-    return size, (f"TrainConfig.batch_size={given} is not used: {getattr(source, 'describe', 'the DataLoader')} makes "
-                  f"batches of {size} (set the batch size on the DataLoader, or pass its Dataset to use batch_size)")
+    return size, _unused(source, given, f"makes batches of {size}")
+
+
+def unused_batch_size_note(source: Any, given: int, default: int, mean: float) -> str | None:
+    """The warning for data that make their own batches, from the batches read: `mean` samples a
+    batch on average. None when TrainConfig.batch_size was left at `default` or matches."""
+    if given == default or mean == given:
+        return None
+    return _unused(source, given, f"made batches of {mean:g} samples on average (read from the batches)")
+
+
+def _unused(source: Any, given: int, what: str) -> str:
+    return (f"TrainConfig.batch_size={given} is not used: {getattr(source, 'describe', 'the data')} {what} (set the "
+            "batch size on the DataLoader, or pass its Dataset to use batch_size)")

@@ -6,10 +6,14 @@ Functions of the Trainer `t` that read its parts and state.
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Any
 
 import torch
 
+from gputrain.config import TrainConfig
+from gputrain.data.sources import unused_batch_size_note
+from gputrain.metric_direction import Direction, metric_direction, metric_figures
 from gputrain.runtime.devices import device_label
 from gputrain.runtime.host_memory import allocator_advice, faults_per_step
 
@@ -22,6 +26,7 @@ def decisions(t) -> list[dict[str, str]]:
             {"name": "data", "value": t.placement.kind, "reason": t.placement.reason},
             {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
                                                                 "the model's own loss that applies"},
+            {"name": "evaluation", "value": _evaluation(t)[0], "reason": _evaluation(t)[1]},
             {"name": "optimizer", "value": t.optimizer_desc, "reason": "given" if "given" in
              t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"},
             {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
@@ -32,6 +37,20 @@ def decisions(t) -> list[dict[str, str]]:
         rows.append({"name": "callbacks", "value": callbacks.describe(),
                      "reason": callbacks.cost() or "hooks at log points: no extra host reads, CUDA graphs unchanged"})
     return rows
+
+
+def _evaluation(t) -> tuple[str, str]:
+    """(when the run evaluates, why): train/eval_points.py."""
+    points = getattr(t, "eval_points", None)
+    return points.describe() if points is not None else ("not recorded", "")
+
+
+def direction(t, key: str) -> Direction:
+    """Which way record key `key` improves in run `t` (gputrain/metric_direction.py's rule)."""
+    control = getattr(t, "control", None)
+    if control is not None:
+        return control.metric_direction(key)
+    return metric_direction(key, getattr(t.config, "metric_modes", None))
 
 
 def _schedule(t) -> str:
@@ -49,7 +68,12 @@ def announce(t) -> None:
     log.info("device: %s", device_label(t.device))
     log.info("precision: %s", t.precision.reason)
     log.info("data: %s", t.placement.reason)
-    log.info("loss: %s", t.loss.how)
+    if t.loss.compute_loss is None and t.loss.loss_fn is None and t.loss.made is None:
+        t.loss.log_first_call = True  # the model's own loss: the call depends on the batch, named at the first step
+    else:
+        log.info("loss: %s", t.loss.how)
+    if getattr(t, "eval_loader", None) is not None:
+        log.info("evaluation: %s (%s)", *_evaluation(t))
     batch = getattr(t, "batch_size", t.config.batch_size)  # the data's own (a user DataLoader's), None: the iterable's
     log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optimizer_desc, t.total_steps,
              batch if batch is not None else "the iterable's own batches", t.config.accumulate,
@@ -85,11 +109,22 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
             t.warnings.append(report["summary"])
     else:
         summary_recompiles = None
-    page_faults = faults_per_step([r for r in recs if r["step"] > start_step])  # this process's counts only
-    if (advice := allocator_advice(page_faults)) is not None:
+    page_faults = faults_per_step(recs, start_step)  # this process's training steps only
+    samples_per_s = steady_rate(t, elapsed)
+    step_s = st.samples_seen / st.step / samples_per_s if st.step and samples_per_s else None
+    if (advice := allocator_advice(page_faults, step_s)) is not None:
         t.warnings.append(advice)
         if t.is_main:  # in the terminal too: the advice is about how Python is started next time
             log.warning("%s", advice)
+    batch_size, mean_batch = getattr(t, "batch_size", t.config.batch_size), None
+    if batch_size is None and st.step:  # the data's own batches: their mean size, as they came
+        mean_batch = st.samples_seen / (st.step * t.config.accumulate * t.dist.world_size)
+        note = unused_batch_size_note(t.train_loader, t.config.batch_size,
+                                      TrainConfig.__dataclass_fields__["batch_size"].default, mean_batch)
+        if note is not None:
+            t.warnings.append(note)
+            if t.is_main:
+                log.warning("%s", note)
     for spike in t.spikes.spikes:
         t.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                              f"({spike['loss'] / spike['median']:.1f}x the recent median)")
@@ -111,14 +146,15 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
         "callbacks": callbacks.describe() if (callbacks := _callbacks(t)) is not None else None,
         "time_s": elapsed,
         "samples": st.samples_seen,
-        "samples_per_s": steady_rate(t, elapsed),
+        "samples_per_s": samples_per_s,
+        "samples_per_s_how": SAMPLES_PER_S_HOW,
         "peak_memory_bytes": peak or None,
         "host_page_faults_per_step": page_faults,  # minor faults (runtime/host_memory.py); None: not counted
         "world_size": t.dist.world_size,
-        "batch_size": getattr(t, "batch_size", t.config.batch_size),
+        "batch_size": batch_size,  # None: the data's own batches (an iterable's, a DataLoader's with batch_size=None)
+        "batch_size_mean": mean_batch,  # those batches' mean size, read from them (None: batch_size says it)
         "accumulate": t.config.accumulate,
-        "effective_batch": (getattr(t, "batch_size", t.config.batch_size) or 0) * t.config.accumulate
-                           * t.dist.world_size or None,
+        "effective_batch": (batch_size or 0) * t.config.accumulate * t.dist.world_size or None,
         "oom_splits": splits,
         "nonfinite_steps": st.nonfinite_steps,
         "on_nan": t.config.on_nan,
@@ -134,22 +170,22 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
     }
     if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
         summary.update(t.checkpointer.summary())
-    if recs:
-        summary["final_loss"] = recs[-1].get("loss")
-        eval_keys = sorted({k for r in recs for k in r if k.startswith("eval_")})
-        for key in eval_keys:
-            vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
-            if vals:
-                summary[f"final_{key}"] = vals[-1]
-                summary[f"best_{key}"] = min(vals) if key == "eval_loss" else max(vals)
+    summary.update(metric_figures(recs, lambda key: direction(t, key)))
+    summary["evaluation"] = _evaluation(t)[0]
     t.history.summary = summary
+
+
+# samples/s in the summary: the log points' figures (each the samples of its interval over the
+# interval's time, evaluation and logging left out), their median after the first (warm-up:
+# allocation, autotuning, capture); the only one when there is one.
+SAMPLES_PER_S_HOW = "median of the log points' samples/s after the first"
+
 
 def steady_rate(t, elapsed: float) -> float:
     rates = [r["samples_per_s"] for r in t.history.records if r.get("samples_per_s")]
-    # The first interval includes warm-up (allocation, autotuning, capture); report the rest.
-    if len(rates) > 2:
+    if len(rates) > 1:
         rates = rates[1:]
-    return sorted(rates)[len(rates) // 2] if rates else t.state.samples_seen / max(elapsed, 1e-9)
+    return statistics.median(rates) if rates else t.state.samples_seen / max(elapsed, 1e-9)
 
 
 def device_memory(device: torch.device) -> int | None:

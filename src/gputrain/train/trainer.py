@@ -35,11 +35,12 @@ from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
-from gputrain.runtime.host_memory import minor_faults
+from gputrain.runtime.host_memory import StepFaults
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.speed import SpeedSwitches, decide_speed, scheduler_blocker
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
+from gputrain.train.eval_points import EvalPoints
 from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector
 from gputrain.train import checkpointing, run_summary
@@ -145,6 +146,8 @@ class Trainer:
         # Steps, or epochs x batches per epoch (data/stream.py: a clear error when the length is unknown).
         self.total_steps = plan_steps(self.train_loader, steps=cfg.steps, epochs=cfg.epochs, accumulate=cfg.accumulate)
         self.batches_per_epoch = known_length(self.train_loader)  # None: an iterable without a length
+        self.eval_points = EvalPoints(cfg.eval_every, self.batches_per_epoch, cfg.accumulate, self.total_steps,
+                                      cfg.log_every, has_eval=self.eval_loader is not None)  # train/eval_points.py
         # The batch size the data really give (a user DataLoader's own), for the log and the summary.
         self.batch_size, why = batch_size_used(self.train_loader, cfg.batch_size,
                                                TrainConfig.__dataclass_fields__["batch_size"].default)
@@ -204,8 +207,9 @@ class Trainer:
         if self.is_main:
             preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last)
         distributed.barrier(self.dist)
-        return CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric,
-                               best_mode=cfg.best_mode)
+        mode = self.control.metric_direction(cfg.best_metric).mode if cfg.best_metric and cfg.best_mode == "auto" \
+            else cfg.best_mode  # "auto": gputrain/metric_direction.py's rule, with the run's metrics
+        return CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
 
     # ------------------------------------------------------------ the loop
 
@@ -245,7 +249,7 @@ class Trainer:
 
     def run(self) -> History:
         cfg, st = self.config, self.state
-        self._announce()
+        run_summary.announce(self)
         self.callbacks.run_start(self.control)
         if st.stopped_by:
             log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
@@ -280,7 +284,7 @@ class Trainer:
         except GputrainError:
             raise
         except Exception as exc:
-            self._checkpoint_after_error(exc)
+            checkpointing.checkpoint_after_error(self, exc)
             raise
         finally:
             error = None if finished else sys.exc_info()[1]  # the error leaving the loop
@@ -292,7 +296,7 @@ class Trainer:
         if self.run_dir:
             self.save_checkpoint()
             checkpointing.wait_for_saves(self)  # an asynchronous save is committed before the run ends
-        self._summarize(elapsed, loop.peak, stopped=st.step < self.total_steps, start_step=loop.start_step)
+        run_summary.summarize(self, elapsed, loop.peak, stopped=st.step < self.total_steps, start_step=loop.start_step)
         self.callbacks.run_end(self.control, self.history)
         loop.outputs.finish(self.history)
         return self.history
@@ -306,7 +310,8 @@ class Trainer:
         """
         cfg, st = self.config, self.state
         every, ckpt_every = cfg.log_every, cfg.checkpoint_every
-        ends = min(stop, self.total_steps, (st.step // every + 1) * every, st.step + (most or stop))
+        ends = min(stop, self.total_steps, (st.step // every + 1) * every, st.step + (most or stop),
+                   self.eval_points.next_after(st.step))  # an evaluation is a log point too
         if ckpt_every:
             ends = min(ends, (st.step // ckpt_every + 1) * ckpt_every)
         clock, step_once, on_step, control = self.clock, self.train_one_step, loop.on_step, self.control
@@ -323,8 +328,8 @@ class Trainer:
             clock.mark("logging")
         # The run's last step is a log point; an early stop is not (the loss since the last log
         # point goes into the checkpoint, so a resumed history matches).
-        if st.step % every == 0 or st.step == self.total_steps:
-            record = self._log_point(loop.t_log, loop.samples_at_log)
+        if st.step % every == 0 or st.step == self.total_steps or self._eval_due():
+            record = self._log_point(loop.t_log, loop.samples_at_log, loop.faults)
             loop.peak = max(loop.peak, record.get("peak_memory_bytes") or 0)
             loop.t_log, loop.samples_at_log = time.perf_counter(), st.samples_seen
             record["wall_time_s"] = loop.t_log - loop.t_start
@@ -334,8 +339,10 @@ class Trainer:
                                  samples_per_s=record["samples_per_s"], memory_bytes=record.get("peak_memory_bytes"))
             self.callbacks.log(self.control, record)  # may request a stop: the loop ends here
             loop.t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
+            loop.faults.restart()  # evaluation, trackers, callbacks: not the steps' page faults
         if ckpt_every and st.step % ckpt_every == 0 and st.step < stop and self.run_dir:
-            self.save_checkpoint()
+            with loop.faults.excluded():  # nor a checkpoint's
+                self.save_checkpoint()
         self._check_signals(loop)
         clock.mark("logging")
 
@@ -398,9 +405,6 @@ class Trainer:
         raise StopRequested(f"stopped by {name} after step {st.step} of {self.total_steps}; {resume}",
                             exit_code=code, step=st.step, checkpoint=str(path) if path else None)
 
-    def _checkpoint_after_error(self, exc: BaseException) -> None:
-        checkpointing.checkpoint_after_error(self, exc)
-
     def collect_step_totals(self) -> None:
         """Read the step's device accumulators into the run state: the loss summed since the last
         read and the non-finite steps (one host sync; collective with several processes). With
@@ -412,8 +416,9 @@ class Trainer:
         self.nonfinite.check(bad, st.step, self.last_checkpoint)  # on_nan="stop": raises here
         st.loss_since_log += loss_total
 
-    def _log_point(self, t_log: float, samples_at_log: int) -> dict[str, Any]:
-        """Read the device-side loss (one sync), evaluate, and build the record."""
+    def _log_point(self, t_log: float, samples_at_log: int, faults: StepFaults | None = None) -> dict[str, Any]:
+        """Read the device-side loss (one sync), evaluate, and build the record. `faults`: the loop's
+        count of its steps' page faults (runtime/host_memory.py)."""
         st = self.state
         self.collect_step_totals()
         loss = st.loss_since_log / st.steps_since_log
@@ -427,7 +432,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],  # host value: no device read
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
             "peak_memory_bytes": take_peak_memory(self.device),
-            "host_page_faults": minor_faults(),  # the process's so far: the summary gives them per step
+            "step_page_faults": faults.take() if faults is not None else None,  # the steps' own since the last
         }
         if self.recompiles is not None:
             self.recompiles.poll()
@@ -447,9 +452,8 @@ class Trainer:
         if self.recompiles is not None:
             self.recompiles.stop()
 
-    def _eval_due(self) -> bool:
-        every = self.config.eval_every
-        return every is None or self.state.step % every == 0 or self.state.step >= self.total_steps
+    def _eval_due(self) -> bool:  # at epoch ends unless eval_every says otherwise (train/eval_points.py)
+        return self.eval_points.due(self.state.step)
 
     def evaluate(self) -> dict[str, float]:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
@@ -479,12 +483,6 @@ class Trainer:
     def graph_status(self) -> str:
         return run_summary.graph_status(self)
 
-    def _announce(self) -> None:
-        run_summary.announce(self)
-
-    def _summarize(self, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
-        run_summary.summarize(self, elapsed, peak, stopped, start_step)
-
 
 class _Loop:
     """What one pass of the training loop holds besides the trainer: its output files, progress bar
@@ -497,4 +495,5 @@ class _Loop:
         self.t_start = self.t_log = time.perf_counter()
         self.samples_at_log = trainer.state.samples_seen
         self.start_step = trainer.state.step  # a resumed run's history also holds the stopped run's records
+        self.faults = StepFaults()  # the steps' own page faults, counted from here (see _log_point)
         self.peak = 0
