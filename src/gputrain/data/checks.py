@@ -8,14 +8,16 @@ the batch and the leaf. Cost: one pytree flatten per batch, next to a DataLoader
 `first_step_note` is added to an error raised by the first training step (a label out of range, a
 float target for a classification loss, a feature size the model does not take): PyTorch's own
 message stays, the note shows the batch's leaves, the label range and the model's first and last
-layers, which is usually enough to see the mismatch.
+layers in the order the forward ran them (run again on the batch without gradients, with hooks that
+note each layer as it starts: the last layer is the one that produced the output, or the one the
+forward failed in), which is usually enough to see the mismatch.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -144,17 +146,52 @@ def _layer(name: str, m: nn.Module) -> str:
     return f"{name or '(the model)'}: {type(m).__name__}({m.extra_repr()})"
 
 
-def model_ends(model: nn.Module) -> str | None:
-    """"first layer 0: Linear(in_features=6, ...); last layer 2: Linear(..., out_features=3)"."""
-    layers = _layers(model)
+def layers_run(model: nn.Module, run: Callable[[], Any]) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """(the layers `run()` started, in the order it first started each; whether it raised): `run`
+    goes through `model` once more, without gradients, in eval mode (the mode is given back), with a
+    forward pre-hook on every layer holding parameters; its error, if any, is swallowed."""
+    names = {m: name for name, m in _layers(model)}
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def note(module: nn.Module, args: Any) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            order.append((names[module], module))
+
+    handles = [m.register_forward_pre_hook(note) for m in names]
+    was_training, failed = model.training, False
+    try:
+        model.eval()
+        with torch.no_grad():
+            run()
+    except Exception:
+        failed = True
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return order, failed
+
+
+def model_ends(model: nn.Module, run: Callable[[], Any] | None = None) -> str | None:
+    """"first layer 0: Linear(in_features=6, ...); last layer 2: Linear(..., out_features=3)": in the
+    order `run()` ran them (the last one produced the output, or is the last to start before the
+    error), or in registration order without `run` (or when it ran none)."""
+    layers, failed = layers_run(model, run) if run is not None else ([], False)
+    order = "in the order the forward ran them"
+    if not layers:
+        layers, failed, order = _layers(model), False, "in registration order"
     if not layers:
         return None
     first = "first layer " + _layer(*layers[0])
-    return first if len(layers) == 1 else first + "; last layer " + _layer(*layers[-1])
+    order += ", the last one the last to start before the error" if failed else ""
+    return (first if len(layers) == 1 else first + "; last layer " + _layer(*layers[-1])) + f" ({order})"
 
 
-def first_step_note(batch: Any, model: nn.Module) -> str:
-    """The note for an error in the first training step: the batch's leaves, its label range, the model's ends."""
+def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None) -> str:
+    """The note for an error in the first training step: the batch's leaves, its label range, the
+    model's first and last layers (in the order `call(model, batch)` runs them, when given)."""
     from gputrain.data.deferred import materialize
 
     parts = []
@@ -166,7 +203,7 @@ def first_step_note(batch: Any, model: nn.Module) -> str:
             parts.append(labels)
     except Exception:  # describing must never hide the error itself
         pass
-    ends = model_ends(model)
+    ends = model_ends(model, (lambda: call(model, batch)) if call is not None else None)
     if ends:
         parts.append(f"the model's {ends}")
     return ("gputrain: the first training step failed; " + "; ".join(parts)

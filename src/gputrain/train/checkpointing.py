@@ -185,4 +185,4 @@ def checkpoint_after_error(t, exc: BaseException) -> None:
     t.stream.name_a_lost_worker(exc)
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
-        exc.add_note(first_step_note(t.stream.last_batch, t.module))  # data/checks.py
+        exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py

@@ -5,29 +5,34 @@
 2. A pair `(inputs, targets)` and a `loss_fn`: `loss_fn(model(inputs), targets)`.
 3. Otherwise the model is called with the batch (`model(**batch)` for a Mapping, `model(*batch)` for
    a list or tuple, `model(batch)` else) and returns its own loss: a scalar tensor, an object with
-   `.loss` (a Hugging Face `ModelOutput`), or a Mapping with `"loss"`.
+   `.loss` (a Hugging Face `ModelOutput`), a Mapping with `"loss"`, or a tuple with one scalar
+   tensor (nanoGPT's `(logits, loss)`).
 
 `LossRule.__call__` returns `(loss, outputs)`; `targets(batch)` gives what a metric compares the
-outputs with (the pair's second element, or `batch["labels"]`).
+outputs with (the pair's second element, or `batch["labels"]`). `how` names the call it made (known
+after its first call for the model's own loss, which depends on the batch's type).
 """
 
 from __future__ import annotations
 
 import collections.abc
+import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from gputrain.batch import describe
-from gputrain.outputs import loss_of
+from gputrain.outputs import describe_outputs, loss_of, scalar_positions, where_loss
 from gputrain.errors import DataError
+
+log = logging.getLogger("gputrain")
 
 THE_THREE_WAYS = (
     "gputrain turns a batch into a loss in one of three ways: pass compute_loss=fn(model, batch) "
     "returning the loss (or (loss, outputs)); or give batches as pairs (inputs, targets) with "
     "loss_fn=...; or let the model compute its own loss from the batch (model(**batch) for a dict) "
-    "and return a scalar tensor, an object with .loss, or a dict with 'loss'"
+    "and return a scalar tensor, an object with .loss, a dict with 'loss', or a tuple with one scalar tensor"
 )
 
 
@@ -47,6 +52,20 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def describe_call(batch: Any) -> str:
+    """The call `call_model` makes for `batch`: "model(**batch) with input_ids, labels", "model(*batch)
+    with 2 elements", "model(batch)"."""
+    if isinstance(batch, collections.abc.Mapping):
+        return f"model(**batch) with {', '.join(map(str, batch.keys()))}"
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return f"model(*batch) with {len(batch)} element{'s' if len(batch) != 1 else ''}"
+    return f"model(batch) with {type(batch).__name__}"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 class LossRule:
     """Turns (model, batch) into (loss, outputs) by the rule in the module docstring."""
 
@@ -57,15 +76,24 @@ class LossRule:
             raise DataError(f"compute_loss must be callable (model, batch) -> loss, got {type(compute_loss).__name__}")
         self.loss_fn = loss_fn
         self.compute_loss = compute_loss
+        self.made: str | None = None  # the model's own loss: the call made and where its loss was, once known
+        self.log_first_call = False  # the trainer's main process: log `how` at the first call
 
     @property
     def how(self) -> str:
-        """One line for the run log."""
+        """One line for the run log and the summary: the call this rule makes."""
         if self.compute_loss is not None:
-            return f"compute_loss={getattr(self.compute_loss, '__name__', type(self.compute_loss).__name__)}"
+            return f"compute_loss={_name(self.compute_loss)}"
         if self.loss_fn is not None:
-            return f"loss_fn(model(inputs), targets) with {getattr(self.loss_fn, '__name__', type(self.loss_fn).__name__)}"
-        return "the model's own loss (model(**batch).loss)"
+            return f"loss_fn(model(x), y) with {_name(self.loss_fn)}"
+        if self.made is not None:
+            return self.made
+        return "the model's own loss: model(**batch), model(*batch) or model(batch) by the batch's type"
+
+    def _first_call(self, batch: Any, outputs: Any) -> None:
+        self.made = f"the model's own loss: {describe_call(batch)}, the loss: {where_loss(outputs)}"
+        if self.log_first_call:
+            log.info("loss: %s", self.made)
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
         if self.compute_loss is not None:
@@ -85,8 +113,10 @@ class LossRule:
         outputs = call_model(model, batch)
         loss = loss_of(outputs)
         if loss is None:
-            raise DataError(f"the model returned {type(outputs).__name__} with no scalar loss for a batch of "
-                            f"{describe(batch)}. {THE_THREE_WAYS}")
+            raise DataError(f"{describe_call(batch)} returned {describe_outputs(outputs)}: {_no_loss(outputs)} "
+                            f"(the batch: {describe(batch)}). {THE_THREE_WAYS}")
+        if self.made is None:  # once: what the run log and the summary name
+            self._first_call(batch, outputs)
         return loss, outputs
 
     def targets(self, batch: Any) -> Any:
@@ -96,3 +126,16 @@ class LossRule:
         if isinstance(batch, collections.abc.Mapping):
             return batch.get("labels")
         return None
+
+
+def _no_loss(outputs: Any) -> str:
+    """Why `loss_of` found no loss in `outputs`."""
+    if isinstance(outputs, (tuple, list)) and not hasattr(outputs, "loss"):
+        scalars = scalar_positions(outputs)
+        if len(scalars) > 1:
+            return (f"elements {', '.join(f'[{i}]' for i in scalars)} are all scalar tensors, so which is the "
+                    "loss is unknown: return it alone, or pass compute_loss")
+        return "no element is a scalar (0-dim) floating-point tensor, the loss"
+    if isinstance(outputs, torch.Tensor):
+        return f"a tensor with {outputs.dim()} dims, not a scalar loss (reduce it, e.g. with .mean())"
+    return "it has no scalar loss (.loss or ['loss'])"
