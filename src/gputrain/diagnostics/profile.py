@@ -11,6 +11,7 @@ peak is known, the host syncs (`syncs`) and a verdict (`gputrain.diagnostics.ver
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -26,7 +27,7 @@ from gputrain.config import TrainConfig
 from gputrain.data.deferred import materialize
 from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
-from gputrain.diagnostics.trace import _top_ops, trace_summary
+from gputrain.diagnostics.trace import STEP_LABEL, op_tables, trace_summary
 from gputrain.diagnostics.verdict import diagnose
 from gputrain.io.atomic import atomic_file
 from gputrain.runtime.devices import device_name
@@ -116,6 +117,23 @@ class _StepRunner:
     def step(self) -> None:
         self.trainer.run_steps(1)
 
+    @contextlib.contextmanager
+    def marked_steps(self):
+        """While active, each training step runs inside a record_function range (STEP_LABEL), so a
+        trace tells the steps from the loop's other work (a log point's loss read, evaluation)."""
+        t = self.trainer
+        step = t.train_one_step
+
+        def marked() -> None:
+            with torch.profiler.record_function(STEP_LABEL):
+                step()
+
+        t.train_one_step = marked  # the loop reads it per stretch (Trainer._iterate)
+        try:
+            yield
+        finally:
+            del t.train_one_step  # the class's method again
+
     def phased_step(self, clock) -> None:
         with self.trainer.timed_phases(clock):
             self.trainer.run_steps(1)
@@ -166,7 +184,8 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
         profile_summary.json go (None: a new temporary directory).
 
     Returns the summary (also written as JSON): step_ms, samples_per_s, breakdown (per phase:
-    ms, share, host_ms, device_ms), top_ops, trace (trace_summary), gpu_utilization (NVML, or None),
+    ms, share, host_ms, device_ms), top_ops (per training step), other_ops (the traced window's
+    other work: log points' loss reads and evaluations, totals), trace (trace_summary), gpu_utilization (NVML, or None),
     flops_per_step, achieved_tflops, peak_tflops, mfu (None without a known peak), syncs
     (detect_syncs; unsupported off CUDA), host_reads (count_host_reads), verdict (diagnose) and
     the files written. Raises ConfigError/DeviceError for an impossible config.
@@ -253,14 +272,15 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
+    with runner.marked_steps(), profile(activities=activities,
+                                        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
         for _ in range(wait + warmup + active):
             runner.step()
             prof.step()
     sync()
     trace_path = out / "trace.json"
     prof.export_chrome_trace(str(trace_path))
-    top_ops = _top_ops(prof, device, top, active)
+    ops = op_tables(prof, device, top, active)  # per training step; the window's other work apart
     trace = trace_summary(trace_path)
 
     # 3. Syncs: CUDA's own report where there is one; host reads everywhere.
@@ -314,8 +334,12 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
         "wall_step_ms": wall_step_ms,
         "samples_per_s": runner.batch_size / (step_ms / 1000) if step_ms > 0 else None,
         "breakdown": breakdown,
-        "top_ops": top_ops,
+        "top_ops": ops["per_step"],  # per training step: the steps' own ops only
         "top_ops_by": "self device time" if device.type == "cuda" else "self CPU time",
+        "top_ops_steps": ops["steps"],  # the training steps the table counts
+        # the profiled window's work outside the training steps (a log point's loss read, evaluation):
+        # totals over the window, not per step
+        "other_ops": ops["other"],
         "profiled_steps": {"wait": wait, "warmup": warmup, "active": active},
         "trace": trace,
         "gpu_utilization": util,

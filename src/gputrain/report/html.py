@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from gputrain.errors import GputrainError
+from gputrain.metric_direction import metric_figures
 from gputrain.io.atomic import write_text
 from gputrain.report.format import format_bytes, format_duration
 from gputrain.report.page import escape as _e, page, with_code
@@ -113,6 +114,9 @@ def render_report(records: list[dict[str, Any]], summary: dict[str, Any] | None 
     """The report as one HTML string (no external resources)."""
     summary, config = dict(summary or {}), dict(config or {})
     has_summary = bool(summary)
+    if has_summary and "metric_directions" not in summary and records:
+        # An older summary took the max of every metric but eval_loss: its best values again, by the rule.
+        summary.update(metric_figures(records))
     if run_dir and "run_dir" not in summary:
         summary["run_dir"] = run_dir
     name = title or summary.get("workload") or (Path(run_dir).name if run_dir else "run")
@@ -316,9 +320,17 @@ def _profile(p: dict[str, Any] | None) -> str:
     if ops:
         on_gpu = str(p.get("device", "")).startswith("cuda")
         key = "self_device_ms_per_step" if on_gpu else "self_cpu_ms_per_step"
-        out.append(_details(f"top {len(ops)} ops by {p.get('top_ops_by', 'time')}", _table(
+        steps = f", {p['top_ops_steps']} training steps" if p.get("top_ops_steps") else ""
+        out.append(_details(f"top {len(ops)} ops by {p.get('top_ops_by', 'time')} (per training step{steps})", _table(
             [(o.get("name", "?")[:80], f"{o.get('calls_per_step', 0):g}", _ms(o.get(key)), _pct(o.get("share")))
              for o in ops], header=("op", "calls/step", "self time/step", "share"), numeric=(1, 2, 3))))
+        other = [o for o in p.get("other_ops") or [] if isinstance(o, dict)]
+        if other:
+            key = key.replace("_per_step", "")
+            out.append(_details(f"the profiled window's other work (log points: the loss read, evaluation): "
+                                f"top {len(other)} ops, totals over the window, not per step", _table(
+                [(o.get("name", "?")[:80], f"{o.get('calls', 0):g}", _ms(o.get(key)), _pct(o.get("share")))
+                 for o in other], header=("op", "calls", "self time", "share"), numeric=(1, 2, 3))))
     return "\n".join(out)
 
 
