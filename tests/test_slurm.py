@@ -57,8 +57,12 @@ def test_a_task_of_srun_gets_its_rank_and_the_first_node_as_rendezvous():
     assert slurm_task({**SRUN, "RANK": "0", "WORLD_SIZE": "2"}) is None  # torchrun inside the allocation
     assert slurm_task({k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}) is None  # the batch script
     assert slurm_task({**SRUN, "SLURM_NTASKS": "1"}) is None
-    with pytest.raises(ConfigError, match="not numbers"):
+    with pytest.raises(ConfigError, match=r"SLURM_PROCID='three' is not an integer from 0 to 15"):
         slurm_task({**SRUN, "SLURM_PROCID": "three"})
+    with pytest.raises(ConfigError, match=r"MASTER_PORT='29500x' is not an integer from 1 to 65535"):
+        slurm_task({**SRUN, "MASTER_PORT": "29500x"})
+    with pytest.raises(ConfigError, match=r"SLURM_RESTART_COUNT='-1' is not an integer >= 0"):
+        slurm_task({**SRUN, "SLURM_RESTART_COUNT": "-1"})
     # is_main_process's answer before any process group exists
     assert launcher_rank(SRUN) == 3 and launcher_rank({**SRUN, "RANK": "1", "WORLD_SIZE": "2"}) == 1
     assert launcher_rank({}) == 0 and launcher_rank({**SRUN, "SLURM_PROCID": "three"}) == 0
@@ -87,6 +91,27 @@ def _stub_scontrol(folder: Path, requeue: int) -> tuple[dict[str, str], Path]:
                     f'[ "$1" = show ] && echo "JobId=$4 JobName=t Requeue={requeue} Restarts=0"\nexit 0\n')
     stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
     return {"PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}, log
+
+
+@pytest.mark.parametrize("hangs", [True, False])
+def test_an_scontrol_that_hangs_or_fails_is_a_warning_within_a_bounded_wait(tmp_path, monkeypatch, caplog, hangs):
+    """The stop's checkpoint is written by then: a slurmctld that does not answer (or an scontrol that
+    cannot run) costs at most SCONTROL_TIMEOUT_S per call and ends in one warning, not an exception."""
+    import shutil
+    import time
+
+    from gputrain.runtime import slurm
+
+    stub = tmp_path / "scontrol"
+    sleep = shutil.which("sleep") or "/bin/sleep"
+    stub.write_text(f"#!/bin/sh\nexec {sleep} 30\n" if hangs else "not a program")  # no #!: exec fails (OSError)
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(slurm, "SCONTROL_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    assert requeue_after_stop(signal.SIGUSR1, SINGLE, {"PATH": str(tmp_path), "SLURM_JOB_ID": "77"}) is False
+    assert time.monotonic() - start < 10  # show and requeue, each cut at 1 s
+    assert "scontrol requeue 77 failed" in caplog.text and "not requeued" in caplog.text
+    assert ("no answer in 1 s" in caplog.text) is hangs
 
 
 @pytest.mark.parametrize("requeue,sig,called", [(1, signal.SIGUSR1, True), (0, signal.SIGUSR1, False),

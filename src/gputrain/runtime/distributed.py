@@ -114,20 +114,19 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
     local rank has no GPU; DeviceError when "cuda" is asked for and unusable.
     """
     from gputrain.runtime.devices import pick_device
+    from gputrain.runtime.slurm import env_int, launcher_numbers, slurm_task
 
     if dist.is_available() and dist.is_initialized():  # someone (a test, mp.spawn, the user) set it up
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_rank = env_int(os.environ, "LOCAL_RANK", rank)
         device = _rank_device(device_spec, local_rank)
         return DistInfo(world > 1, rank, local_rank, world, dist.get_backend(), owns_group=False), device
-
-    from gputrain.runtime.slurm import slurm_task
 
     # Started by srun as one of several tasks (no torchrun): the variables torchrun would have set,
     # from Slurm's (runtime/slurm.py).
     task = slurm_task()
     env: Mapping[str, str] = {**os.environ, **task.as_env()} if task is not None else os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
+    world = env_int(env, "WORLD_SIZE", 1)
     if world <= 1:
         return SINGLE, pick_device(device_spec)
     missing = [k for k in _ENV if k not in env]
@@ -136,7 +135,7 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
                           "(torchrun --nproc-per-node N -m gputrain fit ...) or gputrain fit --nproc N")
     if not dist.is_available():
         raise ConfigError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed support")
-    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+    rank, local_rank, port = launcher_numbers(env, world)  # each named when malformed, before any rendezvous
     device = _rank_device(device_spec, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -158,7 +157,7 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
             # dist.TCPStore, dist.PrefixStore: documented public API that torch's __init__ imports
             # without re-exporting it.
             _store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                env["MASTER_ADDR"], port, world,
                 is_master=(rank == 0 and not use_agent), timeout=timeout)
         _groups_made += 1
         # torch names the default group "0" again after destroy_process_group, so without the

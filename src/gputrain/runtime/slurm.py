@@ -31,6 +31,34 @@ from gputrain.errors import ConfigError
 log = logging.getLogger("gputrain")
 
 DEFAULT_PORT_BASE = 20000  # MASTER_PORT when the job does not set one: 20000 + job id mod 10000
+# The longest wait for scontrol (a slurmctld that does not answer): the job's SIGUSR1 comes 120 s
+# (--signal-seconds) before its time limit, and the checkpoint has been written by then.
+SCONTROL_TIMEOUT_S = 30.0
+
+
+def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, low: int = 0,
+            high: int | None = None) -> int:
+    """The integer a launcher put in environment variable `name` (`default` when unset or empty).
+    Raises ConfigError naming the variable and its value when it is not an integer in [low, high]."""
+    raw = env.get(name, "")
+    if not raw.strip() and default is not None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bounds = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+        raise ConfigError(f"the environment variable {name}={raw!r} is not {bounds}: fix or unset it (torchrun, srun "
+                          "and `gputrain fit --nproc` set it themselves)")
+    return value
+
+
+def launcher_numbers(env: Mapping[str, str], world: int) -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and MASTER_PORT of one process of `world` (torchrun's, or slurm_task's as_env()).
+    Raises ConfigError naming the first that is malformed or out of range."""
+    return (env_int(env, "RANK", high=world - 1), env_int(env, "LOCAL_RANK"),
+            env_int(env, "MASTER_PORT", low=1, high=65535))
 
 
 @dataclass(frozen=True)
@@ -114,16 +142,11 @@ def slurm_task(env: Mapping[str, str] | None = None) -> SlurmTask | None:
         return None
     if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         return None  # not a task of an srun step (e.g. the batch script itself)
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
-    try:
-        world = int(tasks or "1")
-        if world <= 1:
-            return None
-        rank = int(env["SLURM_PROCID"])
-        local_rank = int(env.get("SLURM_LOCALID", "0"))
-    except ValueError:
-        raise ConfigError(f"Slurm's variables are not numbers: SLURM_PROCID={env.get('SLURM_PROCID')!r}, "
-                          f"SLURM_NTASKS={tasks!r}, SLURM_LOCALID={env.get('SLURM_LOCALID')!r}") from None
+    world = env_int(env, "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS", 1)
+    if world <= 1:
+        return None
+    rank = env_int(env, "SLURM_PROCID", high=world - 1)
+    local_rank = env_int(env, "SLURM_LOCALID", 0)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if env.get("MASTER_ADDR"):
         addr = env["MASTER_ADDR"]
@@ -134,12 +157,12 @@ def slurm_task(env: Mapping[str, str] | None = None) -> SlurmTask | None:
                           "(the rendezvous); set MASTER_ADDR")
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if env.get("MASTER_PORT"):
-        port = int(env["MASTER_PORT"])
+        port = env_int(env, "MASTER_PORT", low=1, high=65535)
     elif job_id and job_id.isdigit():
         port = DEFAULT_PORT_BASE + int(job_id) % 10000
     else:
         port = DEFAULT_PORT_BASE
-    return SlurmTask(rank, world, local_rank, addr, port, job_id, int(env.get("SLURM_RESTART_COUNT", "0") or 0))
+    return SlurmTask(rank, world, local_rank, addr, port, job_id, env_int(env, "SLURM_RESTART_COUNT", 0))
 
 
 def launcher_rank(env: Mapping[str, str] | None = None) -> int:
@@ -148,9 +171,9 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     try:
         task = slurm_task(env)
+        return task.rank if task is not None else env_int(env, "RANK", 0)
     except ConfigError:
-        task = None
-    return task.rank if task is not None else int(env.get("RANK", "0"))
+        return 0  # init_distributed says what is wrong with them, when the run starts
 
 
 # ---------------------------------------------------------------- requeue
@@ -178,7 +201,15 @@ def requeue_after_stop(local_signal: int | None, dist_info, env: Mapping[str, st
         log.warning("Slurm job %s is not requeuable (submit with sbatch --requeue): not requeued; submit the "
                     "script again to resume from the checkpoint", job_id)
         return False
-    done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, env=dict(env), timeout=60)
+    try:
+        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, env=dict(env),
+                              timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = f"no answer in {SCONTROL_TIMEOUT_S:.0f} s" if isinstance(exc, subprocess.TimeoutExpired) else \
+            (exc.strerror or str(exc))
+        log.warning("scontrol requeue %s failed (%s): not requeued; submit the script again to resume from the "
+                    "checkpoint", job_id, why)
+        return False
     if done.returncode != 0:
         log.warning("scontrol requeue %s failed (exit %d): %s", job_id, done.returncode,
                     (done.stderr or done.stdout).strip()[:300])
@@ -191,7 +222,7 @@ def _requeuable(scontrol: str, job_id: str, env: Mapping[str, str]) -> bool | No
     """Requeue=1 / Requeue=0 from `scontrol show job`; None when it cannot tell (then try)."""
     try:
         shown = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True,
-                               env=dict(env), timeout=60)
+                               env=dict(env), timeout=SCONTROL_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
     match = re.search(r"\bRequeue=(\d)", shown.stdout)
