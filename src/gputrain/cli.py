@@ -32,6 +32,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors ("gputrain fit: error: ...") and exit code 2."""
 
     def error(self, message: str):
+        if message.endswith("expected one argument"):  # argparse takes "--flag --value" for two flags
+            message += "; a value that starts with '-' is written --flag=VALUE"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

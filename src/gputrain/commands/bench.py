@@ -95,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from gputrain.bench import BENCHMARKS
     from gputrain.bench.common import to_json, write_json
+    from gputrain.io.preflight import check_output_dir
 
+    if args.out or args.benchmark == "all":  # before minutes of measuring: a bad --out costs nothing
+        check_output_dir(args.out or "bench-results", "--out")
     if args.benchmark == "all":
         return _run_all(args, BENCHMARKS)
     result = BENCHMARKS[args.benchmark](**_kwargs(args))

@@ -23,7 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from gputrain.io import export
+    from gputrain.io.preflight import check_output_dir, check_output_file
 
+    if args.out:  # before the model is built: a bad --out costs nothing
+        if args.format == "hf":
+            check_output_dir(args.out, "--out")
+        else:
+            check_output_file(args.out, "--out", example=DEFAULT_NAMES[args.format])
     r = trained.load(args)
     out = Path(args.out) if args.out else r.run_dir / "export" / DEFAULT_NAMES[args.format]
     info: dict = {"format": args.format, "path": str(out), "weights": r.weights, "step": r.step,

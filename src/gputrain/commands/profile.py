@@ -127,6 +127,9 @@ def run(args) -> int:
                             log_every=args.log_every, data_on_device=args.data_on_device)
     out = args.out or os.path.join("runs", workload.name.replace(":", "_").replace("/", "_"),
                                    "profile-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    from gputrain.io.preflight import check_output_dir
+
+    check_output_dir(out, "--out")  # before the steps run: a bad --out costs nothing
     summary = profile_workload(workload, config, steps=args.steps, active=args.active, out_dir=Path(out), top=args.top)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))

@@ -11,8 +11,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from gputrain.report.html import write_report
+    from pathlib import Path
 
-    path = write_report(args.run_dir, out=args.out)
+    from gputrain.errors import ConfigError
+    from gputrain.io.preflight import check_output_file
+    from gputrain.report.html import REPORT_NAME, write_report
+
+    if args.out or Path(args.run_dir).is_dir():  # a missing RUN_DIR is write_report's to explain
+        check_output_file(args.out or Path(args.run_dir) / REPORT_NAME, "--out" if args.out else "RUN_DIR",
+                          example=REPORT_NAME)
+    try:
+        path = write_report(args.run_dir, out=args.out)
+    except OSError as exc:  # a full disk, a file that cannot be read: the page is written whole or not at all
+        raise ConfigError(f"{exc.filename or args.out or args.run_dir}: {exc.strerror or exc}; nothing was written "
+                          "(check the run directory and --out)") from None
     print(f"report: {path} (self-contained: open it in any browser, no network needed)")
     return 0

@@ -96,6 +96,17 @@ def render_sbatch(workload: str, *, nodes: int, gpus_per_node: int, run_dir: str
 
 def run(args) -> int:
     run_dir = args.run_dir
+    _check_workload(args.workload)
+    if args.output:
+        from gputrain.io.preflight import check_output_file
+
+        check_output_file(args.output, "--output", example="train.sbatch")
+    try:
+        fit_args = shlex.split(args.fit_args)
+    except ValueError as exc:  # an unclosed quote
+        raise ConfigError(f"--fit-args {args.fit_args!r}: {exc}; quote it as one shell string, e.g. "
+                          "--fit-args=\"--steps 1000 --shard\"") from None
+    _check_fit_args(args.workload, fit_args)
     if any(run_dir == p or run_dir.startswith(p + "/") for p in _LOCAL_PREFIXES):
         print(f"gputrain slurm: warning: {run_dir} is usually local to each node; the checkpoints of a job on "
               "several nodes need storage every node sees", file=sys.stderr)
@@ -104,12 +115,46 @@ def run(args) -> int:
                            time=args.time, signal_seconds=args.signal_seconds, checkpoint_every=args.checkpoint_every,
                            cpus_per_task=args.cpus_per_task, partition=args.partition, account=args.account,
                            job_name=args.job_name, python=args.python, setup=args.setup,
-                           fit_args=shlex.split(args.fit_args))
+                           fit_args=fit_args)
     if args.output:
         from gputrain.io.atomic import write_text
 
-        write_text(args.output, script)
+        try:
+            write_text(args.output, script)
+        except OSError as exc:
+            raise ConfigError(f"--output {args.output}: cannot write the script ({exc.strerror or exc}); nothing was "
+                              "written: choose another --output, or leave it out to print the script") from None
         print(f"wrote {args.output}: submit it with sbatch {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(script)
     return 0
+
+
+def _check_workload(spec: str) -> None:
+    """A built-in name must exist (a typo would fail on the cluster, after the job waited in the
+    queue); module:function is checked only for its form, since its module lives where the job runs."""
+    if ":" in spec:
+        module, _, function = spec.rpartition(":")
+        if not module or not function:
+            raise ConfigError(f"workload {spec!r}: give a built-in name or module:function (e.g. "
+                              "mypkg.tasks:make_workload)")
+        return
+    from gputrain.workloads import WORKLOADS, get_workload
+
+    if spec not in WORKLOADS:
+        get_workload(spec)  # raises the registry's error: the names, and the closest one
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(f"--fit-args: `gputrain fit` on the cluster would refuse them ({message}); see "
+                          "gputrain fit --help")
+
+
+def _check_fit_args(workload: str, fit_args: list[str]) -> None:
+    """Parse the flags as `gputrain fit` will, here: a typo fails now, not after the job waited in the queue."""
+    from gputrain.commands import fit
+
+    parser = _RefusingParser(prog="gputrain fit", add_help=False)
+    fit.add_arguments(parser)
+    parser.parse_args([workload, *fit_args])

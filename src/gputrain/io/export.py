@@ -11,6 +11,11 @@
   2.13 still has it, deprecated); the dynamo exporter, which needs onnxscript too, is taken when the
   TorchScript one is gone.
 
+Nothing is left at the destination by an export that fails: ONNX and Hugging Face files are
+written and checked in a temporary folder first and copied into place (each file atomically) only
+when they are good, and a failure raises ExportError saying which format failed, why, and which
+formats still work. The model's own forward raising keeps its traceback, with a note.
+
 The optional packages (safetensors, onnx, onnxruntime: `pip install 'gputrain[export]'`) are
 imported only here, when an export runs.
 """
@@ -18,11 +23,14 @@ imported only here, when an export runs.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import importlib.util
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import IO, Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -35,6 +43,38 @@ ONNX_TOLERANCE = 1e-4  # max |onnxruntime - torch| accepted, in the outputs' uni
 
 class ExportError(GputrainError):
     """An export could not be written or did not reproduce the model's outputs."""
+
+
+def _failed(fmt: str, why: str, model: nn.Module | None = None) -> ExportError:
+    """The one line of a failed export: the format, why, and the formats that still work."""
+    others = [f for f in ("safetensors", "onnx", "hf") if f != fmt and (f != "hf" or (model is not None
+                                                                                      and is_hf_model(model)))]
+    return ExportError(f"--format {fmt} failed: {why}; nothing was written, and the other formats still work "
+                       f"(--format {' or --format '.join(others)})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def _place(staged: Path, dest: Path) -> None:
+    """Copy a staged file into place atomically (temp file beside `dest`, renamed over it)."""
+    with open(staged, "rb") as src, _writing(dest) as f:
+        shutil.copyfileobj(src, f)
+
+
+@contextlib.contextmanager
+def _writing(dest: Path) -> Iterator[IO[bytes]]:
+    """atomic_file(dest), with the disk's refusal (a full disk, no permission) said in one line."""
+    from gputrain.io.atomic import atomic_file
+
+    try:
+        with atomic_file(dest, "wb") as f:
+            yield f
+    except OSError as exc:
+        raise ConfigError(f"{dest}: cannot write the export ({exc.strerror or exc}): free space or choose another "
+                          "--out") from None
 
 
 def _require(module: str, what: str) -> None:
@@ -64,15 +104,16 @@ def export_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLik
     _require("safetensors", "--format safetensors")
     from safetensors.torch import save
 
-    from gputrain.io.atomic import atomic_file
-
     path = Path(path)
     tensors = plain_state_dict(state)
     if not tensors:
         raise ExportError("nothing to export: the state dict holds no tensors")
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    data = save(tensors, metadata=meta or None)
-    with atomic_file(path, "wb") as f:  # whole or absent, like the checkpoints
+    try:
+        data = save(tensors, metadata=meta or None)
+    except Exception as exc:  # noqa: BLE001 - safetensors refuses what it cannot store (a dtype, ...) in its words
+        raise _failed("safetensors", f"safetensors cannot store these weights ({_first_line(exc)})") from exc
+    with _writing(path) as f:  # whole or absent, like the checkpoints
         f.write(data)
     return path
 
@@ -82,14 +123,22 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """`model.save_pretrained(out_dir)` (safetensors weights + config.json); returns the folder."""
+    """`model.save_pretrained(out_dir)` (safetensors weights + config.json); returns the folder.
+    Written into a temporary folder first; its files are copied into `out_dir` only when it succeeded."""
     if not is_hf_model(model):
         raise ConfigError(f"--format hf exports Hugging Face models (with save_pretrained); {type(model).__name__} "
                           "is not one: use --format safetensors (or onnx)")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     save_pretrained = getattr(model, "save_pretrained")
-    save_pretrained(str(out))
+    with tempfile.TemporaryDirectory(prefix="gputrain-export-hf-") as staging:
+        try:
+            save_pretrained(staging)
+        except Exception as exc:  # noqa: BLE001 - transformers' own errors, in its words
+            raise _failed("hf", f"save_pretrained raised {_first_line(exc)}", model) from exc
+        for staged in sorted(Path(staging).rglob("*")):
+            if staged.is_file():
+                _place(staged, out / staged.relative_to(staging))
+    out.mkdir(parents=True, exist_ok=True)  # a model with no files to save still gets its folder
     return out
 
 
@@ -117,52 +166,118 @@ def export_onnx(model: nn.Module, example: Any, path: str | os.PathLike, *, opse
                 ) -> dict[str, Any]:
     """Export `model` called with `example` (inputs as the model takes them, on the CPU) to `path`.
 
-    Returns {"path", "exporter", "check", "max_abs_diff"}. Raises ExportError when onnxruntime's
-    outputs differ from PyTorch's by more than ONNX_TOLERANCE.
+    Returns {"path", "exporter", "check", "max_abs_diff"}. The file is exported and checked in a
+    temporary folder and copied to `path` only when it passed. Raises ExportError when the exporter
+    cannot convert the model, or onnxruntime cannot run the file or its outputs differ from
+    PyTorch's by more than ONNX_TOLERANCE; the model's own forward raising keeps its traceback.
     """
     _require("onnx", "--format onnx")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     model = model.to("cpu").eval()
     args, kwargs, names = _call_args(example)
-    with torch.no_grad():
-        expected = _output_tensors(model(*args, **kwargs))
+    try:
+        with torch.no_grad():
+            expected = _output_tensors(model(*args, **kwargs))
+    except Exception as exc:
+        exc.add_note(f"gputrain export: the model raised on example inputs from its workload's data "
+                     f"({_describe_inputs(args, kwargs)}), before the ONNX export: the error above is the model's")
+        raise
     output_names = [f"output_{i}" if len(expected) > 1 else "output" for i in range(len(expected))]
+    with tempfile.TemporaryDirectory(prefix="gputrain-export-onnx-") as staging:
+        staged = Path(staging) / path.name
+        exporter = _run_exporter(model, args, kwargs, names, output_names, staged, opset)
+        report: dict[str, Any] = {"path": str(path), "exporter": exporter}
+        report.update(_check_onnx(staged, args, kwargs, names, expected))
+        for file in sorted(Path(staging).iterdir()):  # the model, and external data files beside it (large models)
+            _place(file, path.parent / file.name)
+    return report
+
+
+def _describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in args if isinstance(t, torch.Tensor)]
+    shapes += [f"{k} {tuple(t.shape)}" for k, t in kwargs.items()]
+    return ", ".join(shapes) or "no tensors"
+
+
+@contextlib.contextmanager
+def _native_stdout_dropped() -> Iterator[None]:
+    """torch's TorchScript exporter logs its whole graph to the process's stdout from C++ when it
+    fails (`_jit_onnx_log`): a screen of IR before the one line that says what failed, and a broken
+    document under --json. File descriptor 1 points at a discarded file meanwhile."""
+    import sys
+
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no usable stdout: nothing to protect
+        yield
+        return
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                os.dup2(saved, 1)
+    finally:
+        os.close(saved)
+
+
+def _run_exporter(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str],
+                  output_names: list[str], staged: Path, opset: int | None) -> str:
+    """torch.onnx.export into `staged`; which exporter wrote it ("torchscript" or "dynamo")."""
     export_kwargs: dict[str, Any] = {"input_names": names, "output_names": output_names}
     if opset is not None:
         export_kwargs["opset_version"] = opset
-    exporter = "torchscript"
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _native_stdout_dropped():
         # The TorchScript exporter announces its deprecation on every call.
         for category in (DeprecationWarning, FutureWarning, UserWarning):
             warnings.simplefilter("ignore", category)
         try:
-            torch.onnx.export(model, args, str(path), kwargs=kwargs or None, dynamo=False,
+            torch.onnx.export(model, args, str(staged), kwargs=kwargs or None, dynamo=False,
                               dynamic_axes={n: {0: "batch"} for n in names + output_names}, **export_kwargs)
+            return "torchscript"
         except (TypeError, NotImplementedError) as exc:  # a torch without the TorchScript exporter
             if importlib.util.find_spec("onnxscript") is None:
-                raise ConfigError(f"this torch's ONNX export needs onnxscript ({exc}): pip install onnxscript") from None
-            batch = torch.export.Dim("batch")
-            dims = {k: {0: batch} for k in kwargs} if kwargs else tuple({0: batch} for _ in args)
-            torch.onnx.export(model, args, str(path), kwargs=kwargs or None, dynamo=True, dynamic_shapes=dims,
+                raise _failed("onnx", f"this torch's ONNX exporter needs onnxscript ({_first_line(exc)}): "
+                                      "pip install onnxscript") from exc
+            fallback: BaseException = exc
+        except Exception as exc:  # noqa: BLE001 - the exporter's own errors (an unsupported op, ...), in its words
+            raise _failed("onnx", f"torch.onnx.export cannot convert this model ({_first_line(exc)})") from exc
+        batch = torch.export.Dim("batch")
+        dims = {k: {0: batch} for k in kwargs} if kwargs else tuple({0: batch} for _ in args)
+        try:
+            torch.onnx.export(model, args, str(staged), kwargs=kwargs or None, dynamo=True, dynamic_shapes=dims,
                               **export_kwargs)
-            exporter = "dynamo"
-    report: dict[str, Any] = {"path": str(path), "exporter": exporter}
-    if importlib.util.find_spec("onnxruntime") is not None:
-        import onnxruntime as ort
+        except Exception as exc:  # noqa: BLE001
+            raise _failed("onnx", f"neither ONNX exporter converts this model (TorchScript: "
+                                  f"{_first_line(fallback)}; dynamo: {_first_line(exc)})") from exc
+    return "dynamo"
 
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+def _check_onnx(staged: Path, args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str],
+                expected: list[torch.Tensor]) -> dict[str, Any]:
+    """Run the file under onnxruntime against PyTorch's outputs (else onnx.checker); {"check", "max_abs_diff"}."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        import onnx
+
+        try:
+            onnx.checker.check_model(str(staged))
+        except Exception as exc:  # noqa: BLE001 - onnx's ValidationError and friends
+            raise _failed("onnx", f"onnx.checker rejects the exported file ({_first_line(exc)})") from exc
+        return {"check": "onnx.checker", "max_abs_diff": None}
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(str(staged), providers=["CPUExecutionProvider"])
         fed = {i.name for i in session.get_inputs()}
         feed = {n: t.detach().cpu().numpy() for n, t in zip(names, list(args) + list(kwargs.values())) if n in fed}
         got = session.run(None, feed)
-        diff = max((float((torch.from_numpy(g) - e.float()).abs().max()) for g, e in zip(got, expected)), default=0.0)
-        report.update(check="onnxruntime", max_abs_diff=diff)
-        if not diff <= ONNX_TOLERANCE:
-            raise ExportError(f"{path}: onnxruntime's outputs differ from PyTorch's by up to {diff:.3g} "
-                              f"(more than {ONNX_TOLERANCE:g})")
-    else:
-        import onnx
-
-        onnx.checker.check_model(str(path))
-        report.update(check="onnx.checker", max_abs_diff=None)
-    return report
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's errors (an op it lacks, ...), in its words
+        raise _failed("onnx", f"onnxruntime cannot run the exported file ({_first_line(exc)})") from exc
+    diff = max((float((torch.from_numpy(g) - e.float()).abs().max()) for g, e in zip(got, expected)), default=0.0)
+    if not diff <= ONNX_TOLERANCE:
+        raise _failed("onnx", f"onnxruntime's outputs differ from PyTorch's by up to {diff:.3g} (more than "
+                              f"{ONNX_TOLERANCE:g})")
+    return {"check": "onnxruntime", "max_abs_diff": diff}

@@ -43,7 +43,7 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
+    except (FileExistsError, NotADirectoryError):  # the file is the run directory's name, or a parent's
         raise ConfigError(f"cannot create run directory {run_dir}: a file of that name (or of a parent's "
                           "name) is in the way: choose another --run-dir") from None
     except OSError as exc:
@@ -76,6 +76,45 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
             f"{keep_last} needs about {_size(required)} ({copies} x {_size(needed_bytes)}: the kept ones, the "
             "best, and the one being written): free disk space, choose another --run-dir, or keep fewer "
             "checkpoints")
+
+
+def check_output_file(path: str | os.PathLike, flag: str = "--out", example: str = "out.pt") -> Path:
+    """Raise ConfigError, in one line, unless a file can be written at `path`: it is no folder, and
+    the nearest folder that exists above it is a folder in which files can be created (folders
+    missing in between are made when the file is written). Checked by creating and removing a
+    probe file there: permissions, a read-only disk and /proc-like trees all answer. Creates nothing
+    that stays. Returns the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: give a file name, e.g. {path / example}")
+    _probe_folder(path.parent, flag, path)
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Raise ConfigError, in one line, unless `path` is a folder (or can be made one) in which files
+    can be created; creates nothing that stays. Returns the path."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file, but a folder is needed there: give a folder's path")
+    _probe_folder(path, flag, path)
+    return path
+
+
+def _probe_folder(folder: Path, flag: str, target: Path) -> None:
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {target}: {existing} is a file, not a folder, so nothing can be written below "
+                          "it: choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gputrain-write-probe.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {target}: cannot write in {existing} ({_describe(exc)}): choose a folder you "
+                          "can write to") from None
 
 
 def _bytes_held(run_dir: Path) -> int:
