@@ -1,5 +1,6 @@
 """Use what it trained: gputrain.evaluate / predict, and `gputrain eval / predict / export RUN_DIR`."""
 
+import importlib.util
 import json
 import re
 import runpy
@@ -227,6 +228,122 @@ def test_export_hf_round_trips_through_from_pretrained(tmp_path, monkeypatch, ca
 
     with pytest.raises(ConfigError, match="not one: use --format safetensors"):
         export_hf(nn.Linear(2, 2), tmp_path / "nope")
+
+
+def test_a_failed_export_says_which_format_and_leaves_nothing_at_its_destination(tmp_path, monkeypatch):
+    from gputrain.io import export
+
+    class HalfSaves(nn.Linear):
+        """Looks like a Hugging Face model; its save_pretrained writes one file and then fails."""
+
+        config: dict = {}
+
+        def save_pretrained(self, folder):
+            (Path(folder) / "config.json").write_text("{}")
+            raise RuntimeError("disk on fire")
+
+    with pytest.raises(export.ExportError, match=r"^--format hf failed: save_pretrained raised RuntimeError: disk on "
+                                                 r"fire; nothing was written, and the other formats still work "
+                                                 r"\(--format safetensors or --format onnx\)$"):
+        export.export_hf(HalfSaves(2, 2), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
+        return
+    monkeypatch.setattr(export, "ONNX_TOLERANCE", -1.0)  # no file can pass: the check fails after the export
+    with pytest.raises(export.ExportError, match=r"--format onnx failed: onnxruntime's outputs differ .*the other "
+                                                 r"formats still work \(--format safetensors\)"):
+        export.export_onnx(nn.Linear(3, 2), torch.randn(4, 3), tmp_path / "out" / "m.onnx")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- a run of several processes (sharded checkpoints)
+
+
+@pytest.fixture(scope="module")
+def twin_runs(tmp_path_factory):
+    """The same 2-process (torchrun, gloo) digits-cnn run twice: saved sharded (step-N.dcp folders,
+    the default with several processes) and saved as one file (--checkpoint-format file)."""
+    import os
+    import subprocess
+    import sys
+
+    base = tmp_path_factory.mktemp("two-processes")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])))
+    for name, extra in (("dcp", ()), ("file", ("--checkpoint-format", "file"))):
+        proc = subprocess.run([sys.executable, "-m", "gputrain", "fit", "digits-cnn", "--nproc", "2", "--batch-size",
+                               "32", "--steps", "6", "--checkpoint-every", "3", "--ema", "0.9", "--device", "cpu",
+                               "--precision", "fp32", "--run-dir", name, "--no-tensorboard", "--progress", "off",
+                               "--quiet", *extra], cwd=base, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (base / "dcp" / "checkpoints" / "step-000006.dcp" / "MANIFEST.sha256").is_file()
+    assert (base / "file" / "checkpoints" / "step-000006.pt").is_file()
+    return base
+
+
+@pytest.mark.parametrize("checkpoint", ["best", "last", "step-000003"])
+def test_eval_and_predict_of_a_sharded_run_match_its_one_file_twin(twin_runs, checkpoint, tmp_path, capsys):
+    from gputrain import cli
+
+    def named(run):  # best, last, or a named checkpoint: step-N.dcp in one, step-N.pt in the other
+        if checkpoint in ("best", "last"):
+            return checkpoint
+        return str(next((twin_runs / run / "checkpoints").glob(checkpoint + ".*[tp]")))
+
+    metrics = {}
+    for run in ("dcp", "file"):
+        result = _cli_json(capsys, "eval", str(twin_runs / run), "--checkpoint", named(run), "--json", "--device", "cpu")
+        assert result["checkpoint"].endswith(".dcp" if run == "dcp" else ".pt") and result["weights"] == "ema"
+        metrics[run] = result
+        assert cli.main(["predict", str(twin_runs / run), "--checkpoint", named(run), "--data", "test", "--out",
+                         str(tmp_path / f"{run}.pt"), "--device", "cpu"]) == 0
+        capsys.readouterr()
+    assert metrics["dcp"]["step"] == metrics["file"]["step"] == (3 if checkpoint == "step-000003" else 6)
+    assert metrics["dcp"]["metrics"] == metrics["file"]["metrics"]
+    assert torch.equal(torch.load(tmp_path / "dcp.pt"), torch.load(tmp_path / "file.pt"))
+
+
+def test_export_of_a_sharded_run_matches_its_one_file_twin(twin_runs, tmp_path, capsys):
+    pytest.importorskip("safetensors", reason="safetensors is not installed (pip install 'gputrain[export]')")
+    from safetensors.torch import load_file
+
+    from gputrain import cli
+
+    for run in ("dcp", "file"):
+        for weights in ("ema", "raw"):
+            assert cli.main(["export", str(twin_runs / run), "--weights", weights, "--out",
+                             str(tmp_path / f"{run}-{weights}.safetensors")]) == 0
+    for weights in ("ema", "raw"):
+        a, b = (load_file(tmp_path / f"{run}-{weights}.safetensors") for run in ("dcp", "file"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(*(load_file(tmp_path / f"dcp-{w}.safetensors")["net.0.weight"] for w in ("ema", "raw")))
+    if importlib.util.find_spec("onnx") is not None:
+        assert cli.main(["export", str(twin_runs / "dcp"), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 0
+        assert (tmp_path / "m.onnx").is_file()
+    capsys.readouterr()
+
+
+def test_a_damaged_sharded_checkpoint_is_refused_by_its_manifest(twin_runs, tmp_path, capsys):
+    import shutil
+
+    from gputrain import cli
+
+    run = tmp_path / "dcp"
+    shutil.copytree(twin_runs / "dcp", run)
+    shard = run / "checkpoints" / "step-000006.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli.main(["eval", str(run), "--checkpoint", str(shard.parent), "--device", "cpu"]) == 2
+    assert re.search(r"step-000006.dcp: does not verify \(__1_0.distcp: its content hash does not match",
+                     capsys.readouterr().err)
+    # best / last pass over it to the step before, and say so
+    result = _cli_json(capsys, "eval", str(run), "--json", "--device", "cpu")
+    assert result["step"] == 3 and result["checkpoint"].endswith("step-000003.dcp")
+    assert cli.main(["eval", str(run), "--device", "cpu"]) == 0
+    assert "warning: checkpoint step-000006.dcp: __1_0.distcp: its content hash" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the README's examples

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from gputrain.commands import trained
+from gputrain.commands.argtypes import positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,18 +14,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default="test", metavar="test|train|FILE",
                    help="the workload's test or train split, or a .pt file of (inputs, targets) tensors")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
 def run(args) -> int:
     from gputrain.train.inference import evaluate
-    from gputrain.workloads.from_run import run_data
+    from gputrain.workloads.run_data import run_data
 
     r = trained.load(args)
     w = r.workload
-    metrics = evaluate(r.model, run_data(r, args.data), loss_fn=w.loss_fn, compute_loss=w.compute_loss,
-                       metrics=w.metrics, task=w.task, batch_size=args.batch_size, device=args.device)
+    data = run_data(r, args.data, targets=True)
+    with data.blame("eval"):
+        metrics = evaluate(r.model, data.data, loss_fn=w.loss_fn, compute_loss=w.compute_loss, metrics=w.metrics,
+                           task=w.task, batch_size=args.batch_size, device=args.device)
     if args.json:
         print(json.dumps({"run_dir": str(r.run_dir), "checkpoint": str(r.checkpoint), "step": r.step,
                           "weights": r.weights, "data": args.data, "metrics": metrics}, indent=2))

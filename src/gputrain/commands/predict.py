@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from gputrain.commands import trained
+from gputrain.commands.argtypes import positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,22 +17,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="where the outputs go: .pt (torch.save) or .npy (default RUN_DIR/predictions.pt)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=256)
 
 
 def run(args) -> int:
     import torch
 
     from gputrain.batch import describe
-    from gputrain.train.inference import predict
-    from gputrain.workloads.from_run import run_data
+    from gputrain.errors import ConfigError
+    from gputrain.io.preflight import check_output_file
+    from gputrain.train.inference import predict, save_outputs
+    from gputrain.workloads.run_data import run_data
 
+    if args.out:  # before the model is built or run: a bad --out costs nothing
+        check_output_file(args.out, "--out", example="predictions.pt")
     r = trained.load(args)
     out = Path(args.out) if args.out else r.run_dir / "predictions.pt"
-    data = run_data(r, args.data)
+    data = run_data(r, args.data, targets=False)
     w = r.workload
-    outputs = predict(r.model, data, loss_fn=w.loss_fn, compute_loss=w.compute_loss, batch_size=args.batch_size,
-                      device=args.device, out=out)
+    with data.blame("predict"):
+        outputs = predict(r.model, data.data, loss_fn=w.loss_fn, compute_loss=w.compute_loss,
+                          batch_size=args.batch_size, device=args.device)
+    try:
+        save_outputs(outputs, out)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write the predictions ({exc.strerror or exc}); nothing was written: "
+                          "free space or choose another --out") from None
     print(trained.describe(r))
     shape = f"{tuple(outputs.shape)} {outputs.dtype}" if isinstance(outputs, torch.Tensor) else describe(outputs)
     print(f"predictions {shape} -> {out}")

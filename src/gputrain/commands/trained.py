@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `gputrain fit` (with checkpoints)")
     p.add_argument("--checkpoint", default="best", metavar="best|last|FILE",
-                   help="the run's best checkpoint (by its best_metric; the newest when none), the newest, or a file")
+                   help="the run's best checkpoint (by its best_metric; the newest when none), the newest, or a "
+                        "checkpoint: a step-N.pt file or, from a run of several processes, a step-N.dcp folder")
     p.add_argument("--weights", choices=["auto", "ema", "raw"], default="auto",
                    help="auto: the EMA weights when the run kept them (--ema), else the trained ones")
     p.add_argument("--workload", default=None,
@@ -27,8 +29,11 @@ def load(args):
         if not sep or not key:
             raise ConfigError(f"--option {item!r}: expected KEY=VALUE")
         options[key.replace("-", "_")] = value
-    return load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
-                    options=options)
+    run = load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
+                   options=options)
+    for note in run.skipped:
+        print(f"gputrain {args.command}: warning: checkpoint {note}; using {run.checkpoint.name}", file=sys.stderr)
+    return run
 
 
 def describe(run) -> str:

@@ -108,7 +108,7 @@ def predict(model: nn.Module, data: Any, *, loss_fn: Callable | None = None, com
         run_precision.restore()
     result = _concatenate(pieces)
     if out is not None:
-        _write(result, Path(out))
+        save_outputs(result, out)
     return result
 
 
@@ -126,9 +126,12 @@ def _concatenate(pieces: list[Any]) -> Any:
     return batches.unflatten(merged, spec)
 
 
-def _write(result: Any, path: Path) -> None:
+def save_outputs(result: Any, path: str | os.PathLike) -> Path:
+    """Write predict's outputs to `path`, whole or not at all: .npy (one tensor) or anything else
+    with torch.save. Raises ConfigError when .npy cannot hold them; OSError as the disk says."""
     from gputrain.io.atomic import atomic_file
 
+    path = Path(path)
     if path.suffix == ".npy":
         import numpy as np
 
@@ -137,6 +140,7 @@ def _write(result: Any, path: Path) -> None:
                               "write them to a .pt file")
         with atomic_file(path, "wb") as f:
             np.save(f, result.float().numpy() if result.dtype == torch.bfloat16 else result.numpy())
-        return
+        return path
     with atomic_file(path, "wb") as f:
         torch.save(result, f)
+    return path

@@ -4,23 +4,26 @@ The workload comes from RUN_DIR/workload.json (what `gputrain fit` was given: a 
 module:function, and its --option values), else from the checkpoint's config name. Its model is
 built fresh and takes the weights of the best checkpoint (by the run's best_metric) when there is
 one, else the newest that verifies; the EMA weights when the run kept an average (`--ema`), unless
-the raw ones are asked for.
+the raw ones are asked for. A checkpoint is a file (one process wrote it) or a sharded step-N.dcp
+folder (every process of a multi-process run wrote its part): either is verified by its hashes
+first, and the sharded one is read whole in this process (io/checkpoint_dcp.load_full), so a run
+of N processes evaluates, predicts and exports on one.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.workloads.base import Workload
 
 EMA_KEY = "EMA"  # the EMA callback's state key in checkpoints (train/ema.py)
+WORKLOAD_FILE = "workload.json"  # written by `gputrain fit` (commands/fit.py) when the run goes ahead
 
 
 @dataclass
@@ -32,40 +35,103 @@ class TrainedRun:
     checkpoint: Path
     step: int
     config: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)  # "NAME: why" of newer checkpoints that did not verify
 
 
-def checkpoint_path(run_dir: Path, which: str = "best") -> Path:
-    """The checkpoint file: `which` = "best" (falls back to the newest), "last", or a file path."""
+def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | None = None) -> Path:
+    """The checkpoint, verified: `which` = "best" (falls back to the newest), "last", or a path (a
+    checkpoint file, or a step-N.dcp folder). Newer checkpoints that do not verify are passed over
+    and listed in `skipped` ("NAME: why"). Raises ConfigError / CheckpointError saying which to
+    choose instead."""
     from gputrain.io.checkpoint_store import CheckpointStore
 
-    candidate = Path(which)
     if which not in ("best", "last"):
-        if not candidate.is_file():
-            raise ConfigError(f"--checkpoint {which}: choose best, last, or an existing checkpoint file")
-        return candidate
+        return _named_checkpoint(Path(which))
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
     store = CheckpointStore(run_dir)
+    passed_over = [] if skipped is None else skipped
     if which == "best":
         best = store.best_path()
-        if best is not None and store.verify(best) is True:
-            return best
-    path = store.find_latest()
+        if best is not None:
+            why = store.verify(best)
+            if why is True:
+                return best
+            passed_over.append(f"{best.name} (the best): {why}")
+
+    def verify(path: Path):
+        why = store.verify(path)
+        if why is not True:
+            passed_over.append(f"{path.name}: {why}")
+        return why
+
+    try:
+        path = store.find_latest(verify=verify, warn=False)
+    except CheckpointError:
+        raise CheckpointError(f"{run_dir}: no checkpoint verifies ({'; '.join(passed_over)}): each was damaged or "
+                              "changed after it was written; restore the checkpoints folder from a copy, or train "
+                              "again") from None
     if path is None:
         raise CheckpointError(f"{run_dir}: the run has no checkpoint (was it trained with --no-save?)")
-    if path.is_dir():
-        raise CheckpointError(f"{path}: a sharded (DCP) checkpoint; eval / predict / export read one-file "
-                              "checkpoints: train on one process, or convert it with torch.distributed.checkpoint")
     return path
+
+
+def _named_checkpoint(path: Path) -> Path:
+    """--checkpoint PATH: a sharded folder must match its MANIFEST.sha256, a file its .sha256 when it
+    has one (a file from elsewhere, without one, is loaded as it is)."""
+    from gputrain.io import checkpoint_dcp
+    from gputrain.io.checkpoint_store import CheckpointStore, hash_path
+
+    if path.is_dir() and not checkpoint_dcp.is_dcp(path):
+        raise ConfigError(f"--checkpoint {path}: a folder, but not a sharded checkpoint (step-N.dcp); give RUN_DIR "
+                          "with --checkpoint best or last, or a checkpoint from RUN_DIR/checkpoints/")
+    if not path.exists():
+        raise ConfigError(f"--checkpoint {path}: no such file; choose best, last, or a checkpoint file (step-N.pt) "
+                          "or folder (step-N.dcp) from RUN_DIR/checkpoints/")
+    if checkpoint_dcp.is_dcp(path) or hash_path(path).is_file():
+        why = CheckpointStore(path.parent.parent).verify(path)
+        if why is not True:
+            raise CheckpointError(f"{path}: does not verify ({why}); choose another checkpoint "
+                                  "(--checkpoint best, last, or another step)")
+    return path
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint whole, as a one-file checkpoint holds it: a step-N.dcp folder is read in this
+    process (every rank's part gathered into full tensors)."""
+    from gputrain.io import checkpoint_dcp
+    from gputrain.io.checkpoint import load_checkpoint
+
+    if not checkpoint_dcp.is_dcp(path):
+        return load_checkpoint(path)
+    try:
+        return checkpoint_dcp.load_full(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DCP's reader fails in its own words (CheckpointException, ...)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({first}); choose another "
+                              "(--checkpoint last, or another step)") from exc
+
+
+def recorded_workload(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/workload.json as {"workload": spec, "options": {...}, "name": ...}; None when absent or
+    unreadable."""
+    try:
+        data = json.loads((run_dir / WORKLOAD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("workload"), str):
+        return None
+    options = data.get("options")
+    return {**data, "options": dict(options) if isinstance(options, dict) else {}}
 
 
 def workload_spec(run_dir: Path, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(workload name or module:function, its options) the run was trained with."""
-    try:
-        data = json.loads((run_dir / "workload.json").read_text())
-        return str(data["workload"]), dict(data.get("options") or {})
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    recorded = recorded_workload(run_dir)
+    if recorded is not None:
+        return recorded["workload"], recorded["options"]
     name = config.get("name")
     if not name:
         raise ConfigError(f"{run_dir}: cannot tell which workload trained this run (no workload.json, no name in "
@@ -80,14 +146,15 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
     weights: "auto" (EMA when the run kept one, else raw), "ema" (an error when there is none) or "raw".
     workload / options: override what RUN_DIR/workload.json says.
     """
-    from gputrain.io.checkpoint import check_model_state, load_checkpoint
+    from gputrain.io.checkpoint import check_model_state
     from gputrain.workloads import resolve_workload
 
     if weights not in ("auto", "ema", "raw"):
         raise ConfigError(f"weights must be auto, ema or raw, got {weights!r}")
     run_dir = Path(run_dir)
-    path = checkpoint_path(run_dir, checkpoint)
-    state = load_checkpoint(path)
+    skipped: list[str] = []
+    path = checkpoint_path(run_dir, checkpoint, skipped)
+    state = read_checkpoint(path)
     config = dict(state.get("config") or {})
     spec, saved_options = workload_spec(run_dir, config) if workload is None else (workload, {})
     wl = resolve_workload(spec, **{**saved_options, **(options or {})})
@@ -97,37 +164,24 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
         raise ConfigError(f"{path}: this run kept no EMA of its weights (train with --ema DECAY); use the raw weights")
     use_ema = bool(ema) and weights != "raw"
     weights_state = ema["weights"] if use_ema and ema is not None else state["model"]
-    check_model_state(weights_state, model, path=str(path))
+    try:
+        check_model_state(weights_state, model, path=str(path))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{_which_workload_hint(run_dir, config, spec, workload)}") from None
     model.load_state_dict(weights_state)
     model.eval()
     step = int(state.get("step", (state.get("run") or {}).get("step", 0)))
-    return TrainedRun(run_dir, wl, model, "ema" if use_ema else "raw", path, step, config)
+    return TrainedRun(run_dir, wl, model, "ema" if use_ema else "raw", path, step, config, skipped)
 
 
-def run_data(run: TrainedRun, which: str) -> Any:
-    """The data to evaluate or predict on: "test" / "train" (the workload's splits, with its
-    normalization), or a file of tensors: .pt (torch.load, weights_only) or .npy (the inputs)."""
-    from gputrain.data.splits import DataSplits
+def _which_workload_hint(run_dir: Path, config: dict[str, Any], spec: str, given: str | None) -> str:
+    """Where the workload that does not fit came from, and how to name the right one."""
+    from gputrain.workloads.registry import WORKLOADS
 
-    if which in ("test", "train"):
-        splits = run.workload.make_data()
-        if which == "test":
-            if splits.test is None:
-                raise ConfigError(f"{run.workload.name} has no test split: use --data train or a file")
-            return splits
-        return DataSplits(train=splits.train, test=splits.train, mean=splits.mean, std=splits.std,
-                          transform_key=splits.transform_key)
-    path = Path(which)
-    if not path.is_file():
-        raise ConfigError(f"--data {which}: use test, train, or a .pt / .npy file of inputs")
-    if path.suffix == ".npy":
-        import numpy as np
-
-        data: Any = torch.from_numpy(np.load(path))
-    else:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    # Raw data in the workload's stored units (uint8 images, say) get its normalization.
-    splits = run.workload.make_data() if isinstance(data, torch.Tensor) or isinstance(data, (tuple, list, dict)) else None
-    if splits is not None and splits.mean is not None:
-        return DataSplits(train=data, test=data, mean=splits.mean, std=splits.std, transform_key=splits.transform_key)
-    return data
+    trained = config.get("name")  # a user workload's name is not its module:function, so only built-ins
+    source = "--workload" if given is not None else f"{run_dir / WORKLOAD_FILE}" if \
+        recorded_workload(run_dir) is not None else "the checkpoint's config"
+    if trained in WORKLOADS and trained != spec:
+        return (f"; {source} names {spec}, but the checkpoint was trained as {trained}: pass --workload {trained}"
+                f"{' (or correct ' + WORKLOAD_FILE + ')' if given is None else ''}")
+    return f"; the model was built from {spec} ({source}): pass --workload with the workload this run trained"
