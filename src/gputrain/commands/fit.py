@@ -139,6 +139,14 @@ def _latest_run(workload_name: str) -> Path | None:
     return runs[-1] if runs else None
 
 
+def resumed_run_dir(path: Path) -> Path:
+    """The run directory of a --resume target: the folder itself, or the run a checkpoint
+    (RUN_DIR/checkpoints/step-N.pt or .dcp, or an older RUN_DIR/checkpoint.pt) belongs to."""
+    if path.is_dir() and not path.name.endswith(".dcp"):
+        return path
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
@@ -194,14 +202,11 @@ def build_config(args, workload):
             run_dir = str(latest)
         elif isinstance(resume, str):
             path = Path(resume)
-            if path.is_dir() and path.name.endswith(".dcp"):  # one sharded checkpoint: RUN_DIR/checkpoints/step-N.dcp
-                run_dir = run_dir or str(path.parent.parent)
-            elif path.is_dir():
-                run_dir, resume = str(path), True
-            elif path.is_file():
-                run_dir = run_dir or str(path.parent)
-            else:
+            if not path.exists():
                 raise ConfigError(f"--resume {resume}: no such run directory or checkpoint file")
+            if path.is_dir() and not path.name.endswith(".dcp"):
+                resume = True
+            run_dir = run_dir or str(resumed_run_dir(path))
         if run_dir is None:
             run_dir = str(Path("runs") / _safe(workload.name) / time.strftime("%Y%m%d-%H%M%S"))
         values["run_dir"] = run_dir
@@ -231,15 +236,17 @@ def run(args) -> int:
     _setup_logging(args.quiet or args.json, is_main)
     from gputrain.workloads import resolve_workload
 
-    name = args.workload or DEFAULT_WORKLOAD
     options = {"data_dir": args.data_dir} if args.data_dir else {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. --option n=2000")
         options[key.replace("-", "_")] = value
+    name, options = _workload_to_train(args, options)
     workload = resolve_workload(name, **options)
     config = build_config(args, workload)
+    if config.run_dir:
+        _check_run_dir_owner(Path(config.run_dir), name, workload.name)
     full_batch = workload.full_batch and args.batch_size is None
     if args.batch_size == "auto":
         config = _auto_batch_size(workload, config)
@@ -260,9 +267,15 @@ def run(args) -> int:
     from gputrain.train import fit_workload
 
     callbacks = _callbacks(args)
-    if config.run_dir and is_main:
-        _record_workload(Path(config.run_dir), name, options)
-    history, _model = fit_workload(workload, config, full_batch=full_batch, callbacks=callbacks)
+    run_dir = Path(config.run_dir) if config.run_dir and is_main else None
+    made = _missing_folders(run_dir) if run_dir is not None else []
+    try:
+        # workload.json once every check passed (a resume's checkpoint fits): a refused run writes nothing.
+        history, _model = fit_workload(workload, config, full_batch=full_batch, callbacks=callbacks, on_ready=(
+            None if run_dir is None else lambda: _record_workload(run_dir, name, workload.name, options)))
+    except BaseException:
+        _remove_if_empty(made)  # the folders a refused run made for itself (preflight creates the run directory)
+        raise
     if not is_main:
         return 0
     summary = dict(history.summary)
@@ -348,13 +361,59 @@ def _callbacks(args) -> list:
     return callbacks
 
 
-def _record_workload(run_dir: Path, spec: str, options: dict) -> None:
-    """RUN_DIR/workload.json: what `gputrain eval / predict / export RUN_DIR` rebuild the model from."""
+def _workload_to_train(args, options: dict) -> tuple[str, dict]:
+    """(workload spec, options) this command trains: as given, else (resuming a run) the run's own
+    from its workload.json, else the default. A resume without --option keeps the run's options."""
+    from gputrain.workloads.from_run import recorded_workload
+
+    target = Path(args.run_dir) if args.run_dir else \
+        resumed_run_dir(Path(args.resume)) if isinstance(args.resume, str) and Path(args.resume).exists() else None
+    recorded = recorded_workload(target) if args.resume and target is not None else None
+    name = args.workload or (recorded["workload"] if recorded else DEFAULT_WORKLOAD)
+    if recorded and recorded["workload"] == name and not options:
+        options = dict(recorded["options"])
+    return name, options
+
+
+def _check_run_dir_owner(run_dir: Path, spec: str, name: str) -> None:
+    """Refuse, before anything is written, a run directory that another workload's run owns (its
+    workload.json says so): training or resuming there would mix two models' checkpoints."""
+    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload
+
+    recorded = recorded_workload(run_dir)
+    if recorded is None or recorded["workload"] == spec or recorded.get("name") == name:
+        return
+    owner = recorded["workload"]
+    raise ConfigError(f"{run_dir} belongs to a run of {owner} ({run_dir / WORKLOAD_FILE}), not {spec}: resume it with "
+                      f"`gputrain fit {owner} --resume {run_dir}`, or start a new run of {spec} with another "
+                      "--run-dir (or none, for one under runs/)")
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first; rmdir refuses a folder that holds anything
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _record_workload(run_dir: Path, spec: str, name: str, options: dict) -> None:
+    """RUN_DIR/workload.json: what `gputrain eval / predict / export RUN_DIR` rebuild the model from,
+    and what tells a later `gputrain fit` whose run directory this is."""
     from gputrain.io.atomic import atomic_file
+    from gputrain.workloads.from_run import WORKLOAD_FILE
 
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_file(run_dir / "workload.json", "w") as f:
-            f.write(json.dumps({"workload": spec, "options": options}, indent=2) + "\n")
+        with atomic_file(run_dir / WORKLOAD_FILE, "w") as f:
+            f.write(json.dumps({"workload": spec, "name": name, "options": options}, indent=2) + "\n")
     except OSError:
         return  # the run's preflight (io/preflight.py) says what is wrong with the directory, and how to fix it

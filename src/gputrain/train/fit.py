@@ -42,11 +42,20 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
     config: TrainConfig; None means the defaults. Raises ConfigError / DeviceError / DataError /
     CheckpointError with a message saying what to change.
     """
-    trainer = Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
-                      config=config, eval_data=eval_data, task=task, metrics=metrics, num_items=num_items,
-                      callbacks=callbacks, scheduler=scheduler, collate_fn=collate_fn)
+    return _train(lambda: Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
+                                  config=config, eval_data=eval_data, task=task, metrics=metrics,
+                                  num_items=num_items, callbacks=callbacks, scheduler=scheduler,
+                                  collate_fn=collate_fn))
+
+
+def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | None = None) -> History:
+    """Set up a trainer, call `on_ready`, run it, and release it and its process group, also on an
+    error. The trainer is made here so that this frame holds its only reference (see the `del`)."""
+    trainer = make_trainer()
     info = trainer.dist
     try:
+        if on_ready is not None:
+            on_ready()
         return trainer.run()
     finally:
         trainer.close()
@@ -68,13 +77,18 @@ def workload_config(workload, config: TrainConfig | None = None, full_batch: boo
 
 
 def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None, *,
-                 callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None
-                 ) -> tuple[History, nn.Module]:
-    """Train a Workload with its defaults under `config`; returns (history, trained model)."""
+                 callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> tuple[History, nn.Module]:
+    """Train a Workload with its defaults under `config`; returns (history, trained model).
+
+    on_ready: called once the run is set up and every check passed (a resume's checkpoint loaded
+    and found to fit), before the first step: where a caller writes what belongs to a run that goes
+    ahead (the CLI's RUN_DIR/workload.json), so that a refused run leaves nothing behind.
+    """
     config = workload_config(workload, config, full_batch)
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     data = workload.make_data()
     model = workload.make_model()
-    history = fit(model, data, config=config, task=workload.task, callbacks=callbacks, scheduler=scheduler,
-                  **workload.loss_kwargs())
+    history = _train(lambda: Trainer(model, data, config=config, task=workload.task, callbacks=callbacks,
+                                     scheduler=scheduler, **workload.loss_kwargs()), on_ready)
     return history, model
