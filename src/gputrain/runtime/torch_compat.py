@@ -61,19 +61,18 @@ class Private:
 
 
 def _attribute(path: str) -> Callable[[], Any]:
-    """A finder for `package.module.attr` (the longest importable prefix, then attributes)."""
+    """A finder for `package.module.attr`: attributes from `torch` down, importing a submodule where
+    no attribute of that name is there yet (no failed imports: they search the disk)."""
 
     def find() -> Any:
         parts = path.split(".")
-        for i in range(len(parts) - 1, 0, -1):
+        obj = importlib.import_module(parts[0])
+        for i, name in enumerate(parts[1:], start=2):
             try:
-                obj = importlib.import_module(".".join(parts[:i]))
-            except ImportError:
-                continue
-            for name in parts[i:]:
                 obj = getattr(obj, name)
-            return obj
-        raise ImportError(f"no module of {path} can be imported")
+            except AttributeError:
+                obj = importlib.import_module(".".join(parts[:i]))
+        return obj
 
     return find
 
