@@ -41,10 +41,12 @@ Which untaken branches are CUDA-only (the rule)
    The condition is read with `ast`; `not`, `and`, `or` and `:=` are followed (an `and` that is true
    implies CUDA when one operand does; an `or` that is false when one operand's falsehood does; `not`
    swaps the side). The atoms that imply CUDA:
-   - a CUDA word is true: a name, attribute or called function whose identifier has `cuda` or `nccl`
-     as an underscore-separated part (`torch.cuda.is_available()`, `x.is_cuda`, `_cuda_available()`,
-     `speed.cuda_graphs`, `torch.version.cuda`), or is `use_scaler` / `pin_memory` (fp16's GradScaler
-     and pinned host memory are CUDA-only in gputrain); `X is True`, `X is not None`, `X > 0`,
+   - a CUDA word is true: a name, attribute or called function whose identifier has `cuda`, `nccl`,
+     `gpu` or `gpus` as an underscore-separated part (`torch.cuda.is_available()`, `x.is_cuda`,
+     `_cuda_available()`, `speed.cuda_graphs`, `torch.version.cuda`, `on_gpu`, `gpu is not None`; in
+     gputrain a "gpu" is a CUDA device), or is `use_scaler` / `pin_memory` (fp16's GradScaler and
+     pinned host memory are CUDA-only in gputrain), and no part says no (`no`, `not`, `non`,
+     `without`: `why_no_gpu()`); `X is True`, `X is not None`, `X > 0`,
      `X >= 1`, `X != 0` of a CUDA word (a count: any side on which it is surely above 0) count as
      true, `X is None`, `X == 0`, `X < 1` as false; not a
      setting (a path through `config`, `cfg`, `args`, `options`, `opts`, `settings`: `cfg.cuda_graphs`
@@ -85,6 +87,7 @@ ID_RE = re.compile(r"^\S+\.py::\S+: (?:if|elif|while|for|match) .+ -> .+$")
 TAG_RE = re.compile(r"#\s*(not-)?cuda-only\b")
 CUDA_WORDS = {"use_scaler", "pin_memory"}
 SETTINGS = {"config", "cfg", "args", "options", "opts", "settings"}
+NEGATIONS = {"no", "not", "non", "without"}
 GPU_STRINGS = re.compile(r"^(cuda(:\d+)?|nccl|mps)$")
 
 
@@ -141,7 +144,13 @@ def _cuda_word(node: ast.AST) -> bool:
     parts = _path(node)
     if SETTINGS & set(parts[1:]):
         return False  # what was asked for (the CPU may be asked too, and refuse), not what the device is
-    return any(p in CUDA_WORDS or {"cuda", "nccl"} & set(p.lower().split("_")) for p in parts)
+    for p in parts:
+        words = set(p.lower().split("_"))
+        if words & NEGATIONS:
+            return False  # why_no_gpu(), no_cuda: true when there is none
+        if p in CUDA_WORDS or words & {"cuda", "nccl", "gpu", "gpus"}:
+            return True
+    return False
 
 
 def _strings(node: ast.AST) -> list[str] | None:

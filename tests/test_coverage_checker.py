@@ -172,6 +172,8 @@ def test_an_untaken_branch_listed_by_hand_passes_and_names_survive_edits_elsewhe
     ("self.speed.cuda_graphs", True, True),
     ("cfg.cuda_graphs is True", True, False),  # what the user asked for: a CPU run may be asked too
     ("isinstance(lr, torch.Tensor)", True, False), ("self.graphed", True, False),
+    ("gpu is None", False, True), ("on_gpu", True, True), ("not gpus", False, True),
+    ("why_no_gpu()", True, False), ("args.no_cuda", False, False),  # a "no" in the name: true when there is none
 ])
 def test_the_pattern_reads_which_way_of_a_condition_implies_cuda(condition, truth, cuda):
     assert bool(branches.implies_cuda(ast.parse(condition, mode="eval").body, truth)) is cuda
