@@ -5,7 +5,12 @@ and asserts what it does there. All skip without CUDA (tests/conftest.py); `make
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +255,40 @@ def test_adamw_without_the_fused_kernel_is_foreach_on_cuda_and_steps_as_the_for_
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     assert torch.allclose(params(a), params(b), atol=1e-6)
+
+
+TWO_RANKS = """
+import json, sys, torch
+from gputrain.runtime import distributed as D
+
+info, device = D.init_distributed("cuda")
+model = D.wrap_model(torch.nn.Linear(4, 2).to(device), info, device)
+x = torch.ones(8, 4, device=device) * (info.rank + 1)
+model(x).sum().backward()  # DDP all-reduces the gradients over NCCL
+mean = D.all_reduce_mean(torch.tensor([float(info.rank)], device=D._collective_device(info)), info)
+json.dump({"backend": info.backend, "device": str(device), "device_ids": list(model.device_ids),
+           "grad": D.unwrap(model).weight.grad[0].tolist(), "mean": mean.tolist()},
+          open(f"{sys.argv[1]}/rank{info.rank}.json", "w"))
+D.cleanup(info)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs: NCCL runs one process on each")
+def test_two_ranks_on_two_gpus_join_nccl_and_ddp_binds_each_to_its_gpu(tmp_path):
+    """runtime/distributed.py's init_distributed under torchrun (NCCL, bound to the rank's GPU) and
+    wrap_model's DDP with device_ids, which no one-GPU machine can run."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
+                                                      env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                           str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["backend"] == "nccl" and seen["device"] == f"cuda:{rank}" and seen["device_ids"] == [rank]
+        assert seen["grad"] == pytest.approx([8 * 1.5] * 4)  # the mean of 8 x (rank + 1) over both ranks
+        assert seen["mean"] == pytest.approx([0.5])
