@@ -31,6 +31,10 @@ def test_epoch_ends_are_worked_out_from_the_step_count():
     assert [s for s in range(1, 21) if by_steps.due(s)] == [7, 14, 20]
     no_length = EvalPoints(None, batches_per_epoch=None, accumulate=1, total_steps=10, log_every=4)
     assert [s for s in range(1, 11) if no_length.due(s)] == [4, 8, 10]
+    # Epochs shorter than the log interval (full batch: one step each): at each log point, not every step.
+    short = EvalPoints(None, batches_per_epoch=1, accumulate=1, total_steps=250, log_every=100)
+    assert [s for s in range(1, 251) if short.due(s)] == [100, 200, 250] and short.next_after(0) == 100
+    assert "an epoch (1 steps) is shorter than log_every" in short.describe()[1]
     none = EvalPoints(None, 6, 1, 12, 4, has_eval=False)
     assert not any(none.due(s) for s in range(1, 13)) and none.next_after(0) == 13
     assert every_6.describe()[0] == "at each epoch end, every 6 steps, and at the run's end"
@@ -78,6 +82,12 @@ class _Batches:
     def __iter__(self):
         for i in range(0, len(self.x), 16):
             yield self.x[i:i + 16], self.y[i:i + 16]
+
+
+def test_a_full_batch_run_evaluates_at_its_log_points_not_every_step():
+    x, y = data(96)
+    h = _fit(x, y, batch_size=96, epochs=30, log_every=10)  # 30 one-step epochs
+    assert _evaluated(h) == [10, 20, 30] and [r["step"] for r in h.records] == [10, 20, 30]
 
 
 def test_data_without_a_length_evaluate_at_every_log_point_and_say_so():

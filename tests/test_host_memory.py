@@ -44,6 +44,7 @@ def test_the_advice_needs_faults_that_matter_for_the_step_and_says_this_runs_fig
     assert advice is not None and advice.startswith("the training steps took 1,000 minor page faults each")
     assert "1.00 us" in advice and "1.00 ms of each 10.00 ms step (10%)" in advice and TUNABLES in advice
     assert "1.08x" not in advice and "text model" not in advice  # another run's measurement is not quoted
+    assert "trims its heap" not in advice and "can give a step's freed memory back" in advice  # not stated as fact
     # The same faults in a 1 s step (0.1%), or too few to measure: nothing to say.
     assert allocator_advice(1000.0, 1.0, 1e-6) is None
     share_just_below = ADVISE_FROM_SHARE * 0.99

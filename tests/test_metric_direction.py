@@ -91,12 +91,13 @@ def test_a_run_reports_its_lowest_ema_loss_as_best_and_says_where_it_guessed(tmp
 def test_metric_modes_state_a_direction_for_the_summary_early_stopping_and_the_best_checkpoint(tmp_path):
     x, y = data(192)
     stop = EarlyStopping("eval_margin_spread", patience=100)
-    cfg = TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, run_dir=str(tmp_path / "run"),
+    cfg = TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, log_every=6, run_dir=str(tmp_path / "run"),
                       metric_modes={"eval_margin_spread": "min"}, best_metric="eval_margin_spread",
                       checkpoint_every=6, keep_last=1)
     h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[:64], y[:64]), callbacks=[stop],
             metrics={"margin": _margin}, config=cfg)
     spreads = {r["step"]: r["eval_margin_spread"] for r in h.records if "eval_margin_spread" in r}
+    assert list(spreads) == [6, 12, 18] and min(spreads.values()) != spreads[18]  # the best is not the last
     assert h.summary["best_eval_margin_spread"] == min(spreads.values())
     assert stop.mode == "min" and stop.best == min(spreads.values())
     best = CheckpointStore(tmp_path / "run").best_record()
@@ -111,9 +112,10 @@ def test_a_torchmetrics_metric_decides_by_its_higher_is_better(tmp_path):
     stop = EarlyStopping("eval_calib", patience=100)  # nothing in the name says which way: the metric does
     h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[:64], y[:64]), callbacks=[stop],
             metrics={"calib": MulticlassCalibrationError(num_classes=3)},
-            config=TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, run_dir=str(tmp_path / "run"),
+            config=TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, log_every=6, run_dir=str(tmp_path / "run"),
                                best_metric="eval_calib", checkpoint_every=6))
     values = [r["eval_calib"] for r in h.records if "eval_calib" in r]
+    assert len(values) == 3 and len(set(values)) == 3
     assert h.summary["best_eval_calib"] == min(values) and stop.mode == "min"
     assert h.summary["metric_directions"]["eval_calib"] == {"mode": "min", "by": "metric"}
     record = json.loads((tmp_path / "run" / "checkpoints" / "index.json").read_text())["best"]

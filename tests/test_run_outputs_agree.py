@@ -35,12 +35,12 @@ def run(tmp_path_factory):
     from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
     run_dir = tmp_path_factory.mktemp("agree") / "run"
-    x, y = data(240)
-    torch.manual_seed(0)
-    h = fit(mlp(), (x[:192], y[:192]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[192:], y[192:]),
+    x, y = data(288)
+    torch.manual_seed(0)  # 224 training samples: 7 steps of 32 an epoch, log points every 5 steps
+    h = fit(mlp(), (x[:224], y[:224]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[224:], y[224:]),
             callbacks=[EMA(0.9)], metrics={"acc": MulticlassAccuracy(num_classes=3, average="micro"),
                                            "calib": MulticlassCalibrationError(num_classes=3), "margin": _margin},
-            config=TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, log_every=7, run_dir=str(run_dir),
+            config=TrainConfig(device="cpu", batch_size=32, epochs=3, lr=1e-2, log_every=5, run_dir=str(run_dir),
                                loggers=("csv", "tensorboard")))
     saved = json.loads((run_dir / "history.json").read_text())
     return run_dir, saved["records"], saved["summary"], h
@@ -59,14 +59,15 @@ def test_the_summary_recomputed_from_the_records(run):
         values = [r[key] for r in records if key in r]
         assert s[f"final_{key}"] == values[-1], key
         assert s[f"best_{key}"] == (min(values) if key in LOWER else max(values)), key
-    assert s["steps"] == records[-1]["step"] == s["total_steps"] == 18  # 3 epochs of 6 steps
+    assert s["steps"] == records[-1]["step"] == s["total_steps"] == 21  # 3 epochs of 7 steps
+    assert [r["step"] for r in records] == [5, 7, 10, 14, 15, 20, 21]  # log points and epoch ends
     evaluated = [r["step"] for r in records if "eval_loss" in r]
-    assert evaluated == [6, 12, 18] and s["evaluations"] == 3  # at each epoch end
+    assert evaluated == [7, 14, 21] and s["evaluations"] == 3  # at each epoch end
     assert s["final_loss"] == records[-1]["loss"]
     rates = [r["samples_per_s"] for r in records]
     assert s["samples_per_s_how"] == "median of the log points' samples/s after the first"
-    assert len(rates) == 5 and s["samples_per_s"] == statistics.median(rates[1:])  # the mean of the middle two
-    assert s["samples"] == 18 * 32
+    assert len(rates) == 7 and s["samples_per_s"] == statistics.median(rates[1:])  # the mean of the middle two
+    assert s["samples"] == 21 * 32
 
 
 def test_the_terminal_table_and_report_html_show_the_summarys_figures(run):
@@ -80,7 +81,7 @@ def test_the_terminal_table_and_report_html_show_the_summarys_figures(run):
         assert f"<td class='k'>{html.escape(row)}</td><td>{rows[row]}</td>" in page, key
         # the headline card: the final value
         assert f"<div class='l'>final {key.replace('_', ' ')}</div><div class='v'>{s[f'final_{key}']:.4g}</div>" in page
-    assert rows["steps"] == "18 of 18" and rows["evaluations"].startswith("3 (at each epoch end")
+    assert rows["steps"] == "21 of 21" and rows["evaluations"].startswith("3 (at each epoch end")
     assert rows["samples/s"] == f"{s['samples_per_s']:,.0f} (median of the log points' samples/s after the first)"
     for label, value in summary_rows(s):  # every row of the terminal table is in the page
         assert f"<td class='k'>{html.escape(label)}</td><td>{html.escape(value)}</td>" in page, label

@@ -31,7 +31,8 @@ class TrainConfig:
     # reporting
     log_every: int = 50  # optimizer steps between reads of the loss (the only host syncs)
     # optimizer steps between evaluations (each one a log point too), and at the run's end; None: at
-    # each epoch end and the run's end, or, for data without a length (no epoch ends), at every log point
+    # each epoch end and the run's end; at every log point where an epoch is shorter than log_every
+    # (a full-batch run) or the data have no length (no epoch ends)
     eval_every: int | None = None
     # which way a metric improves, where gputrain's rule (gputrain/metric_direction.py) would guess:
     # {"eval_margin": "min"}; a key without "ema_" covers its EMA twin (eval_ema_margin) too

@@ -1,5 +1,7 @@
 """When a run evaluates: at the steps `TrainConfig.eval_every` names, else at each epoch end, and at
-the run's end; for data without a length (no epoch ends), at every log point.
+the run's end. Epochs shorter than the log interval (a full-batch run's one-step epochs) are
+evaluated at each log point instead, at most once a log interval, as are data without a length
+(no epoch ends).
 
 Each evaluation step is a log point too (the loss is read there as well), so an epoch that ends
 between two log points still gets its evaluation at its end. The steps are whole numbers worked out
@@ -22,6 +24,8 @@ class EvalPoints:
                  log_every: int, has_eval: bool = True):
         self.every, self.batches, self.accumulate = eval_every, batches_per_epoch, accumulate
         self.total_steps, self.log_every, self.has_eval = total_steps, log_every, has_eval
+        # epoch ends when an epoch is at least a log interval; else (or without a length) log points
+        self.at_epoch_ends = batches_per_epoch is not None and batches_per_epoch / accumulate >= log_every
 
     def _epoch_end_after(self, step: int) -> int:
         """The first step after `step` whose batches finish an epoch: ceil(k * batches / accumulate)."""
@@ -35,7 +39,7 @@ class EvalPoints:
             return self.total_steps + 1
         if self.every is not None:
             due = (step // self.every + 1) * self.every
-        elif self.batches is not None:
+        elif self.at_epoch_ends:
             due = self._epoch_end_after(step)
         else:
             due = (step // self.log_every + 1) * self.log_every
@@ -53,10 +57,15 @@ class EvalPoints:
             return "none", "no eval data"
         if self.every is not None:
             return f"every {self.every} steps and at the run's end", f"TrainConfig.eval_every={self.every}"
-        if self.batches is not None:
-            per = self.batches / self.accumulate
+        if self.at_epoch_ends:
+            per = (self.batches or 1) / self.accumulate
             return (f"at each epoch end, every {per:.4g} steps, and at the run's end",
                     "the default (eval_every unset) for data with a length")
+        if self.batches is not None:
+            per = self.batches / self.accumulate
+            return (f"at every log point (every {self.log_every} steps) and at the run's end",
+                    f"the default (eval_every unset): at each epoch end, at most once a log interval; an epoch "
+                    f"({per:.4g} steps) is shorter than log_every")
         return (f"at every log point (every {self.log_every} steps) and at the run's end",
                 "the default (eval_every unset) for data without a length: no epoch ends to evaluate at; "
                 "set eval_every to evaluate less often")

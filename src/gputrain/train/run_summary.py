@@ -76,7 +76,7 @@ def announce(t) -> None:
         log.info("evaluation: %s (%s)", *_evaluation(t))
     batch = getattr(t, "batch_size", t.config.batch_size)  # the data's own (a user DataLoader's), None: the iterable's
     log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optimizer_desc, t.total_steps,
-             batch if batch is not None else "the iterable's own batches", t.config.accumulate,
+             batch if batch is not None else "the data's own batches", t.config.accumulate,
              " samples" if batch is not None else "",
              f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
     for row in t.speed.decisions():
