@@ -292,3 +292,14 @@ def test_two_ranks_on_two_gpus_join_nccl_and_ddp_binds_each_to_its_gpu(tmp_path)
         assert seen["backend"] == "nccl" and seen["device"] == f"cuda:{rank}" and seen["device_ids"] == [rank]
         assert seen["grad"] == pytest.approx([8 * 1.5] * 4)  # the mean of 8 x (rank + 1) over both ranks
         assert seen["mean"] == pytest.approx([0.5])
+
+
+@pytest.mark.gpu
+def test_the_benchmarks_find_the_gpu_themselves_when_no_device_is_named():
+    """bench/common.py's accelerators("auto") on a GPU machine (the smoke and the bench tests name cuda)."""
+    from gputrain.bench.common import accelerators
+
+    gpus, why_none = accelerators("auto")
+    assert why_none is None and len(gpus) == 1 and gpus[0].type == "cuda"
+    every, _ = accelerators("auto", every_gpu=True)
+    assert every == [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
