@@ -5,8 +5,8 @@ Reads coverage.py's JSON report with branch data (7.x, `branch = true`: per file
 `executed_branches` / `missing_branches`; `make coverage` writes coverage-out/coverage.json) and the
 source files it names, and prints one line per untaken branch:
 
-    cuda   runtime/devices.py::seed_run: if device.type == 'cuda' -> true   (line 218; device.type == 'cuda')
-    other  data/stream.py::DataPosition.load: if state is None -> true   (line 88)
+    cuda   runtime/devices.py::synchronizer: if device.type == 'cuda' -> true   (line 297; device.type == 'cuda')
+    other  train/early_stopping.py::EarlyStopping.improved: if self.mode == 'min' -> false   (line 61)
 
 The checklist check (`--checklist docs/gpu_checklist.md`) exits 1 naming each CUDA-only untaken
 branch that the page lacks and each branch the page names that is no longer an untaken branch
@@ -25,7 +25,7 @@ left out (they run at import).
 
 The name of a branch
 --------------------
-`PATH::QUALNAME: KEYWORD CONDITION -> SIDE`, e.g. `train/ema.py::EMA.on_step: if self.graphed -> true`:
+`PATH::QUALNAME: KEYWORD CONDITION -> SIDE`, e.g. `train/optim.py::make_optimizer: elif device.type == 'cuda' -> true`:
 PATH relative to the package, QUALNAME coverage.py's dotted name of the function, the condition as
 `ast.unparse` writes it (so reformatting and edits elsewhere in the file leave the name alone), SIDE
 `true`/`false` for `if`/`elif`/`while`, `body`/`exit` for `for`, `case PATTERN` for `match`. A
@@ -45,12 +45,11 @@ Which untaken branches are CUDA-only (the rule)
      `gpu` or `gpus` as an underscore-separated part (`torch.cuda.is_available()`, `x.is_cuda`,
      `_cuda_available()`, `speed.cuda_graphs`, `torch.version.cuda`, `on_gpu`, `gpu is not None`; in
      gputrain a "gpu" is a CUDA device), or is `use_scaler` / `pin_memory` (fp16's GradScaler and
-     pinned host memory are CUDA-only in gputrain), and no part says no (`no`, `not`, `non`,
-     `without`: `why_no_gpu()`); `X is True`, `X is not None`, `X > 0`,
-     `X >= 1`, `X != 0` of a CUDA word (a count: any side on which it is surely above 0) count as
-     true, `X is None`, `X == 0`, `X < 1` as false; not a
-     setting (a path through `config`, `cfg`, `args`, `options`, `opts`, `settings`: `cfg.cuda_graphs`
-     is what the user asked for, which a CPU run may be asked too);
+     pinned host memory are CUDA-only in gputrain); no part says no (`no`, `not`, `non`, `without`:
+     `why_no_gpu()`), and it is not a setting (a path through `config`, `cfg`, `args`, `options`,
+     `opts`, `settings`: `cfg.cuda_graphs` is what the user asked for, which a CPU run may be asked
+     too). `X is True`, `X is not None`, `X > 0`, `X >= 1`, `X != 0` of a CUDA word (a count: any
+     side on which it is surely above 0) count as true; `X is None`, `X == 0`, `X < 1` as false;
    - a comparison with GPU strings: `X == 'cuda'`, `X in ('cuda', 'mps')`, `X.startswith('cuda')`
      true (every string is `cuda...`, `nccl` or `mps`; `!=` / `not in` false), and a device type that
      is not the CPU: `X.type != 'cpu'` true, `X.type == 'cpu'` false (X ending in `type` or naming a
