@@ -64,14 +64,24 @@ class FailsWhenAsked(nn.Module):
         return self.fc(x)
 
 
+def _columns():  # dict batches: {"x": (N, 4) float32, "labels": (N,) int64}
+    x, y = _data().train
+    return DataSplits(train={"x": x, "labels": y}, test={"x": x[:16], "labels": y[:16]})
+
+
+def _loss(model, batch):
+    logits = model(batch["x"])
+    return nn.functional.cross_entropy(logits, batch["labels"]), logits
+
+
 def unexportable():
     return Workload(name="unexportable", description="test", make_data=_data, make_model=Unexportable,
                     loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 16})
 
 
 def fails_when_asked():
-    return Workload(name="fails-when-asked", description="test", make_data=_data, make_model=FailsWhenAsked,
-                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 16})
+    return Workload(name="fails-when-asked", description="test", make_data=_columns, make_model=FailsWhenAsked,
+                    loss_fn=None, compute_loss=_loss, task=None, defaults={"batch_size": 16})
 '''
 
 
@@ -213,6 +223,11 @@ CASES = [
          r"different numbers of samples \(inputs 5, targets 4\)", run="digits"),
     Case("eval-labels-out-of-range", ("eval", "digits", "--data", "labels-out-of-range.pt"),
          r"the model failed on it .*targets in \[12, 12\] where digits-cnn's are in \[0, 9\]", run="digits"),
+    Case("eval-tensor-for-a-dict-workload", ("eval", "fails", "--data", "images.pt"),
+         r"holds inputs \(5, 1, 8, 8\) uint8, but fails-when-asked's data are a dict of tensors \(x \(N, 4\) float32, "
+         r"labels \(N,\) int64\); save a dict of tensors with the same keys", run="fails"),
+    Case("eval-dict-without-the-labels", ("eval", "fails", "--data", "dict.pt"),
+         r"the dict has no 'labels' \(fails-when-asked's data: x \(N, 4\) float32, labels \(N,\) int64\)", run="fails"),
     Case("eval-missing-checkpoint-file", ("eval", "digits", "--checkpoint", "step-9.pt"),
          r"--checkpoint step-9.pt: no such file", run="digits"),
     Case("eval-checkpoint-folder", ("eval", "digits", "--checkpoint", "digits/checkpoints"),
@@ -353,6 +368,6 @@ def test_the_users_model_failing_keeps_its_traceback_with_a_note(work: Path):
         proc = gputrain(work, *argv, GPUTRAIN_TEST_MODEL_FAILS="1")
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" in proc.stderr and "RuntimeError: the user's model failed on purpose" in proc.stderr
-        assert (f"gputrain {argv[0]}: the model raised while running on --data test (inputs (16, 4) float32, "
-                "targets (16,) int64, like fails-when-asked's data)") in proc.stderr
+        assert (f"gputrain {argv[0]}: the model raised while running on --data test (x (16, 4) float32, "
+                "labels (16,) int64, like fails-when-asked's data)") in proc.stderr
     assert not (work / "fails.pt").exists()
