@@ -44,9 +44,13 @@ def test_history_round_trip_and_queries(tmp_path):
     assert back.final("loss") == 0.5 and back.final("eval_accuracy") == 0.65 and back.final("nothing") is None
     assert back.best("eval_accuracy") == 0.7 and back.best("loss", mode="min") == 0.5
     assert back.best("eval_loss", mode="min") == 0.9  # NaN is skipped, not "best"
+    # mode "auto" (the default): the rule's direction for the name, or what the run's summary used
+    assert back.best("loss") == 0.5 and back.best("eval_loss") == 0.9 and back.best("eval_accuracy") == 0.7
+    back.summary["metric_directions"] = {"eval_accuracy": {"mode": "min", "by": "stated"}}
+    assert back.best("eval_accuracy") == min(r["eval_accuracy"] for r in RECORDS if "eval_accuracy" in r)
     assert back.column("step") == [10, 20, 30, 40] and back.column("eval_top5") == [None, None, 0.99, None]
     assert History.from_dict(back.to_dict()).records[1] == back.records[1]
-    with pytest.raises(ValueError, match="'max' or 'min'"):
+    with pytest.raises(ValueError, match="'auto', 'max' or 'min'"):
         back.best("loss", mode="lowest")
     assert [p.name for p in tmp_path.iterdir()] == ["h.json"]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.errors import GputrainError
+from gputrain.metric_direction import metric_direction
 
 KIND = "gputrain-history"
 
@@ -47,11 +48,17 @@ class History:
                 return r[key]
         return None
 
-    def best(self, key: str, mode: str = "max"):
-        """The largest (mode="max") or smallest ("min") recorded value of `key`, NaN skipped;
-        None if never recorded."""
+    def best(self, key: str, mode: str = "auto"):
+        """The best recorded value of `key`, NaN skipped; None if never recorded. mode: "max" (the
+        largest), "min" (the smallest), or "auto": the direction the run's summary used for `key`,
+        else gputrain's rule for its name (metric_direction.py: eval_loss lowest, accuracy highest)."""
+        if mode == "auto":
+            used = (self.summary.get("metric_directions") or {}).get(key)
+            stated = (self.config or {}).get("metric_modes") or None
+            mode = used["mode"] if isinstance(used, dict) and used.get("mode") in ("max", "min") \
+                else metric_direction(key, stated).mode
         if mode not in ("max", "min"):
-            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+            raise ValueError(f"mode must be 'auto', 'max' or 'min', got {mode!r}")
         values = [r[key] for r in self.records
                   if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key]))]
         if not values:
