@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - every torch gputrain supports h
 log = logging.getLogger("gputrain")
 
 # The torch releases the whole suite passed on (`make test-torch TORCH=...`); each entry is resolved on them.
-CHECKED = "2.11.0, 2.13.0"
+CHECKED = "2.10.0, 2.11.0, 2.13.0"
 
 
 @dataclass(frozen=True)
@@ -333,8 +333,9 @@ def dcp_stager_reusable() -> bool:
     """Whether one DCP `DefaultStager` stages more than once (public API, but torch releases differ).
 
     torch 2.11's `DefaultStager._stage` closes its state-dict copier after every stage, which empties
-    the copier's table of types, so a second stage raises `KeyError: <class 'type'>`; 2.13's keeps the
-    copier (and its cached host buffers) until `close()`. Found by staging a small state twice."""
+    the copier's table of types, so a second stage raises `KeyError: <class 'type'>`; 2.10's and
+    2.13's keep the copier (and its cached host buffers) until `close()`. Found by staging a small
+    state twice."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(False, False, False, False))
