@@ -204,6 +204,8 @@ _ENTRIES = [
             "None: host reads are counted by the Python-level TorchFunctionMode only"),
     Private("torch.ops.aten._local_scalar_dense", "diagnostics/syncs.py (to switch)", CHECKED,
             "None: .item() is counted where Python calls it, not where an op reads a 0-dim tensor"),
+    Private("torch.ops.aten._to_copy", "diagnostics/syncs.py (to switch)", "2.11.0, 2.13.0",
+            "None: a .to('cpu') of a device tensor is not named as a host read"),
 ]
 ENTRIES: dict[str, Private] = {e.path: e for e in _ENTRIES}
 
