@@ -10,7 +10,8 @@ suite's torch, `make test-torch TORCH=X.Y.Z` on another), names the entry that b
 Each entry gives where the name lives, the torch releases checked to have it, and its fallback.
 Names inside `torch` itself (the foreach ops) are resolved when this module is imported; the others,
 some behind a heavy import (dynamo, DCP), on first use. A missing name is logged once at debug level
-with its fallback.
+with its fallback. One public API that behaves differently between releases is told apart here too
+(`dcp_stager_reusable`: torch 2.11's DCP stager stages only once).
 
     from gputrain.runtime import torch_compat
     torch_compat.missing()        # [] on a torch that has everything
