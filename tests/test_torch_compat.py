@@ -28,7 +28,7 @@ ROOT = Path(gputrain.__file__).parent
 
 # Files another change is switching to torch_compat: their private names are allowed until then
 # (each must still have one: a file that no longer needs its place here is named).
-PENDING = {"train/ema.py", "train/step.py", "train/graphs.py", "diagnostics/syncs.py", "runtime/speed.py"}
+PENDING: set[str] = set()
 
 
 @pytest.fixture

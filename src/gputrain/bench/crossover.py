@@ -77,7 +77,7 @@ def _trainer(features: int, width: int, classes: int, batch: int, device: torch.
 
 def training_step(trainer) -> Callable[[], None]:
     """The trainer's step as `fit` runs it; when graphed, warmed up and captured before timing."""
-    if trainer.graphed is not None:
+    if trainer.graphed is not None:  # cuda-only: graphs run on CUDA only
         from gputrain.train.graphs import WARMUP_STEPS
 
         for _ in range(WARMUP_STEPS + 1):  # eager warm-up steps, then the capture

@@ -19,6 +19,7 @@ All attribute each read to a source line with `_SiteCounter` (user code first, t
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -28,7 +29,12 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from gputrain.runtime import torch_compat
+
+# The dispatcher's view needs torch's private TorchDispatchMode (runtime/torch_compat.py); without it
+# only the Python calls are counted.
+_DispatchMode: Any = torch_compat.torch_dispatch_mode() or object
 
 
 # ---------------------------------------------------------------- whose line is it
@@ -166,7 +172,10 @@ def _aten_ops(*names: str) -> frozenset:
 
 # The host waits for a device value: a Scalar made of a tensor (.item(), `if t:`, float(t), and a
 # 0-dim tensor passed where an op takes a Scalar), or an answer returned to Python.
-_VALUE_OPS = _aten_ops("_local_scalar_dense", "item", "is_nonzero", "equal", "allclose")
+# aten's .item() (private: runtime/torch_compat.py)
+_ITEM_OPS = frozenset(op for op in (torch_compat.resolve("torch.ops.aten._local_scalar_dense"),
+                                    getattr(torch.ops.aten, "item", None)) if op is not None)
+_VALUE_OPS = _ITEM_OPS | _aten_ops("is_nonzero", "equal", "allclose")
 # The output's size depends on the values: the host reads the count before it can allocate.
 _SIZE_OPS = _aten_ops("nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2", "unique_dim",
                       "unique_consecutive", "unique_dim_consecutive", "bincount")
@@ -174,6 +183,7 @@ _INDEX_OPS = _aten_ops("index", "index_put", "index_put_", "_index_put_impl_")
 # A tensor made of Python data (torch.tensor, as_tensor of a list): on a GPU it is copied from pageable
 # host memory, a blocking copy (and its value is the one of that moment, frozen into a captured graph).
 _FROM_HOST_OPS = _aten_ops("lift_fresh", "lift_fresh_copy")
+_TO_COPY = torch_compat.resolve("torch.ops.aten._to_copy")
 
 
 def _leaves(values) -> list:
@@ -198,7 +208,7 @@ def host_read(func, args: tuple = (), kwargs: dict | None = None) -> str | None:
     packet = getattr(func, "overloadpacket", func)
     name = getattr(packet, "__name__", str(func))
     if packet in _VALUE_OPS:
-        return ".item() (a device value read on the host)" if name in ("_local_scalar_dense", "item") \
+        return ".item() (a device value read on the host)" if packet in _ITEM_OPS \
             else f"{name} (answers the host with a device value)"
     if packet in _SIZE_OPS:
         return f"{name} (output size depends on the data)"
@@ -210,7 +220,7 @@ def host_read(func, args: tuple = (), kwargs: dict | None = None) -> str | None:
         return "repeat_interleave with tensor repeats and no output_size (output size depends on the data)"
     if packet in _FROM_HOST_OPS:
         return "torch.tensor() of host values (a blocking copy to a GPU)"
-    if packet is torch.ops.aten._to_copy and args and _off_host(args[0]):
+    if packet is _TO_COPY and args and _off_host(args[0]):
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cpu":
             return ".to('cpu') (a device-to-host copy)"
@@ -260,7 +270,7 @@ class _HostReadMode(TorchFunctionMode):
             self.counter.quiet -= 1
 
 
-class _HostReadDispatch(TorchDispatchMode):
+class _HostReadDispatch(_DispatchMode):
     """Reads at the dispatcher: every aten op, those a C++ op issues for itself included."""
 
     def __init__(self, counter: _SiteCounter):
@@ -282,7 +292,8 @@ class HostReads:
 
     def __init__(self, boundary):
         self.counter = _SiteCounter(boundary)
-        self._modes = (_HostReadMode(self.counter), _HostReadDispatch(self.counter))
+        self._modes = (_HostReadMode(self.counter),) + (
+            (_HostReadDispatch(self.counter),) if _DispatchMode is not object else ())
 
     @property
     def total(self) -> int:
@@ -290,19 +301,15 @@ class HostReads:
 
     def __enter__(self) -> "HostReads":
         # The Python view outside, the dispatcher's inside: each op reaches the function mode first.
-        self._modes[0].__enter__()
-        try:
-            self._modes[1].__enter__()
-        except BaseException:
-            self._modes[0].__exit__(None, None, None)
-            raise
+        self._stack = contextlib.ExitStack()
+        with self._stack as stack:
+            for mode in self._modes:
+                stack.enter_context(mode)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._modes[1].__exit__(*exc)
-        finally:
-            self._modes[0].__exit__(*exc)
+        self._stack.__exit__(*exc)
 
     def result(self, steps: int) -> dict[str, Any]:
         return self.counter.result(steps, kind="host-reads")

@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
+
+from gputrain.runtime import torch_compat
 
 # Where a whole step can be captured. The CPU suite adds "cpu" with its stand-in for CUDA graphs
 # (tests/graph_capture.py), so that the graph path runs there with CUDA's capture semantics.
@@ -25,19 +26,12 @@ def has_conv(model: nn.Module) -> bool:
 
 def hooked_modules(model: nn.Module) -> list[str]:
     """Names of submodules with forward/backward hooks (Python that a replayed graph would skip)."""
-    names = []
-    for name, m in model.named_modules():
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None)):
-            names.append(name or "(the model)")
-    return names
+    return [name or "(the model)" for name, m in model.named_modules() if torch_compat.module_has_hooks(m)]
 
 
 def global_hooks() -> bool:
     """Whether module hooks were registered for every module (nn.modules.module.register_module_*)."""
-    return any(getattr(_module, name, None) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-        "_global_backward_pre_hooks"))
+    return torch_compat.global_module_hooks()
 
 
 def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, use_scaler: bool, compiled: bool | str,

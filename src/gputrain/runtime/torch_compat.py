@@ -187,25 +187,25 @@ _ENTRIES = [
             "none: importing gputrain fails, naming it", _find_pytree),
     Private("torch.nn.modules.batchnorm._BatchNorm", "train/activation_checkpointing.py", CHECKED,
             "the public BatchNorm1d/2d/3d, SyncBatchNorm and their lazy forms"),
-    Private("torch.nn.Module()." + "/".join(_MODULE_HOOKS), "runtime/speed.py (to switch)", CHECKED,
+    Private("torch.nn.Module()." + "/".join(_MODULE_HOOKS), "runtime/speed.py", CHECKED,
             "every module is taken as hooked: no whole-step CUDA graph",
             _instance_attributes(lambda: nn.Linear(1, 1), _MODULE_HOOKS)),
-    *[Private(path, "runtime/speed.py (to switch)", CHECKED, "taken as registered: no whole-step CUDA graph")
+    *[Private(path, "runtime/speed.py", CHECKED, "taken as registered: no whole-step CUDA graph")
       for path in _GLOBAL_MODULE_HOOKS],
-    # ---- ops without a public name (train/ema.py, train/step.py: to switch)
-    *[Private(f"torch.{name}", "train/ema.py, train/step.py (to switch)", CHECKED,
+    # ---- ops without a public name (train/ema.py, train/step.py)
+    *[Private(f"torch.{name}", "train/ema.py, train/step.py", CHECKED,
               "a Python loop of the per-tensor op (one kernel per tensor)")
       for name in _FOREACH],
-    Private("torch._amp_foreach_non_finite_check_and_unscale_", "train/step.py (to switch)", CHECKED,
+    Private("torch._amp_foreach_non_finite_check_and_unscale_", "train/step.py", CHECKED,
             "per tensor: isfinite().all() into the flag, then the multiply"),
-    Private("torch.Tensor._version", "train/graphs.py (to switch)", CHECKED,
+    Private("torch.Tensor._version", "train/graphs.py", CHECKED,
             "None: a caller must take every batch as written (copy it in again)", _find_tensor_version),
-    # ---- dispatch (diagnostics/syncs.py: to switch)
-    Private("torch.utils._python_dispatch.TorchDispatchMode", "diagnostics/syncs.py (to switch)", CHECKED,
+    # ---- dispatch (diagnostics/syncs.py)
+    Private("torch.utils._python_dispatch.TorchDispatchMode", "diagnostics/syncs.py", CHECKED,
             "None: host reads are counted by the Python-level TorchFunctionMode only"),
-    Private("torch.ops.aten._local_scalar_dense", "diagnostics/syncs.py (to switch)", CHECKED,
+    Private("torch.ops.aten._local_scalar_dense", "diagnostics/syncs.py", CHECKED,
             "None: .item() is counted where Python calls it, not where an op reads a 0-dim tensor"),
-    Private("torch.ops.aten._to_copy", "diagnostics/syncs.py (to switch)", "2.11.0, 2.13.0",
+    Private("torch.ops.aten._to_copy", "diagnostics/syncs.py", "2.11.0, 2.13.0",
             "None: a .to('cpu') of a device tensor is not named as a host read"),
 ]
 ENTRIES: dict[str, Private] = {e.path: e for e in _ENTRIES}

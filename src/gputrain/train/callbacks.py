@@ -231,7 +231,7 @@ def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, factor: flo
     for group in optimizer.param_groups:
         lr = group["lr"]
         new = base if base is not None else (lr * (factor or 1.0))
-        if isinstance(lr, torch.Tensor):  # a capturable optimizer's device lr: written in place
+        if isinstance(lr, torch.Tensor):  # cuda-only: a capturable optimizer's device lr, written in place
             lr.fill_(new)
         else:
             group["lr"] = new

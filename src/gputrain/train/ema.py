@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.runtime import torch_compat
 from gputrain.train.callbacks import Callback, RunControl
 
 STATE_KEY = "EMA"
@@ -134,18 +135,18 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in module.parameters()] + [b for b in module.buffers()]
 
 
-# torch's stubs do not list the foreach ops as public; all exist in torch >= 2.1.
+# The foreach ops have no public name: runtime/torch_compat.py resolves them (a per-tensor loop without).
 def _lerp_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: float) -> None:
-    torch._foreach_lerp_(shadow, live, weight)  # pyright: ignore[reportPrivateImportUsage]
+    torch_compat.foreach_lerp_(shadow, live, weight)
 
 
 def _lerp_by_tensor_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: torch.Tensor) -> None:
     """shadow += (live - shadow) * weight, weight a 0-dim device tensor never read on the host. The
     difference is a transient copy of the averaged tensors; the step has just freed the gradients."""
-    step = torch._foreach_sub(live, shadow)  # pyright: ignore[reportPrivateImportUsage]
-    torch._foreach_mul_(step, weight)  # pyright: ignore[reportPrivateImportUsage]
-    torch._foreach_add_(shadow, step)  # pyright: ignore[reportPrivateImportUsage]
+    step = torch_compat.foreach_sub(live, shadow)
+    torch_compat.foreach_mul_(step, weight)  # the Tensor overload: the weight stays on the device
+    torch_compat.foreach_add_(shadow, step)
 
 
 def _copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dst, src)  # pyright: ignore[reportPrivateImportUsage]
+    torch_compat.foreach_copy_(dst, src)

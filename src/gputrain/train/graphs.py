@@ -43,6 +43,7 @@ import torch
 
 from gputrain import batch as batches
 from gputrain.data.deferred import DeferredBatch, materialize
+from gputrain.runtime import torch_compat
 from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
@@ -74,7 +75,7 @@ class _Graph:
     def identity(tensors: list[torch.Tensor]) -> tuple:
         # Same address, layout and version counter (bumped by any in-place write, also through a
         # view) while we hold a reference to the tensors: the same bytes as last time.
-        return tuple((t.data_ptr(), t.stride(), t._version) for t in tensors)
+        return tuple((t.data_ptr(), t.stride(), _version(t)) for t in tensors)
 
     def load(self, tensors: list[torch.Tensor]) -> None:
         """Copy this step's tensor leaves into the buffers the graph reads."""
@@ -109,6 +110,12 @@ class _PythonValues:
         (i, key), was, new = next((k, a, b) for k, a, b in zip(self.keys, self.values, now) if a != b)
         return (f"the optimizer's {key!r} (group {i}) changed from {was!r} to {new!r} after capture, written as a "
                 "Python number (by the scheduler or a callback), and a replayed graph keeps the captured value")
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's version counter (runtime/torch_compat.py; -1 on a torch without one)."""
+    read = torch_compat.tensor_version
+    return read(t) if read is not None else -1
 
 
 def _is_number(v: Any) -> bool:
@@ -264,7 +271,7 @@ class GraphedStep:
             it = iter(static)
             static_batch = batches.unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
             build = None
-        versions = [t._version for t in static]
+        versions = [_version(t) for t in static]
         self.step.optimizer.zero_grad(set_to_none=True)
         try:
             # Later signatures share the first graph's memory pool.
@@ -285,7 +292,8 @@ class GraphedStep:
                 log.warning("CUDA graphs: %s; training continues eagerly", reason)
             self._eager([batch])
             return
-        writes_inputs = [t._version for t in static] != versions  # in-place ops on the batch
+        # in-place ops on the batch (or no version counter on this torch: taken as written, copied every step)
+        writes_inputs = [_version(t) for t in static] != versions or torch_compat.tensor_version is None
         captured = _Graph(graph, static, copy_skippable=build is None and not writes_inputs)
         if captured.copy_skippable:
             tensors = _tensors(batch)[0]

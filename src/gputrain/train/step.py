@@ -41,7 +41,7 @@ from torch import nn
 
 from gputrain import batch as batches
 from gputrain.errors import GputrainError
-from gputrain.runtime import distributed
+from gputrain.runtime import distributed, torch_compat
 from gputrain.runtime.oom import free_after_oom, is_oom
 from gputrain.runtime.precision import RunPrecision
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
@@ -245,8 +245,7 @@ class TrainStep:
                 if p.grad is not None:
                     groups.setdefault(p.grad.dtype, []).append(p.grad)
             for tensors in groups.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(  # pyright: ignore[reportPrivateImportUsage]
-                    tensors, found, self._one)
+                torch_compat.non_finite_check_and_unscale_(tensors, found, self._one)
             bad = found.ne(0)
         self.nonfinite.add_(bad)  # float += bool: 1.0 per non-finite step
         return step_loss.masked_fill(bad, 0.0) if self.skip_nonfinite else step_loss  # keep the mean finite
@@ -319,7 +318,7 @@ class TrainStep:
         for t in self._state():
             groups.setdefault((t.device, t.dtype), []).append(t)
         # One foreach norm per (device, dtype) (on the CPU too), summed: a few ops per log point.
-        sums = [torch.stack(torch._foreach_norm(g)).sum()  # pyright: ignore[reportPrivateImportUsage]
+        sums = [torch.stack(torch_compat.foreach_norm(g)).sum()
                 .to(device=self.device, dtype=torch.float32) for g in groups.values()]
         if not sums:
             return torch.zeros((), device=self.device, dtype=torch.float32)
