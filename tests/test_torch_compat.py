@@ -332,3 +332,15 @@ def test_fit_trains_each_built_in_workload_a_few_steps(name, tmp_path, cache_dir
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records) and math.isfinite(records[-1]["eval_loss"])
+
+
+def test_looking_names_up_draws_no_random_numbers(monkeypatch):
+    """Some finders build a small module to look at (its weights drawn at random): the first lookup in a
+    process, which a seeded run's setup makes, must leave the random stream as it was, or the first
+    run in a process trains differently from the next."""
+    monkeypatch.setattr(torch_compat, "_resolved", {})
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    for path in torch_compat.ENTRIES:
+        torch_compat.resolve(path)
+    assert torch.equal(torch.get_rng_state(), before)

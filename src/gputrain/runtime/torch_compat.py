@@ -220,7 +220,10 @@ def resolve(path: str) -> Any | None:
     if value is _MISSING:
         entry = ENTRIES[path]
         try:
-            value = entry.locate()
+            # A finder may build a small module (its weights drawn at random): with the CPU generator
+            # given back, the first lookup in a process cannot shift a seeded run's random numbers.
+            with torch.random.fork_rng(devices=[]):
+                value = entry.locate()
         except Exception as exc:  # noqa: BLE001 - any failure to find it means: use the fallback
             log.debug("torch %s has no %s (%s): %s", torch.__version__, path, exc, entry.fallback)
             value = None
