@@ -156,20 +156,9 @@ def estimate_checkpoint_bytes(model: torch.nn.Module,
     if optimizer is None:
         optimizer = "adamw"
     if isinstance(optimizer, torch.optim.Optimizer):
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        if state:
-            opt_bytes = _tensor_bytes(state)
-        else:  # not stepped yet: the state it will have
-            name = type(optimizer).__name__.lower()
-            per = _STATE_PER_PARAM.get(name, 2)
-            group = optimizer.param_groups[0] if optimizer.param_groups else {}
-            if name == "sgd" and not group.get("momentum"):
-                per = 0
-            if name in ("adam", "adamw") and group.get("amsgrad"):
-                per = 3
-            if name == "rmsprop":
-                per += bool(group.get("momentum")) + bool(group.get("centered"))
-            opt_bytes = per * _tensor_bytes(p for g in optimizer.param_groups for p in g["params"])
+        opt_bytes = _optimizer_bytes(optimizer)
+    elif hasattr(optimizer, "optimizers"):  # several by name (a step of your own: train/optimizer_set.py)
+        opt_bytes = sum(_optimizer_bytes(o) for o in getattr(optimizer, "optimizers").values())
     else:
         key = str(optimizer).strip().lower()
         if key not in _STATE_PER_PARAM:
@@ -177,3 +166,20 @@ def estimate_checkpoint_bytes(model: torch.nn.Module,
                               f"{', '.join(sorted(_STATE_PER_PARAM))}, or the optimizer itself")
         opt_bytes = _STATE_PER_PARAM[key] * param_bytes
     return weights + opt_bytes + METADATA_BYTES
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Its state's bytes: from its state tensors when it has stepped, else the state it will have."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if state:
+        return _tensor_bytes(state)
+    name = type(optimizer).__name__.lower()
+    per = _STATE_PER_PARAM.get(name, 2)
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if name == "sgd" and not group.get("momentum"):
+        per = 0
+    if name in ("adam", "adamw") and group.get("amsgrad"):
+        per = 3
+    if name == "rmsprop":
+        per += bool(group.get("momentum")) + bool(group.get("centered"))
+    return per * _tensor_bytes(p for g in optimizer.param_groups for p in g["params"])

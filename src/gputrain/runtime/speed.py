@@ -43,7 +43,8 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
     that run at log points only do not change the answer.
 
     optimizer: None when gputrain builds it (then capturable), an Optimizer instance given by the
-    user (it must have been created with capturable=True), or a factory (unknown: not captured).
+    user (it must have been created with capturable=True), a factory (unknown: not captured), or
+    {name: either} for a step of your own (each must be a capturable instance).
     """
     if device.type not in GRAPH_DEVICE_TYPES:
         return f"CUDA graphs need a CUDA device (running on {device.type})"
@@ -60,7 +61,11 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
     if step_hooks:
         return (f"callback {', '.join(step_hooks)} asked for a hook after every step (every_step=True); "
                 "callbacks that run at log points keep graphs on")
-    if optimizer is not None:
+    for name, opt in (optimizer.items() if isinstance(optimizer, dict) else ()):
+        if not isinstance(opt, torch.optim.Optimizer) or not all(g.get("capturable", False) for g in opt.param_groups):
+            return (f"optimizer {name!r} is not an instance created with capturable=True (e.g. "
+                    "AdamW(params, lr=torch.tensor(1e-3), fused=True, capturable=True))")
+    if optimizer is not None and not isinstance(optimizer, dict):
         if isinstance(optimizer, torch.optim.Optimizer):
             if not all(g.get("capturable", False) for g in optimizer.param_groups):
                 return f"the optimizer ({type(optimizer).__name__}) was not created with capturable=True"
@@ -123,8 +128,9 @@ class SpeedSwitches:
 
 
 def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: int = 1, use_scaler: bool = False,
-                 optimizer=None, step_hooks: Sequence[str] = ()) -> SpeedSwitches:
-    """Decide every switch once from the config ("auto" or a forced value), the model and the device."""
+                 optimizer=None, step_hooks: Sequence[str] = (), own_step=None) -> SpeedSwitches:
+    """Decide every switch once from the config ("auto" or a forced value), the model and the device.
+    own_step: your step_fn (train/own_step.py), captured only when cuda_graphs=True asks for it."""
     cuda = device.type == "cuda"
     conv = has_conv(model)
     reasons: dict[str, str] = {}
@@ -156,6 +162,10 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
                              recompute=bool(config.recompute), optimizer=optimizer, model=model,
                              step_hooks=step_hooks)
     if config.cuda_graphs == "auto":
+        if blocker is None and own_step is not None:
+            blocker = (f"a step of your own ({getattr(own_step, '__name__', 'step_fn')}) is captured only when "
+                       "asked (cuda_graphs=True): its Python runs once, at capture, so a branch on a step count "
+                       "or a Python number would be frozen")
         graphs = blocker is None
         reasons["cuda_graphs"] = (blocker if blocker is not None
                                   else "one graph launch per step instead of one launch per kernel")

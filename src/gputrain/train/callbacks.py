@@ -225,6 +225,11 @@ def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, factor: flo
     if isinstance(scheduler, LRSchedule):
         scheduler.scale(factor, base=base)
         return
+    named = getattr(scheduler, "schedulers", None)  # a step of your own's, by optimizer (train/optimizer_set.py)
+    if isinstance(named, dict) and hasattr(scheduler, "optimizers"):
+        for name, each in named.items():
+            scale_schedule(each, scheduler.optimizers.optimizers[name], factor, base=base)
+        return
     bases = getattr(scheduler, "base_lrs", None)
     if isinstance(bases, list):
         scheduler.base_lrs = [base if base is not None else b * (factor or 1.0) for b in bases]

@@ -16,8 +16,8 @@ from gputrain.train.trainer import Trainer
 def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, compute_loss: Callable | None = None,
         optimizer=None, config: TrainConfig | None = None, eval_data=None, task: str | None = None,
         metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
-        callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
-        collate_fn: Callable | None = None) -> History:
+        callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
+        step_fn: Callable | None = None) -> History:
     """Train `model` and return its History.
 
     train_data / eval_data: tensor columns ((inputs, targets), or a dict of equal-length tensors such
@@ -39,13 +39,17 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
         train/callbacks.py): they may stop the run, change the learning rate, keep state in checkpoints.
     scheduler: a callable optimizer -> LRScheduler (any torch.optim.lr_scheduler), stepped after every
         optimizer step and checkpointed; None: config.schedule with config.warmup_steps.
+    step_fn: a step of your own, fn(step, batch) (train/own_step.py): it calls step.backward(loss) and
+        step.step(name) itself and returns its loss or {name: loss}; then optimizer may be
+        {name: optimizer or callable model -> optimizer} and scheduler {name: callable optimizer ->
+        scheduler}. Evaluation, when eval_data is given, still uses compute_loss or loss_fn.
     config: TrainConfig; None means the defaults. Raises ConfigError / DeviceError / DataError /
     CheckpointError with a message saying what to change.
     """
     return _train(lambda: Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
                                   config=config, eval_data=eval_data, task=task, metrics=metrics,
                                   num_items=num_items, callbacks=callbacks, scheduler=scheduler,
-                                  collate_fn=collate_fn))
+                                  collate_fn=collate_fn, step_fn=step_fn))
 
 
 def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | None = None) -> History:

@@ -69,19 +69,25 @@ def _name(fn: Any) -> str:
 class LossRule:
     """Turns (model, batch) into (loss, outputs) by the rule in the module docstring."""
 
-    def __init__(self, loss_fn: Callable | None = None, compute_loss: Callable | None = None):
+    def __init__(self, loss_fn: Callable | None = None, compute_loss: Callable | None = None,
+                 step_fn: Callable | None = None):
         if loss_fn is not None and not callable(loss_fn):
             raise DataError(f"loss_fn must be callable (outputs, targets) -> loss, got {type(loss_fn).__name__}")
         if compute_loss is not None and not callable(compute_loss):
             raise DataError(f"compute_loss must be callable (model, batch) -> loss, got {type(compute_loss).__name__}")
         self.loss_fn = loss_fn
         self.compute_loss = compute_loss
+        self.step_fn = step_fn  # a step of your own (train/own_step.py): training does not use this rule
         self.made: str | None = None  # the model's own loss: the call made and where its loss was, once known
         self.log_first_call = False  # the trainer's main process: log `how` at the first call
 
     @property
     def how(self) -> str:
         """One line for the run log and the summary: the call this rule makes."""
+        if self.step_fn is not None:
+            evaluated = (f"; evaluation by compute_loss={_name(self.compute_loss)}" if self.compute_loss is not None
+                         else f"; evaluation by loss_fn {_name(self.loss_fn)}" if self.loss_fn is not None else "")
+            return f"step_fn={_name(self.step_fn)}: your own step (its backward and optimizer steps){evaluated}"
         if self.compute_loss is not None:
             return f"compute_loss={_name(self.compute_loss)}"
         if self.loss_fn is not None:

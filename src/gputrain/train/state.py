@@ -16,7 +16,8 @@ class RunState:
     summed (host float) over the steps_since_log steps since the last log point, so that a resumed
     run logs the same loss as an uninterrupted one; nonfinite_steps: steps with a non-finite loss or
     gradient so far; stopped_by: why a callback ended the run early ("" when none did): a resumed
-    run that was stopped so trains no further.
+    run that was stopped so trains no further; named_since_log: a step of your own's named losses
+    summed since the last log point (train/own_step.py), saved for the same reason.
     """
 
     step: int = 0
@@ -25,6 +26,7 @@ class RunState:
     steps_since_log: int = 0
     nonfinite_steps: int = 0
     stopped_by: str = ""
+    named_since_log: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -40,4 +42,8 @@ class RunState:
     def from_state_dict(cls, state: Mapping[str, Any]) -> "RunState":
         """From `state_dict()`, or from the flat keys of checkpoints written before RunState existed."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: type(getattr(cls, k))(v) for k, v in state.items() if k in names})
+        values: dict[str, Any] = {}
+        for k, v in state.items():
+            if k in names:
+                values[k] = dict(v) if k == "named_since_log" else type(getattr(cls, k))(v)
+        return cls(**values)

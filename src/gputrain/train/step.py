@@ -335,11 +335,24 @@ class TrainStep:
         totals = distributed.all_reduce_mean(self.take_totals(), self.dist) if self.dist is not None \
             else self.take_totals()
         loss_total, bad, probe = totals.tolist()
+        return self._judge(loss_total, bad, probe)
+
+    def _judge(self, loss_total: float, bad: float, probe: float) -> tuple[float, int]:
+        """(loss sum, non-finite steps) from the totals read (see read_totals)."""
         if self.count_nonfinite:
             return loss_total, int(round(bad))
         if math.isfinite(loss_total) and (math.isfinite(probe) or self._all_ranks_finite()):
             return loss_total, 0
         return loss_total, 1
+
+    def fold_read(self, state: Any) -> None:
+        """Add what the last `read_totals` read besides the loss to the run state (a step of your
+        own: its named losses, train/own_step.py)."""
+
+    def log_values(self, state: Any, steps: int) -> dict[str, float]:
+        """Values a log point adds besides the loss, from the run state (a step of your own: its
+        named losses' means, and its optimizers' learning rates); no host read."""
+        return {}
 
     def _all_ranks_finite(self) -> bool:
         """Whether every rank's state is finite although the probe's norm was not (it overflows past

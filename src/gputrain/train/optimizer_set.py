@@ -1,0 +1,142 @@
+"""Several optimizers and schedulers by name, for a step of your own (train/own_step.py).
+
+`fit(..., step_fn=fn, optimizer={"generator": opt_g, "discriminator": opt_d}, scheduler={...})`:
+each optimizer is an instance over the parameters it updates, or a callable `model -> optimizer`
+(the model as you gave it, so that it can pick `model.generator.parameters()`); each scheduler a
+callable `optimizer -> LRScheduler`, stepped after every step of its optimizer.
+
+`OptimizerSet` stands where the trainer keeps its one optimizer: its param_groups and state are
+all of theirs (what the non-finite probe, the state moves, the CUDA-graph checks and a callback's
+learning-rate change read), its state_dict holds each optimizer's under its name (what checkpoints
+save and a resume loads back exactly), and zero_grad clears them all. `SchedulerSet` likewise for
+the schedulers; the trainer's per-step `step()` does nothing, as each scheduler is stepped with its
+optimizer by the step context.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from gputrain.errors import ConfigError
+
+
+def _trainable(optimizer: torch.optim.Optimizer) -> int:
+    return sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+
+
+class OptimizerSet:
+    """Named optimizers that act as one where the trainer needs one (see the module docstring)."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]):
+        if not optimizers:
+            raise ConfigError("optimizer={} names no optimizer: give {'name': optimizer, ...}")
+        self.optimizers = dict(optimizers)
+        seen: dict[int, str] = {}
+        for name, opt in self.optimizers.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(f"optimizer {name!r} is a {type(opt).__name__}, not a torch.optim.Optimizer "
+                                  "(give an instance, or a callable model -> optimizer)")
+            if not _trainable(opt):
+                raise ConfigError(f"optimizer {name!r} holds no parameter that trains (requires_grad=True): "
+                                  "build it over the parameters it should update")
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    other = seen.setdefault(id(p), name)
+                    if other != name:
+                        raise ConfigError(f"a parameter is in both optimizer {other!r} and {name!r}: each "
+                                          "parameter may be updated by one optimizer only")
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], model: nn.Module) -> "OptimizerSet":
+        """From {name: optimizer or callable model -> optimizer}."""
+        built = {}
+        for name, value in spec.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ConfigError(f"optimizer names must be identifiers (they name logged values), got {name!r}")
+            if not isinstance(value, torch.optim.Optimizer) and callable(value):
+                value = value(model)
+            built[name] = value
+        return cls(built)
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers.values())
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        # The per-parameter dicts themselves: a write into one (a move to the device) reaches its optimizer.
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("optimizers") if isinstance(state, dict) else None
+        if not isinstance(saved, dict) or set(saved) != set(self.optimizers):
+            names = sorted(saved) if isinstance(saved, dict) else "one optimizer"
+            raise ValueError(f"the checkpoint holds optimizers {names}, this run has {sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved[name])
+
+    def describe(self) -> str:
+        return ", ".join(f"{name}: {type(opt).__name__}" for name, opt in self.optimizers.items())
+
+
+class SchedulerSet:
+    """Named schedulers (or None: the optimizer's learning rate stays as it is). step() does nothing:
+    the step context steps each after its optimizer."""
+
+    def __init__(self, schedulers: Mapping[str, Any], optimizers: OptimizerSet):
+        self.schedulers = dict(schedulers)
+        self.optimizers = optimizers
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Callable[[torch.optim.Optimizer], Any]] | None,
+              optimizers: OptimizerSet, default: Callable[[torch.optim.Optimizer], Any]) -> "SchedulerSet":
+        """spec: {name: callable optimizer -> scheduler} for some of the optimizers; the others get
+        `default(optimizer)` (the run's built-in schedule)."""
+        from gputrain.train.optim import make_user_scheduler
+
+        spec = dict(spec or {})
+        unknown = sorted(set(spec) - set(optimizers.optimizers))
+        if unknown:
+            raise ConfigError(f"scheduler names {unknown} are not optimizers of this run ({sorted(optimizers.optimizers)})")
+        made = {name: make_user_scheduler(opt, spec[name])[0] if name in spec else default(opt)
+                for name, opt in optimizers.optimizers.items()}
+        return cls(made, optimizers)
+
+    def step(self) -> None:
+        pass
+
+    def step_for(self, name: str) -> None:
+        self.schedulers[name].step()
+
+    def get_last_lr(self) -> list[float]:
+        """Each optimizer's first learning rate, in the order of the optimizers (host values)."""
+        return [float(s.get_last_lr()[0]) for s in self.schedulers.values()]
+
+    def last_lrs(self) -> dict[str, float]:
+        return dict(zip(self.schedulers, self.get_last_lr()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": {name: s.state_dict() for name, s in self.schedulers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("schedulers") if isinstance(state, dict) else None
+        if not isinstance(saved, dict) or set(saved) != set(self.schedulers):
+            raise ValueError(f"the checkpoint's schedulers do not match this run's ({sorted(self.schedulers)})")
+        for name, s in self.schedulers.items():
+            s.load_state_dict(saved[name])

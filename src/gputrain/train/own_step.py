@@ -1,0 +1,276 @@
+"""Your own training step: `fit(model, data, step_fn=fn, optimizer={...})`, the fourth way beside the
+loss rule (train/loss.py), for steps that are not "one loss, one optimizer": a GAN's generator and
+discriminator stepped in turn, distillation from a frozen teacher, a gradient penalty (a backward
+through a gradient), conditional updates.
+
+    def gan_step(step, batch):
+        real, _ = batch
+        fake = step.model.generator(torch.randn(real.shape[0], 16, device=real.device))
+        d_loss = bce(step.model.discriminator(real), ones) + bce(step.model.discriminator(fake.detach()), zeros)
+        step.backward(d_loss)
+        step.step("discriminator")
+        g_loss = bce(step.model.discriminator(fake), ones)
+        step.backward(g_loss)
+        step.step("generator")
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+`fn(step, batch)` is called once per micro-batch under the run's precision (autocast), with a
+`StepContext` that owns what gputrain must own:
+- `step.backward(loss)`: backward of loss times the micro-batch's share of the step's samples, through
+  the GradScaler in fp16, outside autocast;
+- `step.step(name)`: on the step's last micro-batch (earlier ones accumulate), the gradients of that
+  optimizer's parameters averaged over the processes (several processes), unscaled (fp16) and
+  clipped (max_grad_norm), the optimizer's step, its scheduler's step, its gradients cleared;
+- `step.zero_grad(name)`, `step.optimizers`, `step.schedulers`, `step.model` (the model as you gave
+  it), `step.is_last`.
+It returns the loss, or a dict of named losses (each logged as its name, detached and summed on the
+device: no host read per step; the run's "loss" is their sum). Every gradient is cleared at the end
+of the step, and the GradScaler updated once (fp16).
+
+The body is `OwnStep.run`, a `TrainStep`: OOM recovery, the device-side sums, the EMA update and
+the CUDA-graph wrapper treat it like the built-in step. A graph captures it only when asked
+(`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture.
+Checkpoints hold every optimizer and scheduler by name (train/optimizer_set.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping, Sequence, cast
+
+import torch
+from torch import nn
+
+from gputrain import batch as batches
+from gputrain.errors import ConfigError, DataError
+from gputrain.runtime import distributed
+from gputrain.runtime.precision import RunPrecision
+from gputrain.train.loss import LossRule
+from gputrain.train.optimizer_calls import optimizer_stepper
+from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
+from gputrain.train.step import TrainStep
+
+
+class StepContext:
+    """What your step_fn gets (see the module docstring)."""
+
+    def __init__(self, owner: "OwnStep", model: nn.Module):
+        self._owner = owner
+        self.model = model  # the plain module (not DDP-wrapped): call its parts as you named them
+        self.optimizers: dict[str, torch.optim.Optimizer] = owner.optimizer.optimizers
+        self.schedulers: dict[str, Any] = owner.schedulers.schedulers if owner.schedulers is not None else {}
+        self.is_last = True  # the step's last micro-batch: step() acts only then
+        self.weight: float = 1.0  # this micro-batch's share of the step's samples
+        self.backwards = 0
+        self.steps = 0
+
+    def _name(self, name: str | None) -> str:
+        if name is None:
+            if len(self.optimizers) == 1:
+                return next(iter(self.optimizers))
+            raise ConfigError(f"this run has optimizers {sorted(self.optimizers)}: say which, step.step(name)")
+        if name not in self.optimizers:
+            raise ConfigError(f"no optimizer named {name!r}: this run has {sorted(self.optimizers)}")
+        return name
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
+        """Backward of `loss` times this micro-batch's share, through the scaler in fp16, outside autocast."""
+        self.backwards += 1
+        owner = self._owner
+        scaled = loss if self.weight == 1.0 else loss * self.weight
+        if owner._scaled:
+            scaled = owner.precision.scaler.scale(scaled)
+        with owner._no_autocast():
+            scaled.backward(retain_graph=retain_graph, create_graph=create_graph)
+
+    def step(self, name: str | None = None) -> None:
+        """On the last micro-batch: sync, unscale, clip, step the optimizer and its scheduler, clear its
+        gradients. Before it: nothing (the gradients accumulate)."""
+        name = self._name(name)
+        self.steps += 1
+        if self.is_last:
+            self._owner.step_optimizer(name)
+
+    def zero_grad(self, name: str | None = None) -> None:
+        """Clear the gradients of that optimizer's parameters (None: of every optimizer's, with one optimizer)."""
+        for p in self._owner.params_of[self._name(name)]:
+            p.grad = None
+
+
+class OwnStep(TrainStep):
+    """The training step made of your step_fn (see the module docstring); the rest as TrainStep."""
+
+    def __init__(self, step_fn: Callable[[StepContext, Any], Any], model: nn.Module, module: nn.Module,
+                 optimizers: OptimizerSet, schedulers: SchedulerSet | None, precision: RunPrecision, *,
+                 device: torch.device, max_grad_norm: float | None = None,
+                 dist: distributed.DistInfo | None = None, oom_recovery: bool = True,
+                 after_step: Sequence[Callable[[], None]] = (), loss_list: bool | None = None):
+        super().__init__(model, LossRule(), cast(torch.optim.Optimizer, optimizers), precision, device=device, max_grad_norm=max_grad_norm,
+                         dist=dist, oom_recovery=oom_recovery, params=list(module.parameters()),
+                         after_step=after_step, loss_list=loss_list)
+        self.step_fn = step_fn
+        self.optimizer: OptimizerSet = optimizers
+        self.schedulers = schedulers
+        self.params_of = {name: [p for g in opt.param_groups for p in g["params"]]
+                          for name, opt in optimizers.optimizers.items()}
+        self._stepper = {name: optimizer_stepper(opt) for name, opt in optimizers.optimizers.items()}
+        self.context = StepContext(self, module)
+        # The named losses since the last read, each a device scalar made at the first step (an eager
+        # one: a captured graph keeps their addresses).
+        self.named: dict[str, torch.Tensor] = {}
+        self.names: tuple[str, ...] = ()
+        self.named_totals: dict[str, float] = {}  # read by the last read_totals, not yet in the run state
+
+    def _no_autocast(self):
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, enabled=False)
+
+    def step_optimizer(self, name: str) -> None:
+        opt, params = self.optimizer.optimizers[name], self.params_of[name]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dist is not None and self.dist.world_size > 1 and grads:
+            # DDP's average, for the parameters this optimizer updates: one flat all-reduce.
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            distributed.all_reduce_sum(flat, self.dist).div_(self.dist.world_size)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if self.max_grad_norm is not None and grads:
+            if self._scaled:
+                self.precision.scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=self._foreach)
+        if self._scaled:
+            self.precision.scaler.step(opt)  # skips a step whose gradients hold an inf or NaN
+        else:
+            self._stepper[name]()
+        if self.schedulers is not None:
+            self.schedulers.step_for(name)
+        for p in params:
+            p.grad = None
+
+    def run(self, micro_batches: Sequence[Any]) -> None:
+        pieces = micro_batches if self.splits == 1 else [p for mb in micro_batches for p in batches.split(mb, self.splits)]
+        counts = [batches.batch_size(p) for p in pieces] if len(pieces) > 1 else [1]
+        total = sum(counts)
+        ctx, last = self.context, len(pieces) - 1
+        ctx.backwards = ctx.steps = 0
+        step_losses: dict[str, torch.Tensor] = {}
+        for i, piece in enumerate(pieces):
+            ctx.weight, ctx.is_last = counts[i] / total, i == last
+            if self._autocast is None:
+                out = self.step_fn(ctx, piece)
+            else:
+                with self._autocast():
+                    out = self.step_fn(ctx, piece)
+            for key, value in self._losses(out).items():
+                term = value.detach().float() * ctx.weight if ctx.weight != 1.0 else value.detach().float()
+                step_losses[key] = term if key not in step_losses else step_losses[key] + term
+        if not ctx.backwards:
+            raise ConfigError("step_fn returned without calling step.backward(loss): nothing would train. "
+                              "Call step.backward(loss), then step.step(name) for the optimizer it updates")
+        if not ctx.steps:
+            raise ConfigError(f"step_fn never called step.step(name): no optimizer of {sorted(ctx.optimizers)} "
+                              "would update. Call step.step(name) after step.backward(loss)")
+        if self._scaled:
+            self.precision.scaler.update()
+        for p in self.params:  # every gradient, also those no optimizer took (a frozen teacher's)
+            p.grad = None
+        for update in self.after_step:
+            update()
+        self._keep_named(step_losses)
+        self.clock.mark("optimizer")
+
+    def _losses(self, out: Any) -> dict[str, torch.Tensor]:
+        if isinstance(out, torch.Tensor):
+            out = {"loss": out}
+        if not isinstance(out, Mapping) or not out or not all(
+                isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
+            raise DataError(f"step_fn returned {type(out).__name__}: return the loss (a scalar tensor) or a dict "
+                            "of named scalar losses, e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
+        return dict(out)
+
+    def _keep_named(self, losses: dict[str, torch.Tensor]) -> None:
+        if not self.names:
+            self.names = tuple(losses)
+            self.named = {k: torch.zeros((), device=self.device, dtype=torch.float32) for k in self.names}
+        elif tuple(losses) != self.names:
+            raise DataError(f"step_fn returned the losses {sorted(losses)} after {sorted(self.names)}: return "
+                            "the same names every step")
+        for key, value in losses.items():
+            self.named[key].add_(value)
+        total = losses[self.names[0]] if len(losses) == 1 else torch.stack(list(losses.values())).sum()
+        self.keep_loss(total)
+
+    def take_totals(self) -> torch.Tensor:
+        """TrainStep's three totals, then each named loss's sum since the last read; resets them."""
+        totals = super().take_totals()
+        if not self.named:
+            return totals
+        named = torch.stack([self.named[k] for k in self.names])
+        for v in self.named.values():
+            v.zero_()
+        return torch.cat([totals, named])
+
+    def read_totals(self) -> tuple[float, int]:
+        totals = distributed.all_reduce_mean(self.take_totals(), self.dist) if self.dist is not None \
+            else self.take_totals()
+        values = totals.tolist()  # the log point's one host read
+        self.named_totals = dict(zip(self.names, values[3:]))
+        return self._judge(values[0], values[1], values[2])
+
+    def fold_read(self, state: Any) -> None:
+        """The named losses of the last read into the run state's sums since the last log point."""
+        for key, value in self.named_totals.items():
+            state.named_since_log[key] = state.named_since_log.get(key, 0.0) + value
+        self.named_totals = {}
+
+    def log_values(self, state: Any, steps: int) -> dict[str, float]:
+        """What a log point adds: each named loss's mean over the steps since the last log point
+        (unless the one loss is "loss" itself), each optimizer's learning rate; resets the sums."""
+        out: dict[str, float] = {}
+        named, state.named_since_log = state.named_since_log, {}
+        if not (len(named) == 1 and "loss" in named):
+            out.update({k: v / max(steps, 1) for k, v in named.items()})
+        if self.schedulers is not None and len(self.schedulers.schedulers) > 1:
+            out.update({f"lr_{k}": v for k, v in self.schedulers.last_lrs().items()})
+        return out
+
+
+def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: Any, device: torch.device,
+                   capturable: bool, built_in: tuple[Callable[[torch.optim.Optimizer], Any], str]
+                   ) -> tuple[torch.optim.Optimizer, SchedulerSet, str, str]:
+    """The optimizers and schedulers of a run with a step of your own, and their descriptions.
+
+    spec: {name: optimizer or callable model -> optimizer}, or what `fit` takes for one optimizer
+    (named "optimizer"); scheduler_spec: {name: callable optimizer -> scheduler} (the others get the
+    built-in schedule `built_in`), or one callable for the one optimizer. Refuses what a step of your
+    own cannot do yet, in one line each."""
+    from gputrain.train.optim import make_optimizer
+
+    if config.shard:
+        raise ConfigError("a step of your own (step_fn) runs on one process or several with DDP-style gradient "
+                          "averaging; FSDP2 sharding (shard=True / --shard) is not supported with it yet")
+    if config.on_nan == "skip":
+        raise ConfigError("on_nan='skip' decides per optimizer step on the device, which a step of your own does "
+                          "not support yet: use on_nan='stop' (the default), which checks at log points")
+    if config.compile:
+        raise ConfigError("compile=True compiles the model gputrain calls, but your step_fn calls it: compile the "
+                          "parts inside your step instead (torch.compile(model.generator)) and leave compile off")
+    if isinstance(spec, Mapping):
+        optimizers = OptimizerSet.build(spec, module)
+    else:
+        one, _ = make_optimizer(spec, module.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                device=device, fused=config.fused_optimizer, capturable=capturable)
+        optimizers = OptimizerSet({"optimizer": one})
+    if scheduler_spec is not None and not isinstance(scheduler_spec, Mapping):
+        if len(optimizers) != 1:
+            raise ConfigError(f"scheduler= names no optimizer, but this run has {sorted(optimizers.optimizers)}: "
+                              "give {name: callable optimizer -> scheduler}")
+        scheduler_spec = {next(iter(optimizers.optimizers)): scheduler_spec}
+    schedulers = SchedulerSet.build(scheduler_spec, optimizers, built_in[0])
+    given = sorted(scheduler_spec or {})
+    # The set stands where the trainer keeps its optimizer, and acts as one there (typed as one).
+    return (cast(torch.optim.Optimizer, optimizers), schedulers, f"{optimizers.describe()} (yours, stepped by step_fn)",
+            ", ".join(f"{n}: {'given' if n in given else built_in[1]}" for n in optimizers.optimizers))
