@@ -46,7 +46,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
     if ! "$VPY" -m pip install -q -c constraints.txt -c "$keep_torch" -e ".[test]"; then
         # No package index (an offline GPU machine): install gputrain alone and use what is there.
         echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
-        "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+        if ! "$VPY" -m pip install -q --no-deps --no-build-isolation -e .; then
+            # An old setuptools without `wheel` cannot build even an editable install offline
+            # ("invalid command 'bdist_wheel'"): put src/ on the venv's path and write the command.
+            echo "setup: no editable install possible here; putting $PWD/src on the venv's path instead"
+            "$VPY" -c "import site, sys; open(site.getsitepackages()[0] + '/gputrain-src.pth', 'w').write(sys.argv[1] + '\n')" "$PWD/src"
+            printf '#!/bin/sh\nexec "%s" -m gputrain "$@"\n' "$(cd "$(dirname "$VPY")" && pwd)/$(basename "$VPY")" > "$VENV/bin/gputrain"
+            chmod +x "$VENV/bin/gputrain"
+        fi
         missing=$("$VPY" - <<'PY'
 import importlib.util
 need = {"numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "psutil": "psutil",
