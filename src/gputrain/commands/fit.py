@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 from gputrain.errors import ConfigError
 from gputrain.commands.argtypes import positive_float as _positive_float, positive_int as _positive_int, tri as _tri
@@ -30,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", nargs="?", default=None,
                    help=f"a built-in workload (see --list; default {DEFAULT_WORKLOAD}) or module:function returning a gputrain.Workload")
     p.add_argument("--list", action="store_true", help="list the built-in workloads and exit")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a TOML file of the run (workload, [options], [train]: TrainConfig's fields, [fit]: this "
+                        "command's flags); flags given here override it. A run's own: RUN_DIR/config.toml")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config of this command line (TOML, as RUN_DIR/config.toml) and exit")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
     p.add_argument("--batch-size", type=_batch_size, default=None,
@@ -156,6 +162,7 @@ def build_config(args, workload):
     from gputrain.config import TrainConfig
 
     values = dict(workload.defaults)
+    values.update(getattr(args, "config_train", None) or {})  # --config's [train] keys that no flag reads
     flag_map = {
         "device": args.device, "precision": args.precision, "epochs": args.epochs, "steps": args.steps,
         "accumulate": args.accumulate, "lr": args.lr, "weight_decay": args.weight_decay, "schedule": args.schedule,
@@ -217,14 +224,18 @@ def build_config(args, workload):
     return TrainConfig(**{k: v for k, v in values.items() if k in known})
 
 
-def run(args) -> int:
+def run(args, extra_callbacks: Sequence[Any] = ()) -> int:
+    """Train as the flags (and --config's file) say. extra_callbacks: added to the run's own (a sweep's
+    trial reports its evaluations through one)."""
     if args.list:
         return _list(args.json)
-    if args.nproc and args.nproc > 1 and (args.autotune or args.autotune_force):
+    if args.config:
+        _apply_config_file(args)
+    if args.nproc and args.nproc > 1 and (args.autotune or args.autotune_force) and not args.print_config:
         raise ConfigError("--autotune runs its trials in one process: run it once without --nproc, then start the "
                           "job with --nproc and the switches it chose (--precision, --cuda-graphs, --channels-last, "
                           "--compile)")
-    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ and not args.print_config:
         from gputrain.runtime.distributed import launch_torchrun
 
         argv = _argv_without(getattr(args, "_argv", sys.argv[1:]), ("--nproc", "--max-restarts"))
@@ -245,6 +256,8 @@ def run(args) -> int:
     name, options = _workload_to_train(args, options)
     workload = resolve_workload(name, **options)
     config = build_config(args, workload)
+    if args.print_config:
+        return _print_config(args, name, options, workload, config)
     if config.run_dir:
         _check_run_dir_owner(Path(config.run_dir), name, workload.name)
     full_batch = workload.full_batch and args.batch_size is None
@@ -265,14 +278,22 @@ def run(args) -> int:
             render_report(autotune_report, Console())
 
     from gputrain.train import fit_workload
+    from gputrain.train.fit import workload_config
 
-    callbacks = _callbacks(args)
+    config, full_batch = workload_config(workload, config, full_batch), False  # the batch size it trains with
+    callbacks = _callbacks(args) + list(extra_callbacks)
     run_dir = Path(config.run_dir) if config.run_dir and is_main else None
     made = _missing_folders(run_dir) if run_dir is not None else []
+
+    def record() -> None:  # workload.json and config.toml: what the run is, and how to repeat it
+        assert run_dir is not None
+        _record_workload(run_dir, name, workload.name, options)
+        _record_config(run_dir, name, options, workload, config, args)
+
     try:
-        # workload.json once every check passed (a resume's checkpoint fits): a refused run writes nothing.
-        history, _model = fit_workload(workload, config, full_batch=full_batch, callbacks=callbacks, on_ready=(
-            None if run_dir is None else lambda: _record_workload(run_dir, name, workload.name, options)))
+        # Recorded once every check passed (a resume's checkpoint fits): a refused run writes nothing.
+        history, _model = fit_workload(workload, config, full_batch=full_batch, callbacks=callbacks,
+                                       on_ready=None if run_dir is None else record)
     except BaseException:
         _remove_if_empty(made)  # the folders a refused run made for itself (preflight creates the run directory)
         raise
@@ -417,3 +438,36 @@ def _record_workload(run_dir: Path, spec: str, name: str, options: dict) -> None
             f.write(json.dumps({"workload": spec, "name": name, "options": options}, indent=2) + "\n")
     except OSError:
         return  # the run's preflight (io/preflight.py) says what is wrong with the directory, and how to fix it
+
+
+# ---------------------------------------------------------------- --config and --print-config
+
+
+def _apply_config_file(args) -> None:
+    """Fill `args` from --config's file wherever the command line gave nothing (gputrain/run_config.py)."""
+    from gputrain.run_config import apply_to_args, given_dests, load_run_config
+
+    argv = list(getattr(args, "_argv", sys.argv[1:]))
+    argv = argv[argv.index("fit") + 1:] if "fit" in argv else argv
+    apply_to_args(args, load_run_config(args.config), given_dests(add_arguments, argv))
+
+
+def _print_config(args, name: str, options: dict, workload, config) -> int:
+    """--print-config: the resolved config of this command line on stdout; nothing trained or written."""
+    from gputrain.run_config import resolved_text
+    from gputrain.train.fit import workload_config
+
+    full_batch = workload.full_batch and args.batch_size is None
+    print(resolved_text(name, options, workload_config(workload, config, full_batch), args, record=False,
+                        workload_name=workload.name), end="")
+    return 0
+
+
+def _record_config(run_dir: Path, name: str, options: dict, workload, config, args) -> None:
+    """RUN_DIR/config.toml: the run's resolved config, which `gputrain fit --config` repeats."""
+    from gputrain.run_config import record_config, resolved_text
+
+    try:
+        record_config(run_dir, resolved_text(name, options, config, args, record=True, workload_name=workload.name))
+    except OSError:
+        return  # as _record_workload: the run's preflight says what is wrong with the directory

@@ -1,0 +1,337 @@
+"""Runs as files: `gputrain fit --config run.toml`, `--print-config`, and RUN_DIR/config.toml.
+
+A run is one tree, one TOML file (read with the standard library's tomllib):
+
+    workload = "iris-mlp"      # a built-in workload, or module:function
+    [options]                  # the workload's options (--option KEY=VALUE, --data-dir)
+    [train]                    # TrainConfig's fields: every fit flag that sets one (--lr is lr,
+                               # --no-tensorboard is tensorboard = false, --logger is loggers)
+                               # and the fields no flag sets (warmup_steps, metric_modes, ...)
+    [fit]                      # the command's own flags (FitFlags: nproc, early_stop, ema, ...)
+    [sweep]                    # the search (gputrain/sweeps); `gputrain fit` leaves it alone
+
+Each setting is taken from the first of: the command line, the file, the workload's defaults,
+TrainConfig's defaults. Every run with a run directory records its resolved tree (all of it) as
+RUN_DIR/config.toml, so `gputrain fit --config RUN_DIR/config.toml --run-dir NEW` repeats it.
+An unknown key or a value of the wrong type is one ConfigError naming the key and its line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from gputrain.config import TrainConfig
+from gputrain.errors import ConfigError
+from gputrain.io.toml_file import TomlFile, dumps, read_toml, value_text
+
+CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the resolved config each run records
+SECTIONS = ("options", "train", "fit", "sweep")
+# [train] keys that fit's flags read from the parsed arguments (the rest reach TrainConfig directly).
+ARG_KEYS = ("device", "precision", "epochs", "steps", "batch_size", "progress", "run_dir", "resume")
+# [train] values a flag takes besides the field's own type: the CLI's "auto".
+AUTO_OK = ("batch_size", "progress")
+FIT_MINIMUM = {"nproc": 1, "max_restarts": 0, "patience": 1}  # as the flags' types check them
+
+
+@dataclass
+class FitFlags:
+    """`gputrain fit`'s own flags, those that set no TrainConfig field: [fit] in a config file."""
+
+    nproc: int | None = None  # processes started on this machine with torchrun
+    max_restarts: int = 0  # with nproc: torchrun's restarts after a failure
+    autotune: bool = False
+    autotune_force: bool = False
+    early_stop: str | None = None  # a metric: stop when it has not improved for `patience` evaluations
+    patience: int = 3
+    min_delta: float = 0.0
+    ema: float | None = None  # keep an EMA of the weights with this decay
+    json: bool = False  # print the summary as JSON
+    quiet: bool = False  # no run log
+    no_save: bool = False  # write nothing to disk
+
+
+@dataclass
+class RunConfig:
+    """One run as a file: the workload, its options, the TrainConfig fields and fit flags it sets.
+
+    `train` and `fit` hold only the keys the file sets (checked and converted: a list for a tuple
+    field is a tuple); `sweep` is the raw [sweep] table, checked by gputrain/sweeps; `source` is the
+    parsed file (for the line of a key in later errors), None for a tree given as a dict.
+    """
+
+    workload: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    fit: dict[str, Any] = field(default_factory=dict)
+    sweep: dict[str, Any] | None = None
+    source: TomlFile | None = None
+
+    def where(self, *keys: str) -> str:
+        return self.source.where(keys) if self.source else "the config"
+
+
+def load_run_config(path: str | Path, what: str = "--config") -> RunConfig:
+    """The RunConfig of a TOML file; ConfigError (one line, with the file's line) for bad input."""
+    return check_tree(read_toml(path, what))
+
+
+def check_tree(source: TomlFile) -> RunConfig:
+    """Check every key and value of a parsed config file and return it as a RunConfig."""
+    data = source.data
+    for key, value in data.items():
+        if key == "workload":
+            if not isinstance(value, str) or not value:
+                raise source.error([key], f"workload must be a string (a built-in workload or module:function), "
+                                          f"got {_shown(value)}")
+        elif key not in SECTIONS:
+            raise source.error([key], _unknown_top_key(key))
+        elif not isinstance(value, dict):
+            raise source.error([key], f"{key} must be a table ([{key}]), got {_shown(value)}")
+    options = dict(data.get("options", {}))
+    for key, value in options.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise source.error(["options", key], f"[options] {key}: a workload option is a string, number or "
+                                                 f"true/false, got {_shown(value)}")
+    train = {k: check_value("train", k, v, source) for k, v in data.get("train", {}).items()}
+    if "epochs" in train and "steps" in train:
+        raise source.error(["train", "steps"], "[train] sets both epochs and steps: give one of them")
+    fit = {k: check_value("fit", k, v, source) for k, v in data.get("fit", {}).items()}
+    return RunConfig(workload=data.get("workload"), options=options, train=train, fit=fit,
+                     sweep=data.get("sweep"), source=source)
+
+
+def check_value(section: str, key: str, value: Any, source: TomlFile | None = None,
+                keys: tuple[str, ...] | None = None) -> Any:
+    """`value` for [section] `key` ("train" or "fit"), converted (an int where a float is expected
+    is a float, a list for a tuple is a tuple, "none" for an optional field is None); ConfigError
+    naming the key (and its line, given `source`) when the key is unknown, the type wrong, or the
+    value one TrainConfig refuses. `keys`: where in the file it was written (default section.key)."""
+    at = keys or (section, key)
+
+    def fail(message: str) -> ConfigError:
+        return source.error(at, message) if source else ConfigError(message)
+
+    hints = field_types(section)
+    if key not in hints:
+        raise fail(_unknown_key(section, key, hints))
+    hint = hints[key]
+    if key in AUTO_OK and section == "train" and value == "auto":
+        return value
+    if value == "none" and _optional(hint) and not _fits("none", hint):
+        return None
+    if not _fits(value, hint):
+        raise fail(f"[{section}] {key} must be {_describe(hint)}, got {_shown(value)}")
+    value = _convert(value, hint)
+    if section == "fit" and key in FIT_MINIMUM and value is not None and value < FIT_MINIMUM[key]:
+        raise fail(f"[fit] {key} must be at least {FIT_MINIMUM[key]}, got {value!r}")
+    if section == "train" and key not in ("run_dir", "resume"):
+        try:  # the field's own checks (a positive lr, a known schedule), one field at a time
+            one: dict[str, Any] = {key: value}
+            TrainConfig(**one)
+        except ConfigError as exc:
+            raise fail(f"[train] {key}: {exc}") from None
+    return value
+
+
+def field_types(section: str) -> dict[str, Any]:
+    """{key: type} of the keys a [train] or [fit] table takes."""
+    cls = TrainConfig if section == "train" else FitFlags
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------- the command line over the file
+
+
+def given_dests(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> set[str]:
+    """The argument names (dests) that `argv` gives explicitly, for a parser made by `add_arguments`."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_arguments(p)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = p.parse_known_args(argv)
+    return set(vars(given))
+
+
+def apply_to_args(args: argparse.Namespace, rc: RunConfig, given: set[str]) -> argparse.Namespace:
+    """Fill `args` (fit's parsed flags) from the file where the command line gave nothing.
+
+    The [train] keys fit reads from its flags (ARG_KEYS) go into `args`; the other [train] keys go
+    into `args.config_train`, which build_config applies over the workload's defaults and under the
+    flags. A command line with --epochs or --steps drops both from the file.
+    """
+    if rc.workload and "workload" not in given:
+        args.workload = rc.workload
+    extra = {}
+    for key, value in rc.train.items():
+        if key in ("epochs", "steps") and ({"epochs", "steps"} & given):
+            continue
+        if key in ARG_KEYS:
+            if key not in given:
+                setattr(args, key, value)
+        else:
+            extra[key] = value
+    args.config_train = extra
+    for key, value in rc.fit.items():
+        if key not in given:
+            setattr(args, key, value)
+    options = {k: v for k, v in rc.options.items() if not (k == "data_dir" and "data_dir" in given)}
+    args.option = [f"{k}={option_text(v)}" for k, v in options.items()] + list(args.option or [])
+    return args
+
+
+def option_text(value: Any) -> str:
+    """A workload option as `--option KEY=VALUE` gives it (options reach the workload as strings)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+# ---------------------------------------------------------------- the resolved config
+
+
+def resolved_text(workload: str, options: dict[str, Any], config: TrainConfig, args: argparse.Namespace, *,
+                  record: bool, workload_name: str | None = None) -> str:
+    """The resolved config of a fit command line as TOML.
+
+    record=True: what RUN_DIR/config.toml holds: every setting the run trained with, but not where
+    it wrote (run_dir and resume are comments, so that a repeat names its own run directory) and
+    not --autotune (the switches it chose are in [train]). record=False: what --print-config shows,
+    with run_dir and resume when the command line or the file gave them. The run's name is left out
+    when it is the workload's own (`workload_name`), so that a copy for another workload is named anew.
+    """
+    from gputrain.version import __version__
+
+    train: dict[str, Any] = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for key, value in config.to_dict().items():
+        if key in ("run_dir", "resume") or (key == "name" and value == workload_name):
+            continue
+        if key == "progress":
+            value = getattr(args, "progress", value)
+        if key == "batch_size" and getattr(args, "batch_size", None) == "auto" and not record:
+            value = "auto"
+        if value is None and defaults.get(key) is not None:
+            value = "none"  # TOML has no null: an optional field switched off (spike_ratio)
+        train[key] = list(value) if isinstance(value, tuple) else value
+    fit = {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(FitFlags)}
+    notes = []
+    if record:
+        if fit["autotune"] or fit["autotune_force"]:
+            notes.append("autotune chose the switches above (precision, cuda_graphs, channels_last, compile)")
+        fit["autotune"] = fit["autotune_force"] = False
+        if config.run_dir:
+            notes.append(f"run_dir = {_toml_str(config.run_dir)}  (this run's; a repeat names its own: --run-dir)")
+    else:
+        if getattr(args, "run_dir", None) and config.run_dir:
+            train["run_dir"] = config.run_dir
+        elif config.run_dir:
+            notes.append(f"run_dir = {_toml_str(config.run_dir)}  (the default: none was given)")
+        if config.resume:
+            train["resume"] = config.resume
+    header = [f"gputrain {__version__}: the resolved config of a `gputrain fit` run of {workload}",
+              "(each setting from the command line, else a config file, else the workload's defaults, else TrainConfig's).",
+              f"Repeat the run: gputrain fit --config {CONFIG_FILE if record else 'THIS_FILE'} --run-dir NEW_DIR"]
+    return dumps({"workload": workload}, {"options": dict(options), "train": train, "fit": fit}, header=header,
+                 notes={"train": notes})
+
+
+def record_config(run_dir: Path, text: str) -> None:
+    """Write RUN_DIR/config.toml (whole or not at all)."""
+    from gputrain.io.atomic import write_text
+
+    write_text(run_dir / CONFIG_FILE, text)
+
+
+# ---------------------------------------------------------------- types and messages
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        return isinstance(value, list) and all(_fits(v, typing.get_args(hint)[0]) for v in value)
+    if origin is dict:
+        k, v = typing.get_args(hint)
+        return isinstance(value, dict) and all(_fits(a, k) and _fits(b, v) for a, b in value.items())
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if isinstance(value, int) and not isinstance(value, bool) and float in args and int not in args:
+        return float(value)
+    if isinstance(value, list) and any(typing.get_origin(a) is tuple for a in args):
+        return tuple(value)
+    return value
+
+
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(hint) if a is not type(None)]
+        if _optional(hint):
+            parts.append('"none"')
+        return " or ".join(dict.fromkeys(parts))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if origin in (list, tuple):
+        return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return f"a table of {_describe(typing.get_args(hint)[1]).removeprefix('a ').removeprefix('an ')}s"
+    return str(hint)
+
+
+def _shown(value: Any) -> str:
+    """A TOML value and its TOML type, for messages: "'fast' (a string)"."""
+    kind = ("true or false" if isinstance(value, bool) else "an integer" if isinstance(value, int) else
+            "a number" if isinstance(value, float) else "a string" if isinstance(value, str) else
+            "a list" if isinstance(value, list) else "a table" if isinstance(value, dict) else type(value).__name__)
+    return f"{value!r} ({kind})"
+
+
+def _toml_str(s: str) -> str:
+    return value_text(s)
+
+
+def _unknown_key(section: str, key: str, known: dict[str, Any]) -> str:
+    if section == "train" and key == "checkpointing":
+        return "[train] checkpointing is the old name of recompute (activation checkpointing): write recompute"
+    other = "fit" if section == "train" else "train"
+    if key.replace("-", "_") in field_types(other):
+        return f"[{section}] has no key {key!r}: it belongs under [{other}] as {key.replace('-', '_')}"
+    close = difflib.get_close_matches(key.replace("-", "_"), list(known), n=1, cutoff=0.6)
+    if close:
+        return f"unknown key {key!r} in [{section}]: did you mean {close[0]!r}?"
+    return f"unknown key {key!r} in [{section}]: the keys are {', '.join(known)}"
+
+
+def _unknown_top_key(key: str) -> str:
+    name = key.replace("-", "_")
+    for section in ("train", "fit"):
+        if name in field_types(section):
+            return f"{key!r} at the top of the file: put it under [{section}] (as {name})"
+    if name in ("data_dir", "option"):
+        return f"{key!r} at the top of the file: workload options go under [options]"
+    return f"unknown key {key!r}: a config file has workload and the tables {', '.join(f'[{s}]' for s in SECTIONS)}"
