@@ -25,6 +25,7 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per optimizer step (effective batch = batch_size * accumulate)
     lr: float = 1e-3
     weight_decay: float = 0.0
+    weight_decay_groups: bool = True  # no weight decay on biases and normalization weights (1-D); False: on all
     max_grad_norm: float | None = None  # clip when set
     schedule: str = "constant"  # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
     warmup_steps: int = 0
@@ -52,6 +53,7 @@ class TrainConfig:
     # there are several processes, one file (step-N.pt) for one process | "dcp" | "file"
     checkpoint_format: str = "auto"
     async_checkpoint: bool = False  # DCP's async_save: training goes on while the files are written
+    full_checkpoints: bool = False  # a frozen base's weights too; False: its fingerprint (train/frozen.py)
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
     tensorboard: bool = True  # TensorBoard event files in run_dir (rank 0 only)
     # experiment trackers fed at every log point (rank 0 only): "csv" (metrics.csv + metrics.jsonl),
@@ -147,8 +149,9 @@ class TrainConfig:
             if not hasattr(_signal, str(name)):
                 raise ConfigError(f"unknown signal {name!r} in stop_signals: use names like 'SIGTERM'")
         positive("spike_patience")
-        if not isinstance(self.rebuild_loader, bool):
-            raise ConfigError(f"rebuild_loader must be True or False, got {self.rebuild_loader!r}")
+        for name in ("rebuild_loader", "weight_decay_groups", "full_checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)
             if value not in ("auto", True, False):

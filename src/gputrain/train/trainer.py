@@ -159,7 +159,7 @@ class Trainer:
         cfg = self.config
         self.optimizer, self.optimizer_desc = make_optimizer(
             optimizer, self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=self.device,
-            fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs)
+            fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs, decay_groups=cfg.weight_decay_groups)
         move_optimizer_state(self.optimizer, self.device)
         self.scheduler, self.schedule_desc = make_user_scheduler(self.optimizer, scheduler) if scheduler is not None \
             else (make_scheduler(self.optimizer, cfg.schedule, self.total_steps, cfg.warmup_steps),
