@@ -4,7 +4,9 @@
   reads back and `model.load_state_dict` takes (tensors made contiguous, on the CPU; tensors that
   share memory, such as tied embeddings, are stored once each as copies).
 - `export_hf(model, out_dir)`: a Hugging Face model's `save_pretrained` folder (config.json and
-  model.safetensors), which `from_pretrained` loads into the same outputs.
+  model.safetensors), which `from_pretrained` loads into the same outputs; for a PEFT model its
+  adapter as PEFT writes it (adapter_config.json and adapter_model.safetensors, not the base), which
+  `PeftModel.from_pretrained(base, out_dir)` loads.
 - `export_onnx(model, example, path)`: `torch.onnx.export` with a dynamic batch dimension; checked
   with onnxruntime (outputs within 1e-4 of PyTorch's on `example`) when it is installed, else with
   `onnx.checker`. It uses torch's TorchScript exporter (`dynamo=False`), which needs only onnx (torch
@@ -122,9 +124,15 @@ def is_hf_model(model: nn.Module) -> bool:
     return callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config")
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT model (peft.PeftModel): its save_pretrained writes the adapter, not the base."""
+    return is_hf_model(model) and isinstance(getattr(model, "peft_config", None), dict)
+
+
 def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """`model.save_pretrained(out_dir)` (safetensors weights + config.json); returns the folder.
-    Written into a temporary folder first; its files are copied into `out_dir` only when it succeeded."""
+    """`model.save_pretrained(out_dir)` (safetensors weights + config.json; a PEFT model's adapter:
+    adapter_config.json + adapter_model.safetensors); returns the folder. Written into a temporary
+    folder first; its files are copied into `out_dir` only when it succeeded."""
     if not is_hf_model(model):
         raise ConfigError(f"--format hf exports Hugging Face models (with save_pretrained); {type(model).__name__} "
                           "is not one: use --format safetensors (or onnx)")
@@ -135,6 +143,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
             save_pretrained(staging)
         except Exception as exc:  # noqa: BLE001 - transformers' own errors, in its words
             raise _failed("hf", f"save_pretrained raised {_first_line(exc)}", model) from exc
+        if is_peft_model(model) and not (Path(staging) / "adapter_config.json").is_file():
+            raise _failed("hf", "PEFT's save_pretrained wrote no adapter_config.json (the adapter)", model)
         for staged in sorted(Path(staging).rglob("*")):
             if staged.is_file():
                 _place(staged, out / staged.relative_to(staging))

@@ -4,7 +4,8 @@ In the manner of torchtitan's `CheckpointManager(states=...)`: every part is an 
 `state_dict()` and `load_state_dict(state)` (torch.distributed.checkpoint's `Stateful`), saved under
 its name; `RunCheckpoint` composes them, in load order:
 
-  model       the weights (gathered in full on rank 0 under DDP/FSDP)
+  model       the weights (gathered in full on rank 0 under DDP/FSDP); a frozen base's left out
+              (train/frozen.py), its fingerprint saved as `frozen`
   optimizer   its state (likewise), moved to the run's device on load
   scaler      the precision's GradScaler state (`RunPrecision`)
   scheduler   the learning-rate schedule
@@ -31,6 +32,7 @@ from torch import nn
 from gputrain.batch import move_optimizer_state
 from gputrain.errors import CheckpointError
 from gputrain.runtime import distributed
+from gputrain.train.frozen import FrozenBase
 from gputrain.train.state import RunState
 
 WEIGHTS = ("model", "optimizer")  # the parts the sharded format (DCP) writes itself, each rank its share
@@ -38,17 +40,28 @@ POSITION_KEYS = ("step", "epoch", "batch_in_epoch", "samples_seen")  # copied to
 
 
 class ModelPart:
-    """The weights: the plain module's state_dict; under DDP/FSDP, gathered in full (collective)."""
+    """The weights: the plain module's state_dict; under DDP/FSDP, gathered in full (collective).
+    With a frozen base (`frozen.trainable_only`, train/frozen.py) the frozen weights are left out, and
+    a checkpoint without them takes them from the module on load (its resume checked them first)."""
 
-    def __init__(self, model: nn.Module, module: nn.Module, dist: distributed.DistInfo):
+    def __init__(self, model: nn.Module, module: nn.Module, dist: distributed.DistInfo,
+                 frozen: FrozenBase | None = None):
         self.model, self.module, self.dist = model, module, dist  # model: the wrapped one; module: the plain
+        self.frozen = frozen
 
     def state_dict(self) -> dict[str, Any]:
+        if self.frozen is not None and self.frozen.trainable_only:  # one process or DDP (train/frozen.py)
+            if self.dist.enabled and not self.dist.is_main:
+                return {}
+            state = self.frozen.trainable_state(self.module.state_dict())
+            return {k: v.detach().cpu() for k, v in state.items()} if self.dist.enabled else state
         if self.dist.enabled:
             return distributed.model_state_dict(self.model, self.dist)
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.frozen is not None and state and any(k not in state for k in self.frozen.keys):
+            state = self.frozen.complete(state)
         if self.dist.enabled:
             distributed.load_model_state_dict(self.model, state, self.dist)
         else:

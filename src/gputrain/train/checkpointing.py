@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from gputrain.batch import move_optimizer_state
 from gputrain.data.checks import first_step_note
 from gputrain.errors import CheckpointError, user_frame
 from gputrain.io import checkpoint_dcp
 from gputrain.runtime import distributed
+from gputrain.train.frozen import FrozenBase
 from gputrain.train.checkpoint_parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
                                              RngPart, RunCheckpoint, RunPart)
 
@@ -26,8 +28,10 @@ log = logging.getLogger("gputrain")
 
 def run_checkpoint(t) -> RunCheckpoint:
     """The trainer's checkpoint contents from its named parts (train/checkpoint_parts.py)."""
+    frozen = FrozenBase.decide(t.module, full_checkpoints=t.config.full_checkpoints, sharded=t.checkpointer.uses_dcp,
+                               fsdp=t.config.shard and t.dist.enabled)  # what the checkpoints hold of a frozen base
     parts = {
-        "model": ModelPart(t.model, t.module, t.dist),
+        "model": ModelPart(t.model, t.module, t.dist, frozen),
         "optimizer": OptimizerPart(t.model, t.optimizer, t.dist, t.device),
         "scaler": t.precision,
         "scheduler": t.scheduler,
@@ -38,7 +42,8 @@ def run_checkpoint(t) -> RunCheckpoint:
         "callbacks": CallbacksPart(t.callbacks, t.control),
     }
     return RunCheckpoint(parts, t.dist, lambda: {"global_batch": _global_batch(t), "world_size": t.dist.world_size,
-                                                 "config": t.config.to_dict()})
+                                                 "config": t.config.to_dict(),
+                                                 **({"frozen": frozen.header()} if frozen.trainable_only else {})})
 
 
 def save_checkpoint(t, path: Path | None = None) -> Path | None:
@@ -106,7 +111,7 @@ def resume(t) -> None:
             return
         state, path = found
     sharded = checkpoint_dcp.is_dcp(path)
-    check_model_state(checkpoint_dcp.saved_model_shapes(path) if sharded else state["model"], t.module,
+    check_model_state(checkpoint_dcp.saved_model_shapes(path) if sharded else _model_state(t, state, path), t.module,
                       path=str(path))
     check_resumable(t, state, path)
     if sharded:  # each rank reads its share, resharded to this job's process count
@@ -119,6 +124,43 @@ def resume(t) -> None:
                 f"{t.total_steps} steps: there is nothing to train (give more steps= or epochs= to train on)")
         log.warning("%s", done)
         t.warnings.append(done)
+
+def _model_state(t, state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (train/frozen.py)
+    with the frozen base filled in from the model, once its fingerprint matched. Also refuses an
+    optimizer state whose parameter groups are another weight-decay layout than this run's."""
+    if "frozen" not in state:
+        _check_decay_groups(t, state, path)
+        return state["model"]
+    frozen = t.checkpoint.parts["model"].frozen
+    if t.config.shard and t.dist.enabled:
+        raise CheckpointError(f"{path}: the checkpoint holds only the trainable parameters (its frozen base left "
+                              "out), which a sharded (FSDP) run cannot take: resume it without --shard (DDP or one "
+                              "process)")
+    frozen.check(state["frozen"], str(path))
+    _check_decay_groups(t, state, path)
+    return frozen.complete(state["model"])
+
+
+def _check_decay_groups(t, state: dict[str, Any], path: Path) -> None:
+    """The default AdamW keeps biases and normalization weights in a group without weight decay
+    (train/optim.py); a checkpoint written with one group for all (before that, or with
+    weight_decay_groups=False) resumes only with the same layout, and the other way round."""
+    saved = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
+    live = t.optimizer.param_groups if isinstance(t.optimizer, torch.optim.Optimizer) else None
+    if not isinstance(saved, list) or live is None or len(saved) == len(live) or not t.config.weight_decay:
+        return
+    if sum(len(g.get("params", ())) for g in saved) != sum(len(g["params"]) for g in live):
+        return  # other parameters, not another layout: OptimizerPart says so
+    if not t.optimizer_desc.startswith("AdamW ("):  # the default optimizer only: yours has your groups
+        return
+    one = len(saved) == 1
+    raise CheckpointError(
+        f"{path}: the checkpoint's optimizer has {len(saved)} parameter group(s) and this run's {len(live)}: it was "
+        + ("written with weight decay on every parameter (before gputrain kept it off biases and normalization "
+           "weights, or with weight_decay_groups=False); resume with weight_decay_groups=False" if one else
+           "written with no weight decay on biases and normalization weights; resume with weight_decay_groups=True"))
+
 
 def _find_checkpoint(t) -> tuple[dict[str, Any], Path] | None:
     """The newest checkpoint that verifies, with its state (a sharded one: this rank's run state)."""
@@ -186,3 +228,4 @@ def checkpoint_after_error(t, exc: BaseException) -> None:
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
         exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py
+

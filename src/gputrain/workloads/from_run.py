@@ -4,7 +4,9 @@ The workload comes from RUN_DIR/workload.json (what `gputrain fit` was given: a 
 module:function, and its --option values), else from the checkpoint's config name. Its model is
 built fresh and takes the weights of the best checkpoint (by the run's best_metric) when there is
 one, else the newest that verifies; the EMA weights when the run kept an average (`--ema`), unless
-the raw ones are asked for. A checkpoint is a file (one process wrote it) or a sharded step-N.dcp
+the raw ones are asked for. A checkpoint that holds only the trainable parameters of a frozen base
+(train/frozen.py) takes the base from the model the workload builds (seeded as fit seeded it), once it
+matches the checkpoint's fingerprint. A checkpoint is a file (one process wrote it) or a sharded step-N.dcp
 folder (every process of a multi-process run wrote its part): either is verified by its hashes
 first, and the sharded one is read whole in this process (io/checkpoint_dcp.load_full), so a run
 of N processes evaluates, predicts and exports on one.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
@@ -158,12 +161,16 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
     config = dict(state.get("config") or {})
     spec, saved_options = workload_spec(run_dir, config) if workload is None else (workload, {})
     wl = resolve_workload(spec, **{**saved_options, **(options or {})})
+    if "frozen" in state:  # a trainable-only checkpoint: the base comes from the model, built as fit built it
+        torch.manual_seed(int(config.get("seed", 0)))
     model = wl.make_model()
     ema = (state.get("callbacks") or {}).get(EMA_KEY)
     if weights == "ema" and not ema:
         raise ConfigError(f"{path}: this run kept no EMA of its weights (train with --ema DECAY); use the raw weights")
     use_ema = bool(ema) and weights != "raw"
     weights_state = ema["weights"] if use_ema and ema is not None else state["model"]
+    if "frozen" in state and not use_ema:  # the EMA's weights are whole
+        weights_state = _with_frozen_base(model, state, path, spec)
     try:
         check_model_state(weights_state, model, path=str(path))
     except CheckpointError as exc:
@@ -172,6 +179,18 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
     model.eval()
     step = int(state.get("step", (state.get("run") or {}).get("step", 0)))
     return TrainedRun(run_dir, wl, model, "ema" if use_ema else "raw", path, step, config, skipped)
+
+
+def _with_frozen_base(model: nn.Module, state: dict[str, Any], path: Path, spec: str) -> dict[str, Any]:
+    """A trainable-only checkpoint's weights (train/frozen.py) completed with the frozen base of the
+    model the workload built, once that base matches the checkpoint's fingerprint."""
+    from gputrain.train.frozen import FrozenBase
+
+    frozen = FrozenBase(model, trainable_only=True, reason="")
+    frozen.check(state["frozen"], str(path), model=f"the model {spec} builds",
+                 advice=f"{spec} must build the base the run trained on (the same pretrained weights, or the same "
+                        "seeded initialization), or pass --workload with the one that does")
+    return frozen.complete(state["model"])
 
 
 def _which_workload_hint(run_dir: Path, config: dict[str, Any], spec: str, given: str | None) -> str:
