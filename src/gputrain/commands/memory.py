@@ -165,7 +165,9 @@ def render(report: dict[str, Any], console) -> None:
     table.add_column(f"of {report['capacity_label']}", justify="right")
     table.add_column("how it is counted")
     rows = [
-        ("parameters", est["parameter_bytes"], f"{est['parameters']:,} parameters"),
+        ("parameters", est["parameter_bytes"], f"{est['parameters']:,} parameters" + (
+            f": {est['trainable_parameters']:,} trainable, {est['frozen_parameters']:,} frozen"
+            if est.get("frozen_parameters") else ", all trainable")),
         ("gradients", est["gradient_bytes"], f"{est['trainable_parameters']:,} trainable"),
         ("optimizer state", est["optimizer_state_bytes"], f"{est['optimizer_states_per_parameter']} x gradients"),
         ("activations", est["activation_bytes"],

@@ -1,9 +1,10 @@
 """How many bytes a training step needs, piece by piece, and how that grows with the batch.
 
-- `estimate_memory(model, sample_batch, ...)`: parameters + gradients + optimizer state +
-  activations (bytes the autograd graph saves for backward, measured with the saved-tensor meter
-  at two batch sizes and fitted as fixed + per_sample * batch), per recomputable block too; on CUDA
-  also the slope of the real step's peak (the step probe, probe.py, at two batch sizes).
+- `estimate_memory(model, sample_batch, ...)`: parameters + gradients + optimizer state (of the
+  trainable parameters only: a frozen base, such as LoRA's, has neither) + activations (bytes the
+  autograd graph saves for backward, measured with the saved-tensor meter at two batch sizes and
+  fitted as fixed + per_sample * batch), per recomputable block too; on CUDA also the slope of the
+  real step's peak (the step probe, probe.py, at two batch sizes).
 - `activation_bytes_at`, `fixed_bytes`, `max_batch_from_estimate`: what an estimate predicts at
   another batch size, and the largest batch that fits a budget.
 
@@ -102,8 +103,9 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
     el = params[0].element_size() if params else 4
     n_params, n_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
     full, half = fits["measured"]
+    frozen_note = f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable < n_params else ""
     arithmetic = [
-        f"parameters: {n_params:,} x {el} B = {param_bytes:,} B",
+        f"parameters: {n_params:,}{frozen_note} x {el} B = {param_bytes:,} B",
         f"gradients: {n_trainable:,} trainable x {el} B = {grad_bytes:,} B",
         f"optimizer state ({opt}): {states} x {grad_bytes:,} B = {opt_bytes:,} B",
         f"activations: {fixed:,.0f} B fixed + {per_sample:,.1f} B/sample x {batch:,} = {activation_bytes:,} B "
@@ -118,6 +120,7 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
         "device": str(device),
         "parameters": n_params,
         "trainable_parameters": n_trainable,
+        "frozen_parameters": n_params - n_trainable,  # no gradient, no optimizer state
         "parameter_bytes": param_bytes,
         "gradient_bytes": grad_bytes,
         "optimizer_states_per_parameter": states,

@@ -28,7 +28,7 @@ from gputrain.io.atomic import write_text
 from gputrain.report.format import format_bytes, format_duration
 from gputrain.report.page import escape as _e, page, with_code
 from gputrain.report.plots import breakdown_plot, line_plot
-from gputrain.report.summary import summary_rows
+from gputrain.report.summary import parameters_text, summary_rows
 
 REPORT_NAME = "report.html"
 PROFILE_NAME = "profile_summary.json"
@@ -220,6 +220,20 @@ def _decision(s: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def _memory(records: list[dict[str, Any]], s: dict[str, Any]) -> str:
+    return _parameters(s) + _peak(records, s)
+
+
+def _parameters(s: dict[str, Any]) -> str:
+    """Which parameters train (gradients and optimizer state are theirs), and what checkpoints hold."""
+    if s.get("parameters") is None:
+        return ""
+    text = parameters_text(s.get("trainable_parameters") or 0, s.get("frozen_parameters") or 0)
+    held = f" Checkpoints: {s['checkpoint_contents']}." if s.get("frozen_parameters") and s.get("checkpoint_contents") \
+        else ""
+    return f"<p>Parameters: <b>{_e(text)}</b>; gradients and optimizer state are the trainable ones'.{_e(held)}</p>"
+
+
+def _peak(records: list[dict[str, Any]], s: dict[str, Any]) -> str:
     peak = s.get("peak_memory_bytes")
     if peak is None:
         peaks = [r["peak_memory_bytes"] for r in records if isinstance(r.get("peak_memory_bytes"), (int, float))]

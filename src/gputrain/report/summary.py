@@ -25,6 +25,9 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         add("precision", f"{summary['precision']} ({reason})" if reason else summary["precision"])
     add("data", summary.get("data_reason"))
     add("optimizer", summary.get("optimizer"))
+    if summary.get("parameters") is not None:
+        add("parameters", parameters_text(summary.get("trainable_parameters") or 0,
+                                          summary.get("frozen_parameters") or 0))
     eff = summary.get("effective_batch")
     if eff is not None:
         ws, acc, bs = summary.get("world_size") or 1, summary.get("accumulate") or 1, summary.get("batch_size")
@@ -68,11 +71,21 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         if written is not None and summary.get("checkpoint_async"):
             text += f"; writing took {_short(written)}"
         add("checkpoints", text)
+    if summary.get("frozen_parameters"):
+        add("checkpoint contents", summary.get("checkpoint_contents"))
     add("callbacks", summary.get("callbacks"))
     if (summary.get("oom_splits") or 1) > 1:
         add("OOM recovery", f"micro-batches split {summary['oom_splits']}x")
     add("run directory", summary.get("run_dir"))
     return rows
+
+
+def parameters_text(trainable: int, frozen: int) -> str:
+    """"1,024 trainable of 29,568 (3.46%); 28,544 frozen", or "29,568, all trainable"."""
+    total = trainable + frozen
+    if not frozen:
+        return f"{total:,}, all trainable"
+    return f"{trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f}%); {frozen:,} frozen"
 
 
 def best_label(directions: Any, key: str) -> str:

@@ -14,6 +14,7 @@ import torch
 from gputrain.config import TrainConfig
 from gputrain.data.sources import unused_batch_size_note
 from gputrain.metric_direction import Direction, metric_direction, metric_figures
+from gputrain.report.summary import parameters_text
 from gputrain.runtime.devices import device_label
 from gputrain.runtime.host_memory import allocator_advice, faults_per_step
 
@@ -62,6 +63,14 @@ def _callbacks(t):
     callbacks = getattr(t, "callbacks", None)
     return callbacks if callbacks is not None and len(callbacks) else None
 
+
+def _frozen(t):
+    """The run's FrozenBase (train/frozen.py: parameter counts, what checkpoints hold); None for a
+    trainer-like stand-in without checkpoint parts."""
+    part = getattr(getattr(t, "checkpoint", None), "parts", {}).get("model")
+    return getattr(part, "frozen", None)
+
+
 def announce(t) -> None:
     if not t.is_main:
         return
@@ -79,6 +88,10 @@ def announce(t) -> None:
              batch if batch is not None else "the data's own batches", t.config.accumulate,
              " samples" if batch is not None else "",
              f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
+    if (frozen := _frozen(t)) is not None:
+        log.info("parameters: %s", parameters_text(frozen.trainable, frozen.frozen))
+        if frozen.frozen and t.run_dir:
+            log.info("checkpoints: %s", frozen.reason)
     for row in t.speed.decisions():
         log.info("%s: %s (%s)", row["name"], row["value"], row["reason"])
     callbacks = _callbacks(t)
@@ -168,8 +181,15 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
         "decisions": t.decisions(),
         "warnings": list(t.warnings),
     }
+    if (frozen := _frozen(t)) is not None:  # parameters that train, and what a checkpoint holds of the rest
+        summary.update({"parameters": frozen.trainable + frozen.frozen, "trainable_parameters": frozen.trainable,
+                        "frozen_parameters": frozen.frozen, "checkpoint_contents": frozen.reason})
     if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
         summary.update(t.checkpointer.summary())
+    names = getattr(t.train_step, "names", ())  # a step of your own (train/own_step.py): its losses and rates
+    if names and recs:
+        summary["step_losses"] = {k: recs[-1][k] for k in names if k in recs[-1]}
+        summary["learning_rates"] = {k[3:]: v for k, v in recs[-1].items() if k.startswith("lr_")} or None
     summary.update(metric_figures(recs, lambda key: direction(t, key)))
     summary["evaluation"] = _evaluation(t)[0]
     t.history.summary = summary
