@@ -16,10 +16,11 @@ import torch
 
 from gputrain.batch import move_optimizer_state
 from gputrain.data.checks import first_step_note
-from gputrain.errors import CheckpointError, user_frame
+from gputrain.errors import CheckpointError, StopRequested, user_frame
 from gputrain.io import checkpoint_dcp
 from gputrain.runtime import distributed
 from gputrain.train.frozen import FrozenBase
+from gputrain.train.signals import agree_to_stop
 from gputrain.train.checkpoint_parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
                                              RngPart, RunCheckpoint, RunPart)
 
@@ -229,3 +230,23 @@ def checkpoint_after_error(t, exc: BaseException) -> None:
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
         exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py
 
+
+def stop_for_signal(t, signals) -> None:
+    """A stop signal came: checkpoint (every rank takes part; rank 0 writes), requeue a Slurm job that
+    asked for it, and raise StopRequested with how to resume."""
+    st = t.state
+    name = signals.name or "a stop signal (on another rank)"
+    code = signals.exit_code or 143
+    path = t.save_checkpoint() if t.run_dir else None
+    if path is not None:
+        wait_for_saves(t)  # committed before the process leaves
+        from gputrain.runtime.slurm import requeue_after_stop
+
+        # Slurm's SIGUSR1 before the time limit (on any rank): rank 0 puts a requeuable job back in the queue
+        requeue_after_stop(signals.requested, t.dist, any_rank=lambda flag: agree_to_stop(flag, t.dist))
+    resume = (f"resume with: gputrain fit ... --resume {t.run_dir} (from Python: the same fit(...) with "
+              f"TrainConfig(..., run_dir={str(t.run_dir)!r}, resume=True))" if path
+              else "nothing was saved (no run directory): set run_dir to make runs resumable")
+    log.warning("%s: stopped after step %d%s", name, st.step, f", checkpoint {path}" if path else "")
+    raise StopRequested(f"stopped by {name} after step {st.step} of {t.total_steps}; {resume}",
+                        exit_code=code, step=st.step, checkpoint=str(path) if path else None)

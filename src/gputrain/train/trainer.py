@@ -31,7 +31,7 @@ from gputrain.data.deferred import materialize, num_samples
 from gputrain.data.sources import batch_size_used
 from gputrain.data.stream import DataExhausted, known_length, plan_steps
 from gputrain.data.splits import unpack_splits
-from gputrain.errors import ConfigError, GputrainError, StopRequested
+from gputrain.errors import ConfigError, GputrainError
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
@@ -47,6 +47,8 @@ from gputrain.train import checkpointing, run_summary
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
+from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
+from gputrain.train.own_step import OwnStep, own_optimizers
 from gputrain.train.signals import StopSignals, agree_to_stop
 from gputrain.train.state import RunState
 from gputrain.train.step import TrainStep
@@ -67,15 +69,16 @@ class Trainer:
                  compute_loss: Callable | None = None, optimizer=None, config: TrainConfig | None = None,
                  eval_data=None, task: str | None = None, transform: BatchTransform | None = None,
                  metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
-                 callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
-                 collate_fn: Callable | None = None):
+                 callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
+                 step_fn: Callable | None = None):
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
         self.dist, self.device = distributed.init_distributed(config.device)
         self.is_main = self.dist.is_main
         seed_run(config.seed + self.dist.rank, self.device)
-        self.loss = LossRule(loss_fn, compute_loss)
+        self.loss = LossRule(loss_fn, compute_loss, step_fn=step_fn)
+        self.own_step = step_fn  # a step of your own (train/own_step.py): named optimizers, no DDP wrapper
         self.task = task or (infer_task(loss_fn) if compute_loss is None else None)
         self.warnings: list[str] = []
         self.callbacks = CallbackList(callbacks)  # hooks at log points (train/callbacks.py)
@@ -106,7 +109,7 @@ class Trainer:
         cfg, device = self.config, self.device
         self.speed: SpeedSwitches = decide_speed(cfg, model, device, world_size=self.dist.world_size,
                                                  use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
-                                                 step_hooks=self.callbacks.per_step)
+                                                 step_hooks=self.callbacks.per_step, own_step=self.own_step)
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
@@ -117,7 +120,8 @@ class Trainer:
 
             targets = None if cfg.recompute is True else list(cfg.recompute)
             self.recomputed = apply_activation_checkpointing(self.module, targets)
-        self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard)
+        self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) if self.own_step is None \
+            else self.module  # your step averages its gradients per optimizer (train/own_step.py)
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
         self.recompiles = None
         if cfg.compile:
@@ -157,14 +161,19 @@ class Trainer:
 
     def _setup_optimizer(self, optimizer, scheduler: Callable[[Any], Any] | None = None) -> None:
         cfg = self.config
-        self.optimizer, self.optimizer_desc = make_optimizer(
-            optimizer, self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=self.device,
-            fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs, decay_groups=cfg.weight_decay_groups)
+        built_in = (lambda opt: make_scheduler(opt, cfg.schedule, self.total_steps, cfg.warmup_steps),
+                    f"{cfg.schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+                    + " (built-in)")
+        if self.own_step is not None:  # optimizers and schedulers by name
+            self.optimizer, self.scheduler, self.optimizer_desc, self.schedule_desc = own_optimizers(
+                optimizer, scheduler, self.module, cfg, self.device, self.speed.cuda_graphs, built_in)
+        else:
+            self.optimizer, self.optimizer_desc = make_optimizer(
+                optimizer, self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=self.device,
+                fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs, decay_groups=cfg.weight_decay_groups)
+            self.scheduler, self.schedule_desc = make_user_scheduler(self.optimizer, scheduler) \
+                if scheduler is not None else (built_in[0](self.optimizer), built_in[1])
         move_optimizer_state(self.optimizer, self.device)
-        self.scheduler, self.schedule_desc = make_user_scheduler(self.optimizer, scheduler) if scheduler is not None \
-            else (make_scheduler(self.optimizer, cfg.schedule, self.total_steps, cfg.warmup_steps),
-                  f"{cfg.schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
-                  + " (built-in)")
         self.speed.refuse_graphs(scheduler_blocker(self.scheduler))  # one that writes Python numbers each step
 
     def _setup_step(self, num_items: Callable | None) -> None:
@@ -179,7 +188,11 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.loss, self.optimizer, self.precision, device=self.device,
                                     max_grad_norm=cfg.max_grad_norm, num_items=num_items, dist=self.dist,
                                     oom_recovery=cfg.oom_recovery, params=list(self.module.parameters()),
-                                    skip_nonfinite=skip, after_step=self.callbacks.step_updates(self.module))
+                                    skip_nonfinite=skip, after_step=self.callbacks.step_updates(self.module)) \
+            if self.own_step is None else OwnStep(
+                self.own_step, self.model, self.module, cast(OptimizerSet, self.optimizer), cast(SchedulerSet, self.scheduler),
+                self.precision, device=self.device, max_grad_norm=cfg.max_grad_norm, dist=self.dist,
+                oom_recovery=cfg.oom_recovery, after_step=self.callbacks.step_updates(self.module))
         self.nonfinite = NonFiniteGuard(cfg.on_nan)
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
@@ -354,7 +367,7 @@ class Trainer:
         if ((loop.world == 1 and signals.requested is not None)
                 or (loop.world > 1 and self.state.step % SIGNAL_SYNC_EVERY == 0
                     and agree_to_stop(signals.requested is not None, self.dist))):
-            self._stop_for_signal(signals)
+            checkpointing.stop_for_signal(self, signals)
 
     def run_steps(self, n: int) -> None:
         """n iterations of the training loop's own body (`_iterate`: the step, log points with the
@@ -386,25 +399,6 @@ class Trainer:
     def _eager_step(self, micro_batches: list) -> None:
         self.train_step([materialize(b) for b in micro_batches])
 
-    def _stop_for_signal(self, signals) -> None:
-        """Checkpoint (every rank takes part; rank 0 writes) and raise StopRequested."""
-        st = self.state
-        name = signals.name or "a stop signal (on another rank)"
-        code = signals.exit_code or 143
-        path = self.save_checkpoint() if self.run_dir else None
-        if path is not None:
-            checkpointing.wait_for_saves(self)  # committed before the process leaves
-            from gputrain.runtime.slurm import requeue_after_stop
-
-            # Slurm's SIGUSR1 before the time limit (on any rank): rank 0 puts a requeuable job back in the queue
-            requeue_after_stop(signals.requested, self.dist, any_rank=lambda flag: agree_to_stop(flag, self.dist))
-        resume = (f"resume with: gputrain fit ... --resume {self.run_dir} (from Python: the same fit(...) with "
-                  f"TrainConfig(..., run_dir={str(self.run_dir)!r}, resume=True))" if path
-                  else "nothing was saved (no run directory): set run_dir to make runs resumable")
-        log.warning("%s: stopped after step %d%s", name, st.step, f", checkpoint {path}" if path else "")
-        raise StopRequested(f"stopped by {name} after step {st.step} of {self.total_steps}; {resume}",
-                            exit_code=code, step=st.step, checkpoint=str(path) if path else None)
-
     def collect_step_totals(self) -> None:
         """Read the step's device accumulators into the run state: the loss summed since the last
         read and the non-finite steps (one host sync; collective with several processes). With
@@ -415,6 +409,7 @@ class Trainer:
         st.nonfinite_steps += bad
         self.nonfinite.check(bad, st.step, self.last_checkpoint)  # on_nan="stop": raises here
         st.loss_since_log += loss_total
+        self.train_step.fold_read(st)  # a step of your own's named losses
 
     def _log_point(self, t_log: float, samples_at_log: int, faults: StepFaults | None = None) -> dict[str, Any]:
         """Read the device-side loss (one sync), evaluate, and build the record. `faults`: the loop's
@@ -423,6 +418,7 @@ class Trainer:
         self.collect_step_totals()
         loss = st.loss_since_log / st.steps_since_log
         self.spikes.update(st.step, loss)
+        extra = self.train_step.log_values(st, st.steps_since_log)
         st.loss_since_log, st.steps_since_log = 0.0, 0
         now = time.perf_counter()
         record: dict[str, Any] = {
@@ -433,6 +429,7 @@ class Trainer:
             "samples_per_s": (st.samples_seen - samples_at_log) / max(1e-9, now - t_log),
             "peak_memory_bytes": take_peak_memory(self.device),
             "step_page_faults": faults.take() if faults is not None else None,  # the steps' own since the last
+            **extra,
         }
         if self.recompiles is not None:
             self.recompiles.poll()
