@@ -293,6 +293,8 @@ CASES = [
          r"--fit-args: expected one argument; a value that starts with '-' is written --flag=VALUE"),
     Case("slurm-output-is-a-folder", ("slurm", "digits-cnn", "--run-dir", "/shared/run", "--output", "a-folder"),
          r"--output a-folder is a folder"),
+    # ---------------------------------------------------------------- sweep (more: tests/test_sweep.py)
+    Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep"),
     # ---------------------------------------------------------------- info, doctor
     Case("info-unknown-flag", ("info", "--gpus"), r"unrecognized arguments: --gpus"),
     Case("doctor-unknown-flag", ("doctor", "--fast"), r"unrecognized arguments: --fast"),

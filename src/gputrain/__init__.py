@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __geta
     from gputrain.data.tokens import count_tokens
     from gputrain.diagnostics.memory_stats import memory_stats
     from gputrain.io.history import History
+    from gputrain.sweeps import SweepResult, sweep
     from gputrain.train import Trainer, fit, fit_workload
     from gputrain.train.callbacks import Callback, RunControl
     from gputrain.train.early_stopping import EarlyStopping
@@ -41,6 +42,8 @@ _LAZY = {
     "evaluate": "gputrain.train.inference",
     "predict": "gputrain.train.inference",
     "count_tokens": "gputrain.data.tokens",
+    "sweep": "gputrain.sweeps",
+    "SweepResult": "gputrain.sweeps",
 }
 
 
@@ -58,5 +61,5 @@ __all__ = [
     "pick_device", "describe_devices", "move", "move_optimizer_state", "check_devices",
     # the names of _LAZY, spelled out so that type checkers can read the list
     "fit", "fit_workload", "Trainer", "TrainConfig", "History", "Workload", "get_workload", "memory_stats",
-    "Callback", "RunControl", "EarlyStopping", "EMA", "evaluate", "predict", "count_tokens",
+    "Callback", "RunControl", "EarlyStopping", "EMA", "evaluate", "predict", "count_tokens", "sweep", "SweepResult",
 ]

@@ -1,0 +1,286 @@
+"""What a sweep is: the [sweep] table of a config file, checked, and its search space.
+
+    [sweep]
+    trials = 8                  # the study ends with this many finished trials (a resumed one counts its own)
+    workers = 2                 # trials at once: one per GPU; on the CPU, processes sharing the cores
+    metric = "eval_loss"        # a key of the run's records: loss, eval_loss, eval_accuracy, eval_<yours>
+    direction = "min"           # optional: else gputrain's rule (gputrain/metric_direction.py)
+    value = "final"             # a trial's value: its last evaluation's ("final") or its best ("best")
+    pruner = "median"           # stop a trial whose evaluation is worse than the median of earlier trials' at
+                                # the same step ("none": never); only after `startup_trials` have finished
+    sampler = "tpe"             # or "random"; `seed` seeds it (worker i: seed + i)
+
+    [sweep.space]               # TrainConfig fields, [fit] flags and options.NAME for the workload's
+    lr = {loguniform = [1e-4, 1e-1]}
+    weight_decay = {uniform = [0.0, 0.1]}          # step = 0.01 for a grid
+    steps = {int = [20, 100], step = 20}           # log = true for a log scale
+    batch_size = {choices = [16, 32, 64]}
+    options.n = {choices = [1000, 4000]}
+
+Every value a distribution can give is checked against what the run takes (its type, TrainConfig's
+own checks) before anything is written: a space that cannot be sampled is one line naming the key
+and its line in the file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gputrain.errors import ConfigError
+from gputrain.run_config import RunConfig, check_value, field_types, option_text
+
+if TYPE_CHECKING:
+    from optuna.distributions import BaseDistribution
+
+SWEEP_FILE = "sweep.toml"  # SWEEP_DIR/sweep.toml: the sweep's resolved config
+KINDS = ("loguniform", "uniform", "int", "choices")
+DEFAULTS = {"trials": None, "workers": None, "metric": "eval_loss", "direction": None, "value": "final",
+            "pruner": "median", "startup_trials": 5, "sampler": "tpe", "seed": 0, "sweep_dir": None}
+TYPES = {"trials": int, "workers": int, "metric": str, "direction": str, "value": str, "pruner": str,
+         "startup_trials": int, "sampler": str, "seed": int, "sweep_dir": str}
+CHOICES = {"direction": ("min", "max"), "value": ("final", "best"), "pruner": ("median", "none"),
+           "sampler": ("tpe", "random")}
+IDENTITY_FREE = ("trials", "workers", "sweep_dir")  # what a resumed sweep may change
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched setting: its name in the study ("lr", "options.n"), where it goes in the run's
+    config (section "train" | "fit" | "options", key) and its distribution."""
+
+    name: str
+    section: str
+    key: str
+    kind: str  # one of KINDS
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+    choices: tuple = ()
+
+    def spec(self) -> dict[str, Any]:
+        """The distribution as the config file writes it: {"loguniform": [1e-4, 0.1]}."""
+        if self.kind == "choices":
+            return {"choices": list(self.choices)}
+        out: dict[str, Any] = {self.kind: [self.low, self.high]}
+        if self.step is not None:
+            out["step"] = self.step
+        if self.log and self.kind == "int":
+            out["log"] = True
+        return out
+
+    def distribution(self) -> BaseDistribution:
+        """The Optuna distribution that samples this setting."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.kind == "choices":
+            return CategoricalDistribution(list(self.choices))
+        if self.kind == "int":
+            return IntDistribution(int(self.low or 0), int(self.high or 0), log=self.log, step=int(self.step or 1))
+        return FloatDistribution(float(self.low or 0), float(self.high or 0), log=self.kind == "loguniform",
+                                 step=self.step)
+
+
+@dataclass
+class SweepSettings:
+    """The [sweep] table, checked; `space`: the searched settings, in the file's order."""
+
+    trials: int
+    metric: str = "eval_loss"
+    direction: str | None = None  # "min" | "max" as stated; None: by the metric's rule
+    workers: int | None = None  # None: one per GPU, else one
+    value: str = "final"
+    pruner: str = "median"
+    startup_trials: int = 5
+    sampler: str = "tpe"
+    seed: int = 0
+    sweep_dir: str | None = None
+    space: list[Param] = field(default_factory=list)
+
+    def table(self) -> dict[str, Any]:
+        """The settings as [sweep] writes them (sweep_dir left out: the directory is where it is)."""
+        out = {k: getattr(self, k) for k in DEFAULTS if k != "sweep_dir"}
+        out["space"] = {p.name: p.spec() for p in self.space}
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two sweeps one study: all but the budget and the workers."""
+        return {k: v for k, v in self.table().items() if k not in IDENTITY_FREE}
+
+
+def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> SweepSettings:
+    """The SweepSettings of `rc.sweep` with `overrides` (the command line's --trials, --metric...)
+    over it. Raises ConfigError naming the key and its line for an unknown key, a wrong type or
+    value, and a space that cannot be sampled or that sets what a sweep decides (run_dir)."""
+    table = dict(rc.sweep or {})
+    where = rc.where
+    for key, value in table.items():
+        if key == "space":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where('sweep', key)}: [sweep] space must be a table ([sweep.space])")
+            continue
+        if key not in TYPES:
+            raise ConfigError(f"{where('sweep', key)}: unknown key {key!r} in [sweep]: the keys are "
+                              f"{', '.join(TYPES)} and the table [sweep.space]")
+        _check_setting(key, value, where("sweep", key))
+    values = {**DEFAULTS, **{k: v for k, v in table.items() if k != "space"}}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _check_setting(key, value, "the command line")
+            values[key] = value
+    if values["trials"] is None:
+        raise ConfigError("a sweep needs a budget: trials = N in [sweep], or --trials N")
+    metric = values["metric"]
+    if metric != "loss" and not metric.startswith("eval_"):
+        raise ConfigError(f"{where('sweep', 'metric')}: [sweep] metric {metric!r} is no value a run reports: "
+                          "runs report loss and eval_* values (eval_loss, eval_accuracy, eval_<your metric>)")
+    _check_base(rc)
+    space = [_param(name, spec, rc) for name, spec in _flat_space(table.get("space") or {})]
+    if not space:
+        raise ConfigError(f"{where('sweep')}: the sweep has no search space: add [sweep.space] with, e.g., "
+                          "lr = {loguniform = [1e-4, 1e-1]}")
+    return SweepSettings(space=space, **{k: values[k] for k in DEFAULTS})
+
+
+def _check_setting(key: str, value: Any, where: str) -> None:
+    kind = TYPES[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{where}: [sweep] {key} must be {'an integer' if kind is int else 'a string'}, "
+                          f"got {value!r}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{where}: [sweep] {key} must be {' or '.join(map(repr, CHOICES[key]))}, got {value!r}")
+    if key in ("trials", "workers") and value < 1:
+        raise ConfigError(f"{where}: [sweep] {key} must be at least 1, got {value}")
+    if key == "startup_trials" and value < 0:
+        raise ConfigError(f"{where}: [sweep] startup_trials must be 0 or more, got {value}")
+
+
+def _check_base(rc: RunConfig) -> None:
+    """What a sweep decides itself cannot be set for its trials."""
+    for key in ("run_dir", "resume"):
+        if rc.train.get(key):
+            raise ConfigError(f"{rc.where('train', key)}: [train] {key}: a sweep puts each trial in its own run "
+                              "directory under SWEEP_DIR/trials; remove it (the sweep's folder is --sweep-dir)")
+    if (rc.fit.get("nproc") or 1) > 1:
+        raise ConfigError(f"{rc.where('fit', 'nproc')}: [fit] nproc: a trial trains in one process (a sweep runs "
+                          "trials side by side instead, [sweep] workers); remove it")
+    if rc.fit.get("no_save"):
+        raise ConfigError(f"{rc.where('fit', 'no_save')}: [fit] no_save: every trial is a run directory; remove it")
+
+
+def _flat_space(space: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """[(name, spec)]: `options.n = {...}` (a nested table in TOML) becomes ("options.n", {...})."""
+    out = []
+    for key, value in space.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and not (set(value) & set(KINDS)) and value and \
+                all(isinstance(v, dict) for v in value.values()) and not prefix:
+            out += _flat_space(value, f"{name}.")
+        else:
+            out.append((name, value))
+    return out
+
+
+def _param(name: str, spec: Any, rc: RunConfig) -> Param:
+    keys = ("sweep", "space", *name.split("."))
+    where = rc.where(*keys)
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError(f"{where}: [sweep.space] {name}: {message}")
+
+    section, key = _target(name, fail)
+    if not isinstance(spec, dict) or len(set(spec) & set(KINDS)) != 1:
+        raise fail("give one distribution as a table: {loguniform = [low, high]}, {uniform = [low, high]}, "
+                   "{int = [low, high]} or {choices = [a, b, ...]}")
+    kind = next(k for k in KINDS if k in spec)
+    extra = set(spec) - {kind, "step", "log"}
+    if extra or (kind != "int" and "log" in spec) or (kind in ("choices", "loguniform") and "step" in spec):
+        raise fail(f"{kind} takes {'no other keys' if kind in ('choices', 'loguniform') else 'step' if kind == 'uniform' else 'step and log'}, "
+                   f"got {', '.join(sorted(set(spec) - {kind}))}")
+    if kind == "choices":
+        choices = spec["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise fail("choices must be a non-empty list of values")
+        if any(not isinstance(c, (str, int, float, bool)) for c in choices):
+            raise fail("each choice must be a string, number or true/false (Optuna stores those)")
+        if len({(type(c), c) for c in choices}) != len(choices):
+            raise fail(f"choices repeat a value: {choices!r}")
+        param = Param(name, section, key, kind, choices=tuple(choices))
+        samples = list(choices)
+    else:
+        bounds = spec[kind]
+        number = int if kind == "int" else (int, float)
+        if not (isinstance(bounds, list) and len(bounds) == 2 and
+                all(isinstance(b, number) and not isinstance(b, bool) for b in bounds)):
+            raise fail(f"{kind} takes [low, high], two {'integers' if kind == 'int' else 'numbers'}; got {bounds!r}")
+        low, high = bounds
+        if not (math.isfinite(low) and math.isfinite(high)) or not low < high:
+            raise fail(f"{kind} = [{low}, {high}] cannot be sampled: low must be below high (a fixed value goes "
+                       f"under [{section}])")
+        if kind == "loguniform" and low <= 0:
+            raise fail(f"loguniform = [{low}, {high}] cannot be sampled: a log scale needs low > 0")
+        step = spec.get("step")
+        log = spec.get("log", False)
+        if not isinstance(log, bool):
+            raise fail(f"log must be true or false, got {log!r}")
+        if step is not None:
+            if not isinstance(step, number) or isinstance(step, bool) or not step > 0:
+                raise fail(f"step must be a positive {'integer' if kind == 'int' else 'number'}, got {step!r}")
+            n = (high - low) / step
+            if abs(n - round(n)) > 1e-9 * max(1.0, abs(n)):
+                raise fail(f"step {step} does not divide [{low}, {high}] into whole steps")
+            if log:
+                raise fail("int takes step or log = true, not both (Optuna samples a log scale without steps)")
+        param = Param(name, section, key, kind, low=low, high=high, step=step, log=log)
+        middle = (low + high) // 2 if kind == "int" else (low + high) / 2
+        samples = [low, middle, high]
+    for value in samples:
+        _check_sample(section, key, value, fail)
+    return param
+
+
+def _target(name: str, fail) -> tuple[str, str]:
+    """("train" | "fit" | "options", key) of a space name: a TrainConfig field, a [fit] flag, or
+    options.NAME (train.NAME and fit.NAME are accepted too)."""
+    head, _, rest = name.partition(".")
+    if rest:
+        if head in ("train", "fit", "options") and "." not in rest:
+            if head != "options" and rest not in field_types(head):
+                raise fail(f"[{head}] has no key {rest!r}")
+            return head, rest
+        raise fail("a searched name is a [train] or [fit] key, or options.NAME for a workload option")
+    if name in ("run_dir", "resume", "workload"):
+        raise fail(f"{name} is not searched: a sweep decides where each trial runs, and trains one workload")
+    for section in ("train", "fit"):
+        if name in field_types(section):
+            return section, name
+    raise fail(f"no such setting: a searched name is a [train] key (TrainConfig's fields), a [fit] key, or "
+               f"options.NAME for a workload option")
+
+
+def _check_sample(section: str, key: str, value: Any, fail) -> None:
+    if section == "options":
+        option_text(value)
+        return
+    try:
+        check_value(section, key, value)
+    except ConfigError as exc:
+        raise fail(f"can sample {value!r}, which the run refuses: {exc}") from None
+
+
+def trial_tree(rc: RunConfig, settings: SweepSettings, params: dict[str, Any]) -> tuple[dict, dict]:
+    """(top, tables) of a trial's config: the sweep's run config with the sampled `params` in place
+    (a sampled steps drops the file's epochs, and the other way round)."""
+    train, fit, options = dict(rc.train), dict(rc.fit), dict(rc.options)
+    by_name = {p.name: p for p in settings.space}
+    for name, value in params.items():
+        p = by_name[name]
+        target = {"train": train, "fit": fit, "options": options}[p.section]
+        target[p.key] = value
+        if p.section == "train" and p.key in ("epochs", "steps"):
+            train.pop("steps" if p.key == "epochs" else "epochs", None)
+    tables = {"options": options, "train": {k: list(v) if isinstance(v, tuple) else v for k, v in train.items()},
+              "fit": fit}
+    return {"workload": rc.workload}, tables

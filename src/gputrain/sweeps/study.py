@@ -1,0 +1,150 @@
+"""The sweep's Optuna study in SQLite (SWEEP_DIR/study.db), and the locks around it.
+
+- One sweep at a time in a directory: the coordinator holds an exclusive lock on SWEEP_DIR/sweep.lock
+  and hands it to its workers, so a second `gputrain sweep` there is refused while any of them lives.
+- One process at a time in the database: every read and write of the study goes through
+  `access(sweep_dir)` (a lock on SWEEP_DIR/study.lock), so SQLite never sees two writers (its
+  "database is locked" under parallel Optuna workers).
+- A trial that was running when its sweep was killed is failed and queued again with the same
+  parameters (`retry_interrupted`), so a resumed sweep goes on where it stopped. A trial that failed
+  on its own (`user_attrs["error"]`) counts toward the budget and is not retried.
+
+Optuna is imported only here and in the worker: `import gputrain` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from gputrain.errors import ConfigError
+
+STUDY_NAME = "gputrain"
+DB_FILE = "study.db"
+LOCK_FILE = "sweep.lock"
+ACCESS_FILE = "study.lock"
+TRIALS_DIR = "trials"
+
+
+def storage_url(sweep_dir: str | Path) -> str:
+    return f"sqlite:///{Path(sweep_dir).resolve() / DB_FILE}"
+
+
+def trial_dir(sweep_dir: str | Path, number: int) -> Path:
+    return Path(sweep_dir) / TRIALS_DIR / f"trial-{number:04d}"
+
+
+def import_optuna():
+    """optuna, quiet (warnings only), or a ConfigError saying how to install it."""
+    try:
+        import optuna
+    except ImportError:
+        raise ConfigError("gputrain sweep needs Optuna: pip install 'gputrain[sweep]' (or pip install optuna)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def storage(sweep_dir: str | Path):
+    """The study's RDBStorage (a long SQLite timeout as a second guard beside `access`)."""
+    optuna = import_optuna()
+    return optuna.storages.RDBStorage(storage_url(sweep_dir), engine_kwargs={"connect_args": {"timeout": 120}})
+
+
+@contextlib.contextmanager
+def access(sweep_dir: str | Path) -> Iterator[None]:
+    """Hold SWEEP_DIR/study.lock: the study's one reader or writer at a time."""
+    fd = os.open(Path(sweep_dir) / ACCESS_FILE, os.O_RDONLY | os.O_CREAT, 0o644)  # to lock, never written
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def hold_sweep(sweep_dir: Path) -> int:
+    """Lock SWEEP_DIR/sweep.lock for this sweep (and the workers given the descriptor); a ConfigError
+    when another sweep holds it. Returns the descriptor (closed by `release`)."""
+    fd = os.open(sweep_dir / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"{sweep_dir}: another gputrain sweep is running there (it holds {sweep_dir / LOCK_FILE}); "
+                          "wait for it, or stop it and run this again to resume") from None
+    return fd
+
+
+def release(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def create_or_load(sweep_dir: Path, direction: str, metric: str):
+    """The sweep's study, made on the first run (direction "min" or "max"), loaded on the next."""
+    optuna = import_optuna()
+    with access(sweep_dir):
+        study = optuna.create_study(storage=storage(sweep_dir), study_name=STUDY_NAME, load_if_exists=True,
+                                    direction="minimize" if direction == "min" else "maximize")
+        if not study.metric_names:
+            with warnings.catch_warnings():  # "experimental since Optuna 3.2": the name is for Optuna's readers
+                warnings.simplefilter("ignore")
+                study.set_metric_names([metric])
+    return study
+
+
+def load(sweep_dir: str | Path, sampler=None, pruner=None, lock: bool = True):
+    """The sweep's study (lock=False: the caller holds `access` already)."""
+    optuna = import_optuna()
+    with access(sweep_dir) if lock else contextlib.nullcontext():
+        return optuna.load_study(study_name=STUDY_NAME, storage=storage(sweep_dir), sampler=sampler, pruner=pruner)
+
+
+def counted(trial) -> bool:
+    """Whether a trial uses up the budget: finished (complete, pruned, failed on its own) or running."""
+    from optuna.trial import TrialState
+
+    state = trial.state
+    return state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) or (
+        state == TrialState.FAIL and "error" in trial.user_attrs)
+
+
+def retry_interrupted(sweep_dir: Path, study) -> list[int]:
+    """Fail the trials left running by a killed sweep, and queue every interrupted trial (failed with
+    no error of its own) once more with its parameters. Call it with no worker alive (under
+    `hold_sweep`). Returns the numbers of the trials queued again."""
+    from optuna.trial import TrialState
+
+    with access(sweep_dir):
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(t.number, state=TrialState.FAIL)
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.user_attrs.get("retry_of") for t in trials}
+        again = [t for t in trials if t.state == TrialState.FAIL and "error" not in t.user_attrs
+                 and t.number not in retried and t.params]
+        for t in again:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+    return [t.number for t in again]
+
+
+def trial_rows(sweep_dir: Path, study, metric: str) -> list[dict[str, Any]]:
+    """One plain dict per trial (number, state, value, params, steps reported, seconds, run_dir,
+    error, retry_of) for the report page and the command's table; report/ needs no Optuna."""
+    from optuna.trial import TrialState
+
+    with access(sweep_dir):
+        trials = study.get_trials(deepcopy=False)
+    rows = []
+    for t in trials:
+        interrupted = t.state == TrialState.FAIL and "error" not in t.user_attrs  # ended by the resume, not itself
+        seconds = (t.datetime_complete - t.datetime_start).total_seconds() \
+            if t.datetime_start and t.datetime_complete and not interrupted else None
+        steps = sorted(t.intermediate_values)
+        rows.append({"number": t.number, "state": t.state.name.lower(), "value": t.value,
+                     "params": dict(t.params), "last_step": steps[-1] if steps else None, "seconds": seconds,
+                     "run_dir": t.user_attrs.get("run_dir"), "error": t.user_attrs.get("error"),
+                     "retry_of": t.user_attrs.get("retry_of"), "metric": metric})
+    return rows
