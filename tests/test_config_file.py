@@ -216,3 +216,35 @@ def test_dumps_reads_back_to_the_same_values():
     assert back["t"] == {k: v for k, v in tables["t"].items() if v is not None}
     assert back["nested"] == tables["nested"]
     assert math.isnan(tomllib.loads(dumps({"x": math.nan}, {}))["x"])
+
+
+# ---------------------------------------------------------------- the README's example
+
+
+def test_the_readmes_config_example_runs_and_repeats(tmp_path, capsys, monkeypatch):
+    """docs/examples/run.toml is the file the README shows, and the README's three commands do what
+    their comments say: train, print a resolved config with one change, repeat to the same loss."""
+    import shlex
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme.split("### A config file for every run", 1)[1].split("\n### ", 1)[0]
+    example = (root / "docs" / "examples" / "run.toml").read_text().strip()
+    assert f"```toml\n{example}\n```" in section, "the README's run.toml differs from docs/examples/run.toml"
+    commands = [line.split("#")[0].strip() for line in section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
+    assert len(commands) == 3 and all(c.startswith("gputrain fit ") for c in commands)
+
+    shutil.copytree(root / "docs" / "examples", tmp_path / "docs" / "examples")
+    monkeypatch.chdir(tmp_path)
+    outputs = []
+    for command in commands:
+        code, out, err = _fit(capsys, *shlex.split(command)[2:], "--quiet", "--progress", "off")
+        assert code == 0, err
+        outputs.append(out)
+    printed = tomllib.loads(outputs[1])
+    assert printed["train"]["lr"] == 0.05 and printed["options"] == {"n": "2000"}
+    assert printed["fit"]["early_stop"] == "eval_loss"
+    finals = [json.loads((tmp_path / "runs" / d / "history.json").read_text())["records"][-1]["loss"]
+              for d in ("first", "again")]
+    assert finals[0] == finals[1]
