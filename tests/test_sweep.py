@@ -304,6 +304,17 @@ def test_a_folder_that_holds_no_sweep_is_refused(tmp_path, capsys):
     assert code == 2 and "give a sweep's config (--config FILE), or --sweep-dir of a sweep to resume" in err
 
 
+def test_the_default_folder_is_named_for_the_config_so_the_same_command_resumes(tmp_path, monkeypatch):
+    from gputrain.sweeps.runner import plan_sweep
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lr-search.toml").write_text(SWEEP)
+    plan = plan_sweep(tmp_path / "lr-search.toml")
+    assert plan.sweep_dir == Path("sweeps") / "lr-search" and not plan.resumed and not (tmp_path / "sweeps").exists()
+    tree = {"workload": "iris-mlp", "train": {"steps": 5}, "sweep": {"trials": 2, "space": {"lr": {"choices": [0.1]}}}}
+    assert plan_sweep(tree).sweep_dir == Path("sweeps") / "iris-mlp"
+
+
 def test_optuna_is_imported_only_when_a_sweep_runs():
     code = "import sys, gputrain; gputrain.sweep; gputrain.SweepResult; print('optuna' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="the sweep's TOML file: a run's config with [sweep] (trials, metric, [sweep.space])")
     p.add_argument("--sweep-dir", default=None,
-                   help="the sweep's folder (default sweeps/WORKLOAD/TIME); alone, resumes the sweep in it")
+                   help="the sweep's folder (default sweeps/NAME for --config NAME.toml: the same command again resumes); "
+                        "alone, resumes the sweep in it")
     p.add_argument("--trials", type=_positive_int, default=None, help="the budget: finished trials the study ends with")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="trials at once (default: one per GPU; on the CPU, 1): processes, never two on one GPU")

@@ -102,7 +102,9 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
     way = metric_direction(settings.metric, rc.train.get("metric_modes"), w.metrics)
     direction = settings.direction or way.mode
     why = "stated" if settings.direction else way.why()
-    folder = Path(sweep_dir or settings.sweep_dir or Path("sweeps") / _safe(rc.workload) / time.strftime("%Y%m%d-%H%M%S"))
+    # The default folder is named for the config file (sweeps/lr for lr.toml): the same command again resumes.
+    default = Path("sweeps") / _safe(Path(config).stem if isinstance(config, (str, Path)) else rc.workload)
+    folder = Path(sweep_dir or settings.sweep_dir or default)
     resumed = _check_folder(folder, rc, settings, direction)
     slots = worker_slots(str(rc.train.get("device", w.defaults.get("device", "auto"))), settings.workers,
                          cuda_devices)
@@ -297,8 +299,8 @@ def _run_workers(plan: SweepPlan, slots: list[dict[str, str]], lock_fd: int,
         threading.Thread(target=_read_tail, args=(proc.stderr, tail), daemon=True).start()
         procs.append(proc)
         tails.append(tail)
-    previous = signal.signal(signal.SIGTERM, _raise_stop) if threading.current_thread() is threading.main_thread() \
-        else None
+    stop = _Stop()
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
     try:
         while True:
             _drain(events, on_trial)
@@ -316,14 +318,21 @@ def _run_workers(plan: SweepPlan, slots: list[dict[str, str]], lock_fd: int,
         _stop(procs)
         _drain(events, on_trial)
         raise StopRequested(f"sweep stopped; the running trials will run again when you resume it: gputrain sweep "
-                            f"--sweep-dir {plan.sweep_dir}", exit_code=130, step=0, checkpoint=None) from None
+                            f"--sweep-dir {plan.sweep_dir}", exit_code=128 + (stop.signum or signal.SIGINT), step=0,
+                            checkpoint=None) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _raise_stop(signum, frame):
-    raise KeyboardInterrupt
+class _Stop:
+    """SIGTERM's handler while the workers run: remembered, then raised as KeyboardInterrupt."""
+
+    signum: int | None = None
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+        raise KeyboardInterrupt
 
 
 def _stop(procs: list[subprocess.Popen], wait_s: float = 120.0) -> None:
