@@ -351,6 +351,9 @@ def test_workers_take_one_gpu_each_and_never_share_one(fake_cuda, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert worker_slots("cpu", 4) == [{"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}] * 4  # CPU: a share each
     assert worker_slots("cpu", None) == [{"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}]
+    assert worker_slots("auto", 2, cuda_devices=[]) == [{"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}] * 2
+    with pytest.raises(ConfigError, match=r"device = 'cuda', but no CUDA GPU is visible here"):
+        worker_slots("cuda", None, cuda_devices=[])
 
 
 # ---------------------------------------------------------------- pruning through the callback interface

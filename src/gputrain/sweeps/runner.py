@@ -202,6 +202,9 @@ def worker_slots(device: str, workers: int | None, cuda_devices: list[str] | Non
                                   "a sweep runs one trial per GPU, never two on one; set workers to "
                                   f"{len(gpus)} or fewer, or device = \"cpu\"")
             return [{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n]]
+        if device.startswith("cuda"):
+            raise ConfigError(f"device = {device!r}, but no CUDA GPU is visible here: every trial would fail; "
+                              "set device = \"cpu\" (or \"auto\") in [train]")
     if device == "mps" and (workers or 1) > 1:
         raise ConfigError(f"workers = {workers} on device mps: a Mac has one GPU; set workers = 1")
     n = workers or 1
