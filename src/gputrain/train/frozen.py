@@ -2,20 +2,21 @@
 holds, a fingerprint of them, and checkpoints that leave them out.
 
 A run whose base is frozen writes, unless `TrainConfig.full_checkpoints` is set, checkpoints of the
-trainable parameters and the buffers (whose optimizer state is all the optimizer has: it holds only
-parameters that train) plus `frozen`: a fingerprint of the frozen weights. For a 7B base with a LoRA
-adapter that is tens of MB per save instead of ~14 GB. A resume (and `gputrain eval / predict /
-export`) takes the frozen weights from the model it is given, after checking them against the
-fingerprint: on another base the checkpoint's adapter would be meaningless, so that is refused with
-the names of the tensors that differ.
+trainable parameters and the buffers (with the optimizer's state, which is theirs only: the optimizer
+holds only parameters that train) plus `frozen`: a fingerprint of the frozen weights. A 7B base in
+bf16 is 14 GB that a save no longer writes. A resume (and `gputrain eval / predict / export`) takes
+the frozen weights from the model it is given, after checking them against the fingerprint: on
+another base the checkpoint's adapter would be meaningless, so that is refused with the names of the
+tensors that differ.
 
 The fingerprint is exact and cheap, computed once (at the first save or resume, never per step) on
 the device where the weights are: each tensor's bytes read as integers (int16 for 2-byte dtypes,
 int32 for 4- and 8-byte ones, uint8 for 1-byte ones), summed plain and weighted by position
-(1..65536) over chunks of 65536 values. The sums are exact int64 (|sum| < 2**62), so they do not
-depend on the order a device reduces in: a CPU, a GPU and any process count get the same numbers.
-Any changed value changes a plain sum, any swap of two different values a weighted one. One host
-read brings all the sums back; sha256 makes them a digest per tensor and one for the base.
+(1..65536) over chunks of 65536 values. The sums are exact int64 (|sum| < 2**62): nothing is
+rounded, so the order in which a device reduces cannot change them. Any changed value changes a
+plain sum, any swap of two different values a weighted one. One host read per device brings the
+sums back; sha256 makes them a digest per tensor and one for the base. (Measured on 2 CPU cores:
+50M float32 values in 0.26 s, after a first call.)
 
 With the sharded format (DCP: several processes, or asked for) and under FSDP (`shard=True`) the
 checkpoints stay full: each rank writes its share of every weight, and the frozen tensors are
