@@ -236,3 +236,19 @@ def test_doctor_measures_the_gpu():
         assert m["matmul_tflops"]["bf16"] > 100
         assert m["peak_tflops"]["bf16"] is not None
     assert torch.get_float32_matmul_precision() == "highest"  # the measurement restored the setting
+
+
+def test_private_torch_names_this_torch_lacks_are_a_warning_naming_them(monkeypatch):
+    """The real gather reads runtime/torch_compat: on this torch every name resolves (a pass); a torch
+    without one (marked missing, as a torch without it would resolve) is a warning naming it."""
+    from gputrain.runtime import torch_compat
+
+    assert doc.gather_probe().torch_fallbacks == []
+    assert by_name(doc.run_checks(doc.gather_probe()))["torch internals"].status == "pass"
+    monkeypatch.setitem(torch_compat._resolved, "torch.Tensor._version", None)
+    p = doc.gather_probe()
+    assert p.torch_fallbacks == ["torch.Tensor._version"]
+    c = by_name(doc.run_checks(p))["torch internals"]
+    assert c.status == "warn" and "lacks 1 of the private names" in c.message and "torch.Tensor._version" in c.message
+    assert torch_compat.CHECKED in c.fix
+    assert "torch internals" not in by_name(doc.run_checks(probe()))  # a Probe built by hand did not look

@@ -43,10 +43,6 @@ class Direction:
     by: str
 
     @property
-    def guessed(self) -> bool:
-        return self.by in ("name", "default")
-
-    @property
     def words(self) -> str:
         """"lower is better" / "higher is better"."""
         return "lower is better" if self.mode == MIN else "higher is better"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gputrain.diagnostics import peaks
+from gputrain.runtime import torch_compat
 
 GiB = 2**30
 
@@ -42,6 +43,9 @@ class Probe:
     mps_available: bool = False
     mps_fallback: bool = False
     torch_hip: str | None = None  # ROCm version of an AMD build (torch.cuda then drives AMD GPUs)
+    # The private torch names gputrain uses (runtime/torch_compat.py) that this torch lacks: each then
+    # runs its fallback. None: not looked up (a Probe built by hand).
+    torch_fallbacks: list[str] | None = None
 
 
 @dataclass
@@ -106,6 +110,7 @@ def gather_probe() -> Probe:
         mps_built=devices._mps_built(),
         mps_available=devices._mps_available(),
         mps_fallback=os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1",
+        torch_fallbacks=torch_compat.missing(),
     )
 
 
@@ -178,6 +183,14 @@ def run_checks(p: Probe) -> list[Check]:
         checks.append(Check("pytorch build", "pass", f"PyTorch {p.torch_version}, CPU-only build (no NVIDIA GPU found)"))
     else:
         checks.append(Check("pytorch build", "pass", f"PyTorch {p.torch_version} built with CUDA {p.torch_cuda}"))
+    if p.torch_fallbacks:
+        checks.append(Check("torch internals", "warn",
+                            f"PyTorch {p.torch_version} lacks {len(p.torch_fallbacks)} of the private names gputrain "
+                            f"uses ({', '.join(p.torch_fallbacks)}): gputrain runs its tested fallback for each, "
+                            "which may be slower or report less",
+                            f"use a PyTorch release the suite was run on ({torch_compat.CHECKED})"))
+    elif p.torch_fallbacks is not None:
+        checks.append(Check("torch internals", "pass", f"every private name gputrain uses is in PyTorch {p.torch_version}"))
     # 2. CUDA initializes.
     if p.torch_hip and not p.cuda_available:
         checks.append(Check("cuda", "fail", f"PyTorch has ROCm {p.torch_hip} but no AMD GPU is usable: "

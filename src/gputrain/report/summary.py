@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrain.metric_direction import MIN
+from gputrain.metric_direction import MAX, MIN, Direction
 from gputrain.report.format import format_bytes, format_duration
 
 _KNOWN_METRICS = ("loss", "eval_loss", "eval_accuracy")
@@ -94,7 +94,7 @@ def best_label(directions: Any, key: str) -> str:
     way = directions.get(key) if isinstance(directions, dict) else None
     if not isinstance(way, dict):
         return "best"
-    word = "lowest" if way.get("mode") == MIN else "highest"
+    word = Direction(mode=MIN if way.get("mode") == MIN else MAX, by=str(way.get("by"))).best_word
     guess = {"name": ", guessed from the name", "default": ", guessed: say otherwise with metric_modes"}
     return word + guess.get(str(way.get("by")), "")
 
