@@ -239,14 +239,18 @@ def test_a_callback_changes_every_optimizers_learning_rate():
     assert history.records[-1]["lr_generator"] == history.records[-1]["lr_discriminator"] == 1e-3
 
 
-def test_two_processes_average_each_optimizers_gradients_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_two_processes_average_each_optimizers_gradients_and_resume_exactly(sharding, tmp_path):
     """Two processes (gloo, torchrun) with a step of your own and two optimizers: the step context
-    averages each optimizer's gradients, so 2 x 32 samples step like one process's 64; stopped at
-    step 4 (sharded checkpoints, every optimizer by name) and resumed, the run ends where the
-    uninterrupted one does."""
+    averages each optimizer's gradients (ddp), or FSDP2's hooks reduce-scatter them in backward and
+    the context leaves them be (fsdp2: shard=True, the parameters sharded DTensors), so 2 x 32
+    samples step like one process's 64; stopped at step 4 (sharded checkpoints, every optimizer by
+    name) and resumed, the run ends where the uninterrupted one does."""
     import json
 
-    from test_distributed import _single, _torchrun
+    from test_distributed import _env, _single, _torchrun
+
+    env = _env(SHARD="1" if sharding == "fsdp2" else "0")
 
     script = str(Path(__file__).parent / "dist_scripts" / "own_step_ddp.py")
 
@@ -254,9 +258,9 @@ def test_two_processes_average_each_optimizers_gradients_and_resume_exactly(tmp_
         return json.loads((run_dir / "result.json").read_text())
 
     _single([script, str(tmp_path / "one"), "64", "8"])
-    _torchrun([script, str(tmp_path / "two"), "32", "8"])
-    _torchrun([script, str(tmp_path / "resumed"), "32", "8", "4"])
-    _torchrun([script, str(tmp_path / "resumed"), "32", "8"])
+    _torchrun([script, str(tmp_path / "two"), "32", "8"], env=env)
+    _torchrun([script, str(tmp_path / "resumed"), "32", "8", "4"], env=env)
+    _torchrun([script, str(tmp_path / "resumed"), "32", "8"], env=env)
     one, two, resumed = result(tmp_path / "one"), result(tmp_path / "two"), result(tmp_path / "resumed")
     assert any(name.endswith(".dcp") for name in two["checkpoints"])  # several processes: the sharded format
     for a, b in zip(one["params"], two["params"]):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gputrain import TrainConfig, fit
+from gputrain import Callback, TrainConfig, fit
 
 run_dir, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -48,14 +48,26 @@ def step_fn(step, batch):
     return {"kd": kd, "ce": ce}
 
 
+params: list = []
+
+
+class Params(Callback):
+    """The trained parameters, whole on every rank, read at the run's end while the processes are still
+    a group (FSDP2's are sharded DTensors: gathering them is a collective)."""
+
+    def on_run_end(self, run, history):
+        params[:] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).tolist() for p in model.state_dict().values()]
+
+
 model = Pair()
 optimizers = {"student": lambda m: torch.optim.SGD(m.student.parameters(), lr=0.1, momentum=0.9),
               "head": lambda m: torch.optim.SGD(m.head.parameters(), lr=0.05, momentum=0.9)}
 cfg = TrainConfig(device="cpu", batch_size=batch, steps=steps, log_every=2, seed=1, run_dir=run_dir, resume=True,
-                  checkpoint_every=2, stop_at_step=stop_at, tensorboard=False)
-h = fit(model, (x, y), step_fn=step_fn, optimizer=optimizers, config=cfg)
+                  checkpoint_every=2, stop_at_step=stop_at, tensorboard=False,
+                  shard=os.environ.get("SHARD") == "1")
+h = fit(model, (x, y), step_fn=step_fn, optimizer=optimizers, config=cfg, callbacks=[Params()])
 if rank == 0:
     with open(os.path.join(run_dir, "result.json"), "w") as f:
-        json.dump({"params": [p.tolist() for p in model.state_dict().values()],
+        json.dump({"params": params,
                    "records": [{k: r[k] for k in ("step", "loss", "kd", "ce")} for r in h.records],
                    "checkpoints": sorted(os.listdir(os.path.join(run_dir, "checkpoints")))}, f)

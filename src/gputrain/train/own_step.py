@@ -31,6 +31,12 @@ The body is `OwnStep.run`, a `TrainStep`: OOM recovery, the device-side sums, th
 the CUDA-graph wrapper treat it like the built-in step. A graph captures it only when asked
 (`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture.
 Checkpoints hold every optimizer and scheduler by name (train/optimizer_set.py).
+
+Several processes: without sharding the model is not DDP-wrapped (your step calls its parts, which
+DDP's hooks would not see) and `step.step(name)` averages that optimizer's gradients in one flat
+all-reduce. With FSDP2 (shard=True) the model is sharded as for the built-in step (each direct child a
+unit, runtime/distributed.py): the units reduce-scatter their gradients in backward, so the step leaves
+them be and only holds that sync back on the micro-batches before the last.
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ class OwnStep(TrainStep):
                           for name, opt in optimizers.optimizers.items()}
         self._stepper = {name: optimizer_stepper(opt) for name, opt in optimizers.optimizers.items()}
         self.context = StepContext(self, module)
+        # FSDP2 (shard=True): the model's own hooks reduce-scatter the gradients in backward.
+        self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         # The named losses since the last read, each a device scalar made at the first step (an eager
         # one: a captured graph keeps their addresses).
         self.named: dict[str, torch.Tensor] = {}
@@ -129,7 +137,7 @@ class OwnStep(TrainStep):
     def step_optimizer(self, name: str) -> None:
         opt, params = self.optimizer.optimizers[name], self.params_of[name]
         grads = [p.grad for p in params if p.grad is not None]
-        if self.dist is not None and self.dist.world_size > 1 and grads:
+        if self.dist is not None and self.dist.world_size > 1 and grads and not self.sharded:
             # DDP's average, for the parameters this optimizer updates: one flat all-reduce.
             flat = torch.cat([g.reshape(-1) for g in grads])
             distributed.all_reduce_sum(flat, self.dist).div_(self.dist.world_size)
@@ -159,11 +167,12 @@ class OwnStep(TrainStep):
         step_losses: dict[str, torch.Tensor] = {}
         for i, piece in enumerate(pieces):
             ctx.weight, ctx.is_last = counts[i] / total, i == last
-            if self._autocast is None:
-                out = self.step_fn(ctx, piece)
-            else:
-                with self._autocast():
+            with distributed.no_sync(self.model, sync=ctx.is_last or not self.sharded):
+                if self._autocast is None:
                     out = self.step_fn(ctx, piece)
+                else:
+                    with self._autocast():
+                        out = self.step_fn(ctx, piece)
             for key, value in self._losses(out).items():
                 term = value.detach().float() * ctx.weight if ctx.weight != 1.0 else value.detach().float()
                 step_losses[key] = term if key not in step_losses else step_losses[key] + term
@@ -249,9 +258,6 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
     own cannot do yet, in one line each."""
     from gputrain.train.optim import make_optimizer
 
-    if config.shard:
-        raise ConfigError("a step of your own (step_fn) runs on one process or several with DDP-style gradient "
-                          "averaging; FSDP2 sharding (shard=True / --shard) is not supported with it yet")
     if config.on_nan == "skip":
         raise ConfigError("on_nan='skip' decides per optimizer step on the device, which a step of your own does "
                           "not support yet: use on_nan='stop' (the default), which checks at log points")
