@@ -266,6 +266,42 @@ def fake_cuda(monkeypatch):
     return make
 
 
+class SideStreamOnCpu:
+    """The device feed's side stream (data/device_feed.py), stood in for on the CPU: a copy and a
+    hand-over give the batch back as it is and are recorded in `events`, in order, as ("copy", batch)
+    and ("hand over", batch); `streams` counts the side streams made (one per pass over a source)."""
+
+    def __init__(self):
+        self.streams = 0
+        self.events: list[tuple[str, object]] = []
+
+    def __call__(self, device: torch.device):
+        self.streams += 1
+
+        def start_copy(batch):
+            self.events.append(("copy", batch))
+            return batch
+
+        def hand_over(batch):
+            self.events.append(("hand over", batch))
+            return batch
+
+        return start_copy, hand_over
+
+
+@pytest.fixture
+def side_stream_on_cpu(monkeypatch) -> SideStreamOnCpu:
+    """The device feed reads ahead on the CPU, as it does on CUDA: its side stream (CUDA's stream,
+    non_blocking copies, record_stream) is replaced by `SideStreamOnCpu`, for every device. The order of
+    reads, copies and hand-overs, and the read-ahead rule (which sources read ahead), are then the CUDA
+    run's; the batches stay where they are."""
+    from gputrain.data import device_feed
+
+    stand_in = SideStreamOnCpu()
+    monkeypatch.setattr(device_feed, "side_stream", stand_in)
+    return stand_in
+
+
 # ---------------------------------------------------------------- CUDA graphs with capture semantics, on the CPU
 
 

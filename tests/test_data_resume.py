@@ -185,6 +185,30 @@ def test_a_hugging_face_streaming_dataset(tmp_path, caplog, by):
     assert "read again" not in caplog.text  # the dataset's own state_dict(), through the StatefulDataLoader
 
 
+def _stateful_numbers():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(Numbers(), batch_size=8)
+
+
+def _list_of_batches():
+    x, y = data(96)
+    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 96, 8)]
+
+
+@pytest.mark.parametrize("make, ahead", [(Samples, True), (lambda: DataLoader(Samples(), batch_size=8, shuffle=True),
+                                                            True),
+                                         (_list_of_batches, True), (_stateful_numbers, False)],
+                         ids=["a Dataset", "a user DataLoader", "a list of batches", "a StatefulDataLoader"])
+def test_reading_ahead_as_on_a_gpu_keeps_the_resume_exact(tmp_path, side_stream_on_cpu, make, ahead):
+    """With the device feed reading ahead as on CUDA (the side stream stood in for on the CPU): a
+    position that is a count is not moved by the batch read ahead, and a StatefulDataLoader, whose
+    state is the position, is not read ahead (read ahead, its state would be a batch past the step)."""
+    full, resumed, _ = stop_and_resume(tmp_path, make, steps=30, stop=17, loss_fn=nn.CrossEntropyLoss())
+    assert torch.equal(full, resumed)
+    assert (side_stream_on_cpu.streams > 0) == ahead
+
+
 # ---------------------------------------------------------------- several processes, without starting them
 
 

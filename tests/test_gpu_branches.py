@@ -54,12 +54,13 @@ def test_tf32_precision_turns_tf32_matmuls_on_for_the_run_and_gives_the_setting_
 
 
 @pytest.mark.gpu
-def test_a_dataset_a_user_loader_and_a_stream_reach_the_gpu_whole_and_in_order(monkeypatch):
-    """data/loader.py's _to_device (the CudaPrefetcher of gputrain's DataLoader and of a user's) and
-    data/iterable.py's (a stream's batches moved with non_blocking)."""
+def test_every_kind_of_data_reaches_the_gpu_whole_and_in_order(monkeypatch):
+    """data/device_feed.py on CUDA: `_cuda_side_stream` (non_blocking copies on a side stream,
+    record_stream) for gputrain's DataLoader, a user's and a list of batches; the move without a side
+    stream for a StatefulDataLoader, whose state is the saved position (side_stream's `-> false`)."""
     from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-    from gputrain.data import loader as loader_module
+    from gputrain.data import device_feed
     from gputrain.data.feed import make_loader
 
     x = torch.arange(96 * 3, dtype=torch.float32).reshape(96, 3)
@@ -76,24 +77,25 @@ def test_a_dataset_a_user_loader_and_a_stream_reach_the_gpu_whole_and_in_order(m
         def __iter__(self):
             return ((x[i], y[i]) for i in range(len(x)))
 
-    prefetchers = []
+    side_streams = []
+    cuda_side_stream = device_feed._cuda_side_stream
 
-    class Counting(loader_module.CudaPrefetcher):
-        def __iter__(self):
-            prefetchers.append(self)
-            yield from super().__iter__()
+    def counting(device):
+        side_streams.append(device)
+        return cuda_side_stream(device)
 
-    monkeypatch.setattr(loader_module, "CudaPrefetcher", Counting)
-    sources = {"dataset": Rows(), "user DataLoader": DataLoader(TensorDataset(x, y), batch_size=16),
-               "stream": DataLoader(Stream(), batch_size=16)}
-    for name, source in sources.items():
+    monkeypatch.setattr(device_feed, "_cuda_side_stream", counting)
+    sources = {"dataset": (Rows(), True), "user DataLoader": (DataLoader(TensorDataset(x, y), batch_size=16), True),
+               "list of batches": ([(x[i:i + 16], y[i:i + 16]) for i in range(0, 96, 16)], True),
+               "stream (a StatefulDataLoader)": (Stream(), False)}
+    for name, (source, ahead) in sources.items():
+        side_streams.clear()
         loader, _ = make_loader(source, 16, device=torch.device("cuda"), train=False, on_device=False, num_workers=0)
         got = list(loader.iter_epoch(0, 0))
         assert got and all(t.is_cuda for b in got for t in b), name
         assert torch.equal(torch.cat([b[0] for b in got]).cpu(), x), name
         assert torch.equal(torch.cat([b[1] for b in got]).cpu(), y), name
-    # gputrain's DataLoader and the user's copy on a side stream; a stream's batches are moved one by one
-    assert len(prefetchers) == 2
+        assert len(side_streams) == (1 if ahead else 0), name
 
 
 @pytest.mark.gpu

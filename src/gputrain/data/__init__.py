@@ -1,5 +1,5 @@
-"""Feeding the device: resident tensors, DataLoaders with a prefetcher, iterables, Hugging Face
-datasets, transforms, the memory rule.
+"""Feeding the device: resident tensors, DataLoaders, iterables, Hugging Face datasets, the one device
+feed that copies their batches (read ahead on a side stream on CUDA), transforms, the memory rule.
 
 Every loader yields batches already on the device and transformed, and can start at any (epoch,
 batch) so that a resumed run sees exactly the batches it would have seen (`BatchStream` holds that
@@ -8,7 +8,7 @@ process and DataLoader worker its own part of the stream (data/iterable.py).
 """
 
 from gputrain.data.iterable import IterableBatches, Sharded, my_part, take_part
-from gputrain.data.loader import CudaPrefetcher, LoaderBatches, UserLoaderBatches, default_workers
+from gputrain.data.loader import LoaderBatches, UserLoaderBatches, default_workers
 from gputrain.data.feed import make_loader
 from gputrain.data.placement import Placement, as_columns, as_tensors, choose_device_resident, fits_on_device
 from gputrain.data.resident import TensorBatches
@@ -16,7 +16,7 @@ from gputrain.data.stream import BatchStream, epoch_seed
 from gputrain.data.tokens import count_tokens
 from gputrain.data.transforms import BatchTransform, random_crop_flip
 
-__all__ = ["BatchStream", "BatchTransform", "CudaPrefetcher", "IterableBatches", "LoaderBatches", "Placement",
+__all__ = ["BatchStream", "BatchTransform", "IterableBatches", "LoaderBatches", "Placement",
            "Sharded", "TensorBatches", "UserLoaderBatches", "as_columns", "as_tensors", "choose_device_resident",
            "count_tokens", "default_workers", "epoch_seed", "fits_on_device", "make_loader", "my_part",
            "random_crop_flip", "take_part"]

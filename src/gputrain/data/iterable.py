@@ -1,6 +1,7 @@
 """Iterables of any kind: a torch IterableDataset, a DataLoader over one, any Python iterable of batches.
 
-`IterableBatches` drives one pass per epoch and moves each batch to the device:
+`IterableBatches` drives one pass per epoch and hands its batches to the device feed
+(data/device_feed.py: read ahead on CUDA unless the loader's state is the saved position):
 
 - a DataLoader over an IterableDataset. gputrain builds it (batch_size, collate_fn, num_workers from
   the config) for an IterableDataset given directly, and rebuilds a user's plain DataLoader the
@@ -29,7 +30,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gputrain import batch as batches
+from gputrain.data.device_feed import to_device
 from gputrain.data.loader import adopt_generator
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
@@ -136,14 +137,6 @@ def build_iterable_loader(dataset: Any, settings: dict[str, Any]) -> DataLoader:
 # ---------------------------------------------------------------- the source the stream drives
 
 
-def _to_device(source: Iterator, device: torch.device) -> Iterator:
-    """Batches moved to the device, in order, without reading ahead (so a loader's state stays
-    where the stream is; pinned batches are copied with non_blocking)."""
-    if device.type == "cpu":
-        return source
-    return (batches.move(b, device, non_blocking=True) for b in source)
-
-
 class IterableBatches:
     """Batches from an iterable, one pass per epoch, on the device (see the module docstring).
 
@@ -222,10 +215,13 @@ class IterableBatches:
                 self._warned_skip = True
             for _ in itertools.islice(it, start_batch):
                 pass
+        # A StatefulDataLoader's state is the position a checkpoint saves: nothing may be read past the
+        # batches consumed. Any other iterable's position is the count, which reading ahead leaves alone.
+        on_device = to_device(it, self.device, state_saved=self.stateful)
         if self.transform.is_identity:
-            yield from _to_device(it, self.device)
+            yield from on_device
             return
-        for batch in _to_device(it, self.device):
+        for batch in on_device:
             yield self.transform(batch, self.train, self._gen)
 
     def __iter__(self) -> Iterator[Any]:

@@ -1,17 +1,19 @@
-"""Host-fed batches: a DataLoader driven epoch by epoch, copied to the GPU by a side-stream prefetcher.
+"""Host-fed batches: a DataLoader driven epoch by epoch, its batches handed to the device feed.
 
 Two kinds: `LoaderBatches` builds the DataLoader itself (pinned memory, workers from the CPU count,
 an epoch batch sampler that can start at any batch, so a resumed run sees the same batches), also
 for a user's DataLoader rebuilt with its own settings (data/user_loader.py); `UserLoaderBatches`
 uses a user's DataLoader as is (a resume then reads up to its position). Batches may be any nesting
-(dicts of tensors from a tokenizer, tuples, ...); `CudaPrefetcher` copies every tensor leaf of batch
-i+1 on a side stream while batch i computes. Without workers and pinning the batches are fetched and
-collated in this process directly, as the DataLoader would, without its per-batch bookkeeping.
+(dicts of tensors from a tokenizer, tuples, ...); the device feed (data/device_feed.py) copies every
+tensor leaf of batch i+1 on a side stream while batch i computes (both kinds' positions are counts, so
+they read ahead). Without workers and pinning the batches are fetched and collated in this process
+directly, as the DataLoader would, without its per-batch bookkeeping.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import itertools
 import logging
 import os
 from typing import Any, Callable, Iterator
@@ -20,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from gputrain import batch as batches
+from gputrain.data.device_feed import to_device
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
 from gputrain.errors import DataError
@@ -78,16 +81,8 @@ def default_workers() -> int:
     return max(0, min(8, cpus - 1))
 
 
-def _to_device(source: Iterator, device: torch.device) -> Iterator:
-    if device.type == "cuda":
-        return iter(CudaPrefetcher(source, device))
-    if device.type == "cpu":
-        return source
-    return (batches.move(b, device) for b in source)
-
-
 class LoaderBatches:
-    """A DataLoader driven epoch by epoch; batches land on the device (prefetched on CUDA).
+    """A DataLoader driven epoch by epoch; batches land on the device (read ahead on CUDA).
 
     The DataLoader is gputrain's (pinned, workers from the CPU count), or a user's rebuilt with
     gputrain's sampler (`loader_settings`: its batch size, workers, collate_fn, pin_memory,
@@ -155,7 +150,9 @@ class LoaderBatches:
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         self.sampler.set_epoch(epoch, start_batch)
         self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
-        batches_on_device = _to_device(self._fetch() if self._direct else iter(self.loader), self.device)
+        # The position is (epoch, batch), where the sampler starts: reading ahead leaves it as it is.
+        batches_on_device = to_device(self._fetch() if self._direct else iter(self.loader), self.device,
+                                      state_saved=False)
         if self.transform.is_identity:  # the batches as they come: no per-batch work here
             yield from batches_on_device
             return
@@ -224,10 +221,12 @@ class UserLoaderBatches:
         if start_batch and self.train:
             log.warning("resuming %s at batch %d of epoch %d by reading the %d batches before it again%s",
                         self.describe, start_batch, epoch, start_batch, f" ({self.why})" if self.why else "")
-        for i, batch in enumerate(_to_device(iter(self.loader), self.device)):
-            if i < start_batch:
-                continue  # a loader used as is can only be fast-forwarded by reading it
-            yield self.transform(batches.move(batch, self.device), self.train, self._gen)
+        it = iter(self.loader)
+        for _ in itertools.islice(it, start_batch):
+            pass  # a loader used as is can only be fast-forwarded by reading it (on the host)
+        # The position is the count of batches read: reading ahead leaves it as it is.
+        for batch in to_device(it, self.device, state_saved=False):
+            yield self.transform(batch, self.train, self._gen)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)
@@ -242,35 +241,3 @@ def adopt_generator(loader: Any) -> torch.Generator | None:
         return None
     loader.generator = torch.Generator()
     return loader.generator
-
-
-class CudaPrefetcher:
-    """Copies batch i+1 to the GPU on a side stream while batch i computes.
-
-    The main stream waits for the copy before using a batch, and record_stream tells the caching
-    allocator that the main stream uses the memory, so it is not reused too early.
-    """
-
-    def __init__(self, source: Iterator, device: torch.device):
-        self.source = source
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def _load(self):
-        try:
-            batch = next(self.source)
-        except StopIteration:
-            return None
-        with torch.cuda.stream(self.stream):
-            return (batches.move(batch, self.device, non_blocking=True),)
-
-    def __iter__(self):
-        nxt = self._load()
-        while nxt is not None:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_stream(self.stream)
-            (batch,) = nxt
-            for t in batches.tensor_leaves(batch):
-                t.record_stream(main)
-            nxt = self._load()
-            yield batch

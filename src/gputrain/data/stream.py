@@ -6,7 +6,8 @@
   only on (seed, epoch), so (epoch, batch in epoch) is the whole position (the sampler's
   permutation is rebuilt from the seed, and it starts at the batch);
 - an iterable with state (torchdata's `StatefulDataLoader`, which also carries a Hugging Face
-  `IterableDataset`'s `state_dict()`): that state, taken where the stream stands;
+  `IterableDataset`'s `state_dict()`): that state, taken where the stream stands (so the device feed,
+  data/device_feed.py, reads no batch of it ahead);
 - an iterable without state (a generator, a plain DataLoader over an IterableDataset): the count;
   a resumed run reads the batches before it again (a warning names how many).
 
