@@ -478,7 +478,7 @@ class Trainer:
         return run_summary.decisions(self)
 
     def graph_status(self) -> str:
-        return run_summary.graph_status(self)
+        return run_summary.graph_status(self.graphed, self.speed)
 
 
 class _Loop:
