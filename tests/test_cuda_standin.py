@@ -266,14 +266,17 @@ def test_speed_switches_on_an_h100_and_a_v100(fake_cuda):
 
 
 def _cuda_run(config: TrainConfig):
-    """A trainer-like object of a CUDA run, every part decided under the stand-in by gputrain's own
-    functions (device, precision, placement, speed); the loop's figures are given (2 log points)."""
+    """A stand-in for a CUDA run with what the run summary reads (train/run_summary.py's `Finished`),
+    every part decided under the stand-in by gputrain's own functions (device, precision, placement,
+    speed); the loop's figures are given (2 log points)."""
     from gputrain.data.placement import column_placement
     from gputrain.io.history import History
+    from gputrain.metric_direction import metric_direction
     from gputrain.runtime.distributed import SINGLE
     from gputrain.runtime.precision import RunPrecision, resolve_precision
     from gputrain.runtime.speed import decide_speed
-    from gputrain.train import run_summary
+    from gputrain.train.callbacks import CallbackList
+    from gputrain.train.eval_points import EvalPoints
     from gputrain.train.guards import SpikeDetector
     from gputrain.train.loss import LossRule
     from gputrain.train.state import RunState
@@ -281,18 +284,21 @@ def _cuda_run(config: TrainConfig):
     device = pick_device(config.device)
     precision = RunPrecision(resolve_precision(config.precision, device), device)
     speed = decide_speed(config, _conv_net(), device, use_scaler=precision.precision.use_scaler)
-    t = types.SimpleNamespace(
+    return types.SimpleNamespace(
         config=config, device=device, is_main=True, precision=precision, speed=speed,
         placement=column_placement(_columns(2), device, config.data_on_device, config.device_memory_fraction),
         loss=LossRule(nn.CrossEntropyLoss()), optimizer_desc="AdamW (fused, graph-capturable)",
-        total_steps=200, dist=SINGLE, history=History(records=[], config=config.to_dict(), summary={}),
-        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None, checkpointer=types.SimpleNamespace(timings=[]),
-        train_step=types.SimpleNamespace(splits=1), spikes=SpikeDetector(None, 10, 3, "warn"), recomputed=[], task="classification",
+        schedule_desc=f"{config.schedule} (built-in)", callbacks=CallbackList(None),
+        eval_points=EvalPoints(None, 100, 1, 200, config.log_every, has_eval=False), eval_loader=None,
+        batch_size=config.batch_size, total_steps=200, dist=SINGLE, run_dir=config.run_dir, train_loader=None,
+        history=History(records=[], config=config.to_dict(), summary={}),
+        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None,
+        checkpoint=types.SimpleNamespace(parts={}), checkpointer=types.SimpleNamespace(timings=[]),
+        train_step=types.SimpleNamespace(splits=1), spikes=SpikeDetector(None, 10, 3, "warn"), recomputed=[],
+        task="classification", control=types.SimpleNamespace(metric_direction=lambda key: metric_direction(
+            key, config.metric_modes)),
         # The graph wrapper as graph_status reads it (no capture failed); its CUDA side needs a real GPU.
         graphed=types.SimpleNamespace(failed=None) if speed.cuda_graphs else None)
-    t.decisions = lambda: run_summary.decisions(t)
-    t.graph_status = lambda: run_summary.graph_status(t)
-    return t
 
 
 def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):

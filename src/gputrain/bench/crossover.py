@@ -17,7 +17,7 @@ it. GPU modes, each against the same CPU step:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -75,15 +75,24 @@ def _trainer(features: int, width: int, classes: int, batch: int, device: torch.
     return Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=config)
 
 
-def training_step(trainer) -> Callable[[], None]:
+class Stepped(Protocol):
+    """What the grid reads of a Trainer (train/trainer.py): its step as the loop runs it, and
+    whether that step replays from a CUDA graph ("on", or "off: why")."""
+
+    def train_one_step(self) -> None: ...
+
+    def graph_status(self) -> str: ...
+
+
+def training_step(trainer: Stepped) -> Callable[[], None]:
     """The trainer's step as `fit` runs it; when graphed, warmed up and captured before timing."""
-    if trainer.graphed is not None:  # cuda-only: graphs run on CUDA only
+    if trainer.graph_status() == "on":  # cuda-only: graphs run on CUDA only
         from gputrain.train.graphs import WARMUP_STEPS
 
         for _ in range(WARMUP_STEPS + 1):  # eager warm-up steps, then the capture
             trainer.train_one_step()
-        if trainer.graphed.failed:
-            raise RuntimeError(trainer.graphed.failed)
+        if (status := trainer.graph_status()) != "on":  # the capture failed
+            raise RuntimeError(status.removeprefix("off: "))
     return trainer.train_one_step
 
 

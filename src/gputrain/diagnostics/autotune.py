@@ -89,7 +89,7 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         sync = synchronizer(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        if trainer.graphed is not None:  # cuda-only; eager warm-up steps, then the capture, stay out of the timing
+        if trainer.graph_status() == "on":  # cuda-only; eager warm-up steps, then the capture, stay out of the timing
             from gputrain.train.graphs import WARMUP_STEPS as GRAPH_WARMUP
 
             warmup = max(warmup, GRAPH_WARMUP + 2)

@@ -11,7 +11,6 @@ peak is known, the host syncs (`syncs`) and a verdict (`gputrain.diagnostics.ver
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -19,18 +18,23 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 from gputrain.config import TrainConfig
-from gputrain.data.deferred import materialize
 from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import STEP_LABEL, op_tables, trace_summary
 from gputrain.diagnostics.verdict import diagnose
 from gputrain.io.atomic import atomic_file
 from gputrain.runtime.devices import device_name
+
+if TYPE_CHECKING:
+    from gputrain.data.placement import Placement
+    from gputrain.runtime.precision import RunPrecision
+    from gputrain.runtime.timing import PhaseClock
 
 PHASES = ("data", "h2d", "forward", "backward", "optimizer", "logging")
 BURN_IN_STEPS = 3  # first steps: lazy init, cuDNN autotuning, optimizer state creation
@@ -90,6 +94,29 @@ class _PhaseClock:
 # ---------------------------------------------------------------- the instrumented step
 
 
+class Profiled(Protocol):
+    """What profile reads of the Trainer (train/trainer.py) it builds: the loop's own iterations,
+    with phase marks or each step in a range of its own, one step's FLOPs, and the run's decisions."""
+
+    device: torch.device
+    precision: RunPrecision
+    placement: Placement
+    recomputed: list[str]
+    optimizer_desc: str
+
+    def run_steps(self, n: int) -> None: ...
+
+    def timed_phases(self, clock: PhaseClock) -> AbstractContextManager[PhaseClock]: ...
+
+    def steps_inside(self, context: Callable[[], AbstractContextManager[Any]]) -> AbstractContextManager[None]: ...
+
+    def step_flops(self) -> int: ...
+
+    def graph_status(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
 class _StepRunner:
     """The training loop `fit` runs for a workload, built by gputrain's own Trainer.
 
@@ -105,8 +132,8 @@ class _StepRunner:
 
         torch.manual_seed(config.seed)
         config = config.replace(steps=10**9, run_dir=None, resume=False, progress=False)
-        self.trainer = Trainer(workload.make_model(), workload.make_data(), config=config, task=workload.task,
-                               **workload.loss_kwargs())
+        self.trainer: Profiled = Trainer(workload.make_model(), workload.make_data(), config=config,
+                                         task=workload.task, **workload.loss_kwargs())
         t = self.trainer
         self.device, self.precision, self.config = t.device, t.precision, config
         self.batch_size = config.batch_size
@@ -117,43 +144,18 @@ class _StepRunner:
     def step(self) -> None:
         self.trainer.run_steps(1)
 
-    @contextlib.contextmanager
-    def marked_steps(self):
+    def marked_steps(self) -> AbstractContextManager[None]:
         """While active, each training step runs inside a record_function range (STEP_LABEL), so a
         trace tells the steps from the loop's other work (a log point's loss read, evaluation)."""
-        t = self.trainer
-        step = t.train_one_step
-
-        def marked() -> None:
-            with torch.profiler.record_function(STEP_LABEL):
-                step()
-
-        t.train_one_step = marked  # the loop reads it per stretch (Trainer._iterate)
-        try:
-            yield
-        finally:
-            del t.train_one_step  # the class's method again
+        return self.trainer.steps_inside(lambda: torch.profiler.record_function(STEP_LABEL))
 
     def phased_step(self, clock) -> None:
         with self.trainer.timed_phases(clock):
             self.trainer.run_steps(1)
 
     def flops(self) -> int:
-        """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged.
-
-        The one deliberate backward outside TrainStep: counting must not step the optimizer.
-        """
-        from torch.utils.flop_counter import FlopCounterMode
-
-        t = self.trainer
-        batch = materialize(t.next_step_batches()[0])
-        counter = FlopCounterMode(display=False)
-        with counter:
-            with t.precision.autocast():
-                loss, _ = t.loss(t.model, batch)
-            loss.backward()
-        t.optimizer.zero_grad(set_to_none=True)
-        return int(counter.get_total_flops())
+        """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged."""
+        return self.trainer.step_flops()
 
     def close(self) -> None:
         self.trainer.close()

@@ -1,77 +1,143 @@
 """What a run says about itself: the decisions with their reasons (log and report) and the summary.
 
-Functions of the Trainer `t` that read its parts and state.
+Each function reads what its Protocol names of the run (the Trainer, train/trainer.py, is the one
+that has them): `Decided` the parts decided at setup, `Announced` also where and how long the run
+trains, `Finished` also what the loop left behind (records, state, counts). Stand-ins for tests
+need those attributes only.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
 from gputrain.config import TrainConfig
 from gputrain.data.sources import unused_batch_size_note
-from gputrain.metric_direction import Direction, metric_direction, metric_figures
+from gputrain.metric_direction import metric_figures
 from gputrain.report.summary import parameters_text
 from gputrain.runtime.devices import device_label
 from gputrain.runtime.host_memory import allocator_advice, faults_per_step
 
+if TYPE_CHECKING:
+    from gputrain.data.placement import Placement
+    from gputrain.io.history import History
+    from gputrain.runtime.distributed import DistInfo
+    from gputrain.runtime.precision import RunPrecision
+    from gputrain.runtime.recompiles import RecompileWatcher
+    from gputrain.runtime.speed import SpeedSwitches
+    from gputrain.train.callbacks import CallbackList, RunControl
+    from gputrain.train.eval_points import EvalPoints
+    from gputrain.train.graphs import GraphedStep
+    from gputrain.train.guards import SpikeDetector
+    from gputrain.train.loss import LossRule
+    from gputrain.train.state import RunState
+    from gputrain.train.step import TrainStep
+
 log = logging.getLogger("gputrain")
 
 
-def decisions(t) -> list[dict[str, str]]:
+class Decided(Protocol):
+    """What `decisions` reads of a run: the parts decided at setup."""
+
+    config: TrainConfig
+    precision: RunPrecision
+    placement: Placement
+    loss: LossRule
+    eval_points: EvalPoints
+    optimizer_desc: str
+    schedule_desc: str
+    speed: SpeedSwitches
+    callbacks: CallbackList
+
+
+class _Checkpoint(Protocol):
+    """The run's checkpoint contents by named part (its "model" part knows the frozen base)."""
+
+    parts: dict[str, Any]
+
+
+class Announced(Decided, Protocol):
+    """What `announce` reads besides: where, how long and on what the run trains."""
+
+    is_main: bool
+    device: torch.device
+    dist: DistInfo
+    eval_loader: Any
+    batch_size: int | None
+    total_steps: int
+    run_dir: Path | None
+
+    @property
+    def checkpoint(self) -> _Checkpoint: ...
+
+
+class _SaveTimes(Protocol):
+    """The checkpoint writer's figures: how long each save held the loop, and their summary."""
+
+    timings: list[Any]
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+class Finished(Announced, Protocol):
+    """What `summarize` reads besides: what the loop left (records, state, counts, warnings)."""
+
+    history: History
+    state: RunState
+    warnings: list[str]
+    train_loader: Any
+    train_step: TrainStep
+    graphed: GraphedStep | None
+    recompiles: RecompileWatcher | None
+    spikes: SpikeDetector
+    recomputed: list[str]
+    task: str | None
+    control: RunControl
+
+    @property
+    def checkpointer(self) -> _SaveTimes: ...
+
+
+def decisions(t: Decided) -> list[dict[str, str]]:
     """Every decision of the run with its reason: precision, data, loss, optimizer, speed switches."""
+    when, why = t.eval_points.describe()  # train/eval_points.py
     rows = [{"name": "precision", "value": t.precision.name, "reason": t.precision.reason},
             {"name": "data", "value": t.placement.kind, "reason": t.placement.reason},
             {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
                                                                 "the model's own loss that applies"},
-            {"name": "evaluation", "value": _evaluation(t)[0], "reason": _evaluation(t)[1]},
+            {"name": "evaluation", "value": when, "reason": why},
             {"name": "optimizer", "value": t.optimizer_desc, "reason": "given" if "given" in
              t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"},
             {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
              _schedule(t) else "TrainConfig.schedule and warmup_steps"}]
     rows += t.speed.decisions()
-    callbacks = _callbacks(t)
+    callbacks = _callbacks(t.callbacks)
     if callbacks is not None:
         rows.append({"name": "callbacks", "value": callbacks.describe(),
                      "reason": callbacks.cost() or "hooks at log points: no extra host reads, CUDA graphs unchanged"})
     return rows
 
 
-def _evaluation(t) -> tuple[str, str]:
-    """(when the run evaluates, why): train/eval_points.py."""
-    points = getattr(t, "eval_points", None)
-    return points.describe() if points is not None else ("not recorded", "")
+def _schedule(t: Decided) -> str:
+    return t.schedule_desc or f"{t.config.schedule} (built-in)"
 
 
-def direction(t, key: str) -> Direction:
-    """Which way record key `key` improves in run `t` (gputrain/metric_direction.py's rule)."""
-    control = getattr(t, "control", None)
-    if control is not None:
-        return control.metric_direction(key)
-    return metric_direction(key, getattr(t.config, "metric_modes", None))
+def _callbacks(callbacks: CallbackList) -> CallbackList | None:
+    """The run's CallbackList when it has callbacks, else None."""
+    return callbacks if len(callbacks) else None
 
 
-def _schedule(t) -> str:
-    return getattr(t, "schedule_desc", None) or f"{t.config.schedule} (built-in)"
+def _frozen(checkpoint: _Checkpoint):
+    """The run's FrozenBase (train/frozen.py: parameter counts, what checkpoints hold), from the
+    checkpoint's "model" part; None without one."""
+    return getattr(checkpoint.parts.get("model"), "frozen", None)
 
 
-def _callbacks(t):
-    """The run's CallbackList when it has callbacks, else None (also for trainer-like stand-ins)."""
-    callbacks = getattr(t, "callbacks", None)
-    return callbacks if callbacks is not None and len(callbacks) else None
-
-
-def _frozen(t):
-    """The run's FrozenBase (train/frozen.py: parameter counts, what checkpoints hold); None for a
-    trainer-like stand-in without checkpoint parts."""
-    part = getattr(getattr(t, "checkpoint", None), "parts", {}).get("model")
-    return getattr(part, "frozen", None)
-
-
-def announce(t) -> None:
+def announce(t: Announced) -> None:
     if not t.is_main:
         return
     log.info("device: %s", device_label(t.device))
@@ -81,31 +147,32 @@ def announce(t) -> None:
         t.loss.log_first_call = True  # the model's own loss: the call depends on the batch, named at the first step
     else:
         log.info("loss: %s", t.loss.how)
-    if getattr(t, "eval_loader", None) is not None:
-        log.info("evaluation: %s (%s)", *_evaluation(t))
-    batch = getattr(t, "batch_size", t.config.batch_size)  # the data's own (a user DataLoader's), None: the iterable's
+    if t.eval_loader is not None:
+        log.info("evaluation: %s (%s)", *t.eval_points.describe())
+    batch = t.batch_size  # the data's own (a user DataLoader's), None: the iterable's
     log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optimizer_desc, t.total_steps,
              batch if batch is not None else "the data's own batches", t.config.accumulate,
              " samples" if batch is not None else "",
              f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
-    if (frozen := _frozen(t)) is not None:
+    if (frozen := _frozen(t.checkpoint)) is not None:
         log.info("parameters: %s", parameters_text(frozen.trainable, frozen.frozen))
         if frozen.frozen and t.run_dir:
             log.info("checkpoints: %s", frozen.reason)
     for row in t.speed.decisions():
         log.info("%s: %s (%s)", row["name"], row["value"], row["reason"])
-    callbacks = _callbacks(t)
+    callbacks = _callbacks(t.callbacks)
     if callbacks is not None:
         log.info("callbacks: %s", callbacks.describe())
         if callbacks.cost():
             log.warning("callbacks: %s", callbacks.cost())
 
-def graph_status(t) -> str:
-    if t.graphed is None:
-        return f"off: {t.speed.reasons['cuda_graphs']}"
-    return "on" if t.graphed.failed is None else f"off: {t.graphed.failed}"
+def graph_status(graphed: GraphedStep | None, speed: SpeedSwitches) -> str:
+    """"on", or "off: why" (the speed decision's reason, or the capture's failure)."""
+    if graphed is None:
+        return f"off: {speed.reasons['cuda_graphs']}"
+    return "on" if graphed.failed is None else f"off: {graphed.failed}"
 
-def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
+def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
     """The History's summary; `start_step`: where this process's loop began (a resumed run's)."""
     recs, st = t.history.records, t.state
     splits = t.train_step.splits
@@ -123,13 +190,13 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
     else:
         summary_recompiles = None
     page_faults = faults_per_step(recs, start_step)  # this process's training steps only
-    samples_per_s = steady_rate(t, elapsed)
+    samples_per_s = steady_rate(recs, st.samples_seen, elapsed)
     step_s = st.samples_seen / st.step / samples_per_s if st.step and samples_per_s else None
     if (advice := allocator_advice(page_faults, step_s)) is not None:
         t.warnings.append(advice)
         if t.is_main:  # in the terminal too: the advice is about how Python is started next time
             log.warning("%s", advice)
-    batch_size, mean_batch = getattr(t, "batch_size", t.config.batch_size), None
+    batch_size, mean_batch = t.batch_size, None
     if batch_size is None and st.step:  # the data's own batches: their mean size, as they came
         mean_batch = st.samples_seen / (st.step * t.config.accumulate * t.dist.world_size)
         note = unused_batch_size_note(t.train_loader, t.config.batch_size,
@@ -156,7 +223,7 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
         "stopped_early": stopped,
         "stopped_by": st.stopped_by or None,
         "schedule": _schedule(t),
-        "callbacks": callbacks.describe() if (callbacks := _callbacks(t)) is not None else None,
+        "callbacks": callbacks.describe() if (callbacks := _callbacks(t.callbacks)) is not None else None,
         "time_s": elapsed,
         "samples": st.samples_seen,
         "samples_per_s": samples_per_s,
@@ -172,16 +239,16 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
         "nonfinite_steps": st.nonfinite_steps,
         "on_nan": t.config.on_nan,
         "loss_spikes": list(t.spikes.spikes),
-        "cuda_graphs": t.graph_status(),
+        "cuda_graphs": graph_status(t.graphed, t.speed),
         "channels_last": t.speed.channels_last,
         "compile": t.speed.compile,
         "recompilations": summary_recompiles,
         "recompute": t.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
-        "decisions": t.decisions(),
+        "decisions": decisions(t),
         "warnings": list(t.warnings),
     }
-    if (frozen := _frozen(t)) is not None:  # parameters that train, and what a checkpoint holds of the rest
+    if (frozen := _frozen(t.checkpoint)) is not None:  # parameters that train, and what a checkpoint holds of the rest
         summary.update({"parameters": frozen.trainable + frozen.frozen, "trainable_parameters": frozen.trainable,
                         "frozen_parameters": frozen.frozen, "checkpoint_contents": frozen.reason})
     if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
@@ -190,8 +257,8 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
     if names and recs:
         summary["step_losses"] = {k: recs[-1][k] for k in names if k in recs[-1]}
         summary["learning_rates"] = {k[3:]: v for k, v in recs[-1].items() if k.startswith("lr_")} or None
-    summary.update(metric_figures(recs, lambda key: direction(t, key)))
-    summary["evaluation"] = _evaluation(t)[0]
+    summary.update(metric_figures(recs, t.control.metric_direction))
+    summary["evaluation"] = t.eval_points.describe()[0]
     t.history.summary = summary
 
 
@@ -201,11 +268,11 @@ def summarize(t, elapsed: float, peak: int, stopped: bool, start_step: int = 0) 
 SAMPLES_PER_S_HOW = "median of the log points' samples/s after the first"
 
 
-def steady_rate(t, elapsed: float) -> float:
-    rates = [r["samples_per_s"] for r in t.history.records if r.get("samples_per_s")]
+def steady_rate(records: Sequence[dict[str, Any]], samples_seen: int, elapsed: float) -> float:
+    rates = [r["samples_per_s"] for r in records if r.get("samples_per_s")]
     if len(rates) > 1:
         rates = rates[1:]
-    return statistics.median(rates) if rates else t.state.samples_seen / max(elapsed, 1e-9)
+    return statistics.median(rates) if rates else samples_seen / max(elapsed, 1e-9)
 
 
 def device_memory(device: torch.device) -> int | None:

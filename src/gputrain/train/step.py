@@ -278,6 +278,19 @@ class TrainStep:
         log.warning("out of memory: each micro-batch is now cut in %d (%d samples or fewer each), same effective "
                     "batch; retrying the same step", self.splits, math.ceil(smallest / self.splits))
 
+    def count_flops(self, batch: Any) -> int:
+        """FLOPs of one forward + backward of `batch` (FlopCounterMode), for profile's MFU. No
+        optimizer step, and the gradients are cleared after: the weights are left unchanged."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            with self.precision.autocast():
+                loss, _ = self.loss(self.model, batch)
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return int(counter.get_total_flops())
+
     # ------------------------------------------------------------ reading the accumulators
 
     def take_totals(self) -> torch.Tensor:

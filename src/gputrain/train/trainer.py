@@ -31,7 +31,7 @@ from gputrain.data.deferred import materialize, num_samples
 from gputrain.data.sources import batch_size_used
 from gputrain.data.stream import DataExhausted, known_length, plan_steps
 from gputrain.data.splits import unpack_splits
-from gputrain.errors import ConfigError, GputrainError
+from gputrain.errors import GputrainError
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
@@ -42,14 +42,15 @@ from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.eval_points import EvalPoints
 from gputrain.train.graphs import GraphedStep
-from gputrain.train.guards import NonFiniteGuard, SpikeDetector
+from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
 from gputrain.train import checkpointing, run_summary
+from gputrain.train.loop_pass import LoopPass
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
 from gputrain.train.own_step import OwnStep, own_optimizers
-from gputrain.train.signals import StopSignals, agree_to_stop
+from gputrain.train.signals import agree_to_stop
 from gputrain.train.state import RunState
 from gputrain.train.step import TrainStep
 
@@ -96,7 +97,7 @@ class Trainer:
         self.store = self._setup_checkpoints()
         self.checkpoint = checkpointing.run_checkpoint(self)  # the checkpoint's named parts
         self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
-        self._bare_loop: _Loop | None = None  # run_steps' loop (no outputs, progress bar or signals)
+        self._bare_loop: LoopPass | None = None  # run_steps' loop (no outputs, progress bar or signals)
         if config.resume:
             self._resume()
 
@@ -178,13 +179,7 @@ class Trainer:
 
     def _setup_step(self, num_items: Callable | None) -> None:
         cfg = self.config
-        skip = cfg.on_nan == "skip"
-        if skip and not self.precision.precision.use_scaler and not all(
-                g.get("fused", False) for g in self.optimizer.param_groups):
-            raise ConfigError(
-                f"on_nan='skip' decides on the device whether a step is applied, which needs a fused optimizer "
-                f"(it reads a found_inf flag in its kernel); {self.optimizer_desc} is not fused: use the default "
-                "optimizer (fused AdamW), create yours with fused=True, or use on_nan='stop'")
+        skip = skips_nonfinite(cfg.on_nan, self.precision.precision.use_scaler, self.optimizer, self.optimizer_desc)
         self.train_step = TrainStep(self.model, self.loss, self.optimizer, self.precision, device=self.device,
                                     max_grad_norm=cfg.max_grad_norm, num_items=num_items, dist=self.dist,
                                     oom_recovery=cfg.oom_recovery, params=list(self.module.parameters()),
@@ -267,15 +262,9 @@ class Trainer:
         if st.stopped_by:
             log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
                      st.step, st.stopped_by)
-        import signal as _signal
-
-        from gputrain.report.progress import TrainProgress
-        from gputrain.report.run_outputs import RunOutputs
-
-        loop = _Loop(self, RunOutputs(self.run_dir, cfg, enabled=self.is_main, start_step=st.step),
-                     TrainProgress(enabled=bool(cfg.progress and self.is_main), total_steps=self.total_steps,
-                                   description=f"{self.device} {self.precision.name}"),
-                     StopSignals(tuple(getattr(_signal, name) for name in cfg.stop_signals)))
+        loop = LoopPass.open(self.run_dir, cfg, main=self.is_main, total_steps=self.total_steps,
+                             description=f"{self.device} {self.precision.name}", callbacks=self.callbacks,
+                             world=self.dist.world_size, state=st)
         self.model.train()
         sync = synchronizer(self.device)
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
@@ -314,7 +303,7 @@ class Trainer:
         loop.outputs.finish(self.history)
         return self.history
 
-    def _iterate(self, loop: _Loop, stop: int, most: int | None = None) -> None:
+    def _iterate(self, loop: LoopPass, stop: int, most: int | None = None) -> None:
         """The loop's steps up to the next log point, checkpoint or `stop` (at most `most` steps).
 
         Every step: the step, per-step hooks, [the log point (and evaluation) every log_every steps,
@@ -359,7 +348,7 @@ class Trainer:
         self._check_signals(loop)
         clock.mark("logging")
 
-    def _check_signals(self, loop: _Loop) -> None:
+    def _check_signals(self, loop: LoopPass) -> None:
         """A signal is only recorded by its handler; the step it came in has finished. One process
         checks every step (a flag read); several agree every SIGNAL_SYNC_EVERY steps (a small gloo
         all-reduce, no GPU sync), as the signal may reach one rank only."""
@@ -374,11 +363,8 @@ class Trainer:
         loss read and evaluation, checkpoints) outside `run`, without output files, progress bar
         or signal handlers: what `gputrain profile` times."""
         if self._bare_loop is None:
-            from gputrain.report.progress import TrainProgress
-            from gputrain.report.run_outputs import RunOutputs
-
-            self._bare_loop = _Loop(self, RunOutputs(None, self.config, enabled=False),
-                                    TrainProgress(enabled=False, total_steps=self.total_steps), StopSignals(()))
+            self._bare_loop = LoopPass.bare(self.config, self.total_steps, self.callbacks, self.dist.world_size,
+                                            self.state)
         if not self.model.training:  # train() walks every module: not once per call
             self.model.train()
         done = self.state.step
@@ -398,6 +384,26 @@ class Trainer:
 
     def _eager_step(self, micro_batches: list) -> None:
         self.train_step([materialize(b) for b in micro_batches])
+
+    @contextlib.contextmanager
+    def steps_inside(self, context: Callable[[], contextlib.AbstractContextManager]):
+        """While active, the loop runs each step (`train_one_step`) inside `context()`: profile's
+        labelled range per step, so that a trace tells the steps from the loop's other work."""
+        step = self.train_one_step
+
+        def inside() -> None:
+            with context():
+                step()
+
+        self.train_one_step = inside  # _iterate reads it once per stretch
+        try:
+            yield
+        finally:
+            del self.train_one_step  # the class's method again
+
+    def step_flops(self) -> int:
+        """FLOPs of one forward + backward of the next batch (profile's MFU); the weights stay as they are."""
+        return self.train_step.count_flops(materialize(self.next_step_batches()[0]))
 
     def collect_step_totals(self) -> None:
         """Read the step's device accumulators into the run state: the loss summed since the last
@@ -478,19 +484,4 @@ class Trainer:
         return run_summary.decisions(self)
 
     def graph_status(self) -> str:
-        return run_summary.graph_status(self)
-
-
-class _Loop:
-    """What one pass of the training loop holds besides the trainer: its output files, progress bar
-    and stop signals, the log interval's clock and samples, the peak memory seen at log points."""
-
-    def __init__(self, trainer: Trainer, outputs, progress, signals):
-        self.outputs, self.progress, self.signals = outputs, progress, signals
-        self.on_step = trainer.callbacks.step if trainer.callbacks.per_step else None  # opt-in per-step hooks
-        self.world = trainer.dist.world_size
-        self.t_start = self.t_log = time.perf_counter()
-        self.samples_at_log = trainer.state.samples_seen
-        self.start_step = trainer.state.step  # a resumed run's history also holds the stopped run's records
-        self.faults = StepFaults()  # the steps' own page faults, counted from here (see _log_point)
-        self.peak = 0
+        return run_summary.graph_status(self.graphed, self.speed)
