@@ -121,8 +121,9 @@ class Trainer:
 
             targets = None if cfg.recompute is True else list(cfg.recompute)
             self.recomputed = apply_activation_checkpointing(self.module, targets)
+        # A step of your own is not DDP-wrapped: it averages its gradients per optimizer (train/own_step.py).
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) \
-            if self.own_step is None or cfg.shard else self.module  # your step averages its gradients per optimizer (train/own_step.py)
+            if self.own_step is None or cfg.shard else self.module
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
         self.recompiles = None
         if cfg.compile:
