@@ -74,7 +74,7 @@ class TrainConfig:
     # False: used as is (a resume reads up to its position; several processes see every batch)
     rebuild_loader: bool = True
     # memory
-    # recompute blocks in backward instead of storing their activations (activation checkpointing):
+    # recompute blocks in backward instead of storing their activations (torch.utils.checkpoint):
     # True = the model's repeated blocks, or a list of module names
     recompute: bool | list[str] = False
     oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
@@ -92,7 +92,7 @@ class TrainConfig:
     def __post_init__(self, checkpointing: bool | list[str] | None = None) -> None:
         if checkpointing is not None:
             warnings.warn("TrainConfig(checkpointing=...) is deprecated: the field is now `recompute` "
-                          "(activation checkpointing, not run checkpoints); use TrainConfig(recompute=...)",
+                          "(recomputing activations in backward, not run checkpoints); use TrainConfig(recompute=...)",
                           DeprecationWarning, stacklevel=3)
             self.recompute = checkpointing
         self.validate()

@@ -317,7 +317,7 @@ def _toml_str(s: str) -> str:
 
 def _unknown_key(section: str, key: str, known: dict[str, Any]) -> str:
     if section == "train" and key == "checkpointing":
-        return "[train] checkpointing is the old name of recompute (activation checkpointing): write recompute"
+        return "[train] checkpointing is the old name of recompute (not run checkpoints): write recompute"
     other = "fit" if section == "train" else "train"
     if key.replace("-", "_") in field_types(other):
         return f"[{section}] has no key {key!r}: it belongs under [{other}] as {key.replace('-', '_')}"

@@ -69,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--recompute", "--checkpointing", dest="recompute", nargs="?", const=True, default=None,
                    metavar="MODULES",
-                   help="recompute blocks in backward instead of storing their activations (activation "
-                        "checkpointing): alone = the model's repeated blocks; or comma-separated module names. "
+                   help="recompute blocks in backward instead of storing their activations "
+                        "(torch.utils.checkpoint): alone = the model's repeated blocks; or comma-separated module names. "
                         "--checkpointing is its old name, still accepted")
     p.add_argument("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP with several processes")
     p.add_argument("--nproc", type=_positive_int, default=None, help="start N processes on this machine with torchrun")
