@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from gputrain.errors import ConfigError
 from gputrain.commands.argtypes import positive_float as _positive_float, positive_int as _positive_int, tri as _tri
+from gputrain.commands.argtypes import workload_options
 
 DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
 
@@ -248,11 +249,7 @@ def run(args, extra_callbacks: Sequence[Any] = ()) -> int:
     from gputrain.workloads import resolve_workload
 
     options = {"data_dir": args.data_dir} if args.data_dir else {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. --option n=2000")
-        options[key.replace("-", "_")] = value
+    options.update(workload_options(args.option, example="--option n=2000"))
     name, options = _workload_to_train(args, options)
     workload = resolve_workload(name, **options)
     config = build_config(args, workload)
