@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default runs/WORKLOAD/TIME)")
     p.add_argument("--no-save", action="store_true", help="write nothing to disk")
-    p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files in the run directory")
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="no TensorBoard event files: the loggers (--logger, or the default) without tensorboard")
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="optimizer steps between checkpoints")
@@ -160,7 +161,7 @@ def _safe(name: str) -> str:
 
 def build_config(args, workload):
     """TrainConfig from the workload's defaults overridden by the flags the user gave."""
-    from gputrain.config import TrainConfig
+    from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 
     values = dict(workload.defaults)
     values.update(getattr(args, "config_train", None) or {})  # --config's [train] keys that no flag reads
@@ -186,8 +187,8 @@ def build_config(args, workload):
         values["compile"] = True
     if args.logger:
         values["loggers"] = tuple(n for item in args.logger for n in item.split(",") if n.strip())
-    if args.no_tensorboard:
-        values["tensorboard"] = False
+    if args.no_tensorboard:  # a shorthand: the loggers (--logger, the file's, the default) without tensorboard
+        values["loggers"] = tensorboard_loggers(values.get("loggers", DEFAULT_LOGGERS), False)
     if args.shard:
         values["shard"] = True
     if args.async_checkpoint:
