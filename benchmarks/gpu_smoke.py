@@ -18,10 +18,10 @@ The lines (names are what docs/gpu_checklist.md cites, as `smoke:NAME`):
   info, doctor         gputrain info / doctor (NVML telemetry, bandwidth and matmul measurement)
   fit-WORKLOAD         gputrain fit WORKLOAD --steps N: every built-in workload with its defaults
                        (cifar10-cnn and mnist-cnn read tiny files in the real formats, written here)
-  fit-...-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -checkpointing, -batch-auto, -resume:
+  fit-...-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -recompute, -batch-auto, -resume:
                        the switches' CUDA paths (compile inside the whole-step graph, the autotuner's
                        trials, GradScaler, bf16 autocast, the device-side skip of non-finite steps, the
-                       pinned DataLoader with its side-stream prefetcher, activation checkpointing, the
+                       pinned DataLoader with its side-stream prefetcher, recompute, the
                        largest batch that fits, resume of a CUDA run's checkpoint)
   profile              gputrain profile (torch.profiler with CUDA activity, NVML sampling, the verdict)
   memory-find-max      gputrain memory --find-max (the real batch search on the device)
@@ -157,9 +157,9 @@ def plan(args, work: Path) -> list[Line]:
               "--run-dir", str(runs / "loader")],
              180, "pinned DataLoader + side-stream prefetcher, uint8 normalization on the device",
              expect=r"run directory"),
-        Line("fit-gpt-mini-checkpointing",
-             [*g, "fit", "gpt-mini", *fit_common, "--checkpointing", "--run-dir", str(runs / "ckpt")],
-             180, "activation checkpointing of the repeated blocks on CUDA", expect=r"run directory"),
+        Line("fit-gpt-mini-recompute",
+             [*g, "fit", "gpt-mini", *fit_common, "--recompute", "--run-dir", str(runs / "recompute")],
+             180, "recompute of the repeated blocks on CUDA", expect=r"run directory"),
         Line("fit-digits-cnn-batch-auto", [*g, "fit", "digits-cnn", *fit_common, "--batch-size", "auto",
                                            "--run-dir", str(runs / "batch-auto")],
              180, "--batch-size auto: the out-of-memory-driven search over the step fit trains with",

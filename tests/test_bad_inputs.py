@@ -174,6 +174,8 @@ CASES = [
          r"unknown logger 'nosuch': choose from csv"),
     Case("fit-missing-module", ("fit", "nosuchmodule:make"), r"no module named 'nosuchmodule'"),
     Case("fit-unknown-option", ("fit", "digits-cnn", "--option", "n=5"), r"takes no options; got n"),
+    Case("fit-option-without-value", ("fit", "digits-cnn", "--option", "n5"),
+         r"--option 'n5': expected KEY=VALUE, e\.g\. --option n=2000$"),
     Case("fit-fp16-on-cpu", ("fit", "digits-cnn", "--precision", "fp16", "--device", "cpu", "--no-save"),
          r"fp16 is not supported on the CPU"),
     Case("fit-missing-data-dir", ("fit", "cifar10-cnn", "--data-dir", "no-such-folder", "--no-save"),
@@ -234,6 +236,8 @@ CASES = [
          r"a folder, but not a sharded checkpoint \(step-N.dcp\)", run="digits"),
     Case("eval-no-ema", ("eval", "digits", "--weights", "ema"), r"kept no EMA of its weights", run="digits"),
     Case("eval-zero-batch", ("eval", "digits", "--batch-size", "0"), r"--batch-size: expected a positive integer"),
+    Case("eval-option-without-value", ("eval", "digits", "--option", "=5"), r"--option '=5': expected KEY=VALUE$",
+         run="digits"),
     # ---------------------------------------------------------------- predict
     Case("predict-wrong-channels", ("predict", "digits", "--data", "three-channels.pt"),
          r"the model failed on it \(RuntimeError: .*\): inputs \(5, 3, 8, 8\) float32 where digits-cnn's are "

@@ -59,7 +59,7 @@ def test_hooks_run_at_log_points_in_order_and_their_state_comes_back_on_resume(t
     x, y = data()
     rec = Recorder()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, eval_every=4, run_dir=str(tmp_path),
-                      tensorboard=False)  # an evaluation at every log point (the default: at epoch ends)
+                      loggers=("csv",))  # an evaluation at every log point (the default: at epoch ends)
     history = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), callbacks=[rec],
                   config=cfg.replace(stop_at_step=8))
     assert rec.calls == [("start", 0),
@@ -180,7 +180,7 @@ class StopAt(Callback):
 
 def test_a_requested_stop_checkpoints_and_a_resume_trains_no_further(tmp_path):
     x, y = data()
-    cfg = TrainConfig(device="cpu", batch_size=16, steps=30, log_every=5, run_dir=str(tmp_path), tensorboard=False)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=30, log_every=5, run_dir=str(tmp_path), loggers=("csv",))
     model = mlp()
     history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[StopAt(10)], config=cfg)
     s = history.summary
@@ -204,7 +204,7 @@ class HalveLr(Callback):
 @pytest.mark.parametrize("scheduler", [None, lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.9)])
 def test_a_callback_changes_the_learning_rate_and_a_resume_keeps_it(tmp_path, scheduler):
     x, y = data()
-    cfg = TrainConfig(device="cpu", batch_size=16, steps=16, log_every=4, lr=0.01, tensorboard=False)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=16, log_every=4, lr=0.01, loggers=("csv",))
     base = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=scheduler, config=cfg)
     full_model = mlp()
     full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[HalveLr(4)], scheduler=scheduler,
@@ -241,7 +241,7 @@ def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
         def on_log(self, run, record):
             pass
 
-    cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, lr=1e30, tensorboard=False)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, lr=1e30, loggers=("csv",))
     with caplog.at_level("WARNING", logger="gputrain"), pytest.raises(NonFiniteError, match="non-finite"):
         fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Quiet(), Broken(), Notes()], config=cfg)
     assert seen == [(4, "NonFiniteError")]
@@ -268,7 +268,7 @@ def test_a_callback_sees_where_the_run_is_and_sets_the_learning_rate():
 
     watch, model = Watch(), mlp()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, lr=0.01, schedule="constant",
-                      tensorboard=False)
+                      loggers=("csv",))
     history = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[watch], config=cfg)
     assert [(s["step"], s["total"], s["records"]) for s in watch.seen] == [(4, 12, 1), (8, 12, 2), (12, 12, 3)]
     assert [s["epoch"] for s in watch.seen] == pytest.approx([4 / 6, 8 / 6, 2.0], abs=1e-4)  # rounded to 4 places
@@ -290,7 +290,7 @@ def test_a_user_scheduler_steps_per_optimizer_step_and_resumes_bit_equal(tmp_pat
     def sched(opt):
         return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 7, 11], gamma=0.5)
 
-    cfg = TrainConfig(device="cpu", batch_size=16, steps=14, log_every=2, lr=0.02, accumulate=2, tensorboard=False)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=14, log_every=2, lr=0.02, accumulate=2, loggers=("csv",))
     full_model = mlp()
     full = fit(full_model, (x, y), loss_fn=nn.CrossEntropyLoss(), scheduler=sched,
                config=cfg.replace(run_dir=str(tmp_path / "full")))
@@ -390,7 +390,7 @@ def test_ema_average_comes_back_from_the_checkpoint_on_resume(tmp_path):
     """A run stopped at step 8 and resumed ends with the same average (and update count) as the run
     that went through: the resume loads the saved average, it does not restart it from the weights."""
     x, y = data()
-    cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, checkpoint_every=4, tensorboard=False)
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=12, log_every=4, checkpoint_every=4, loggers=("csv",))
     whole = gputrain.EMA(decay=0.9)
     fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[whole],
         config=cfg.replace(run_dir=str(tmp_path / "whole")))

@@ -148,7 +148,7 @@ def _fit(run_dir, steps, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
     cfg = TrainConfig(device="cpu", batch_size=16, steps=steps, log_every=4, seed=3, run_dir=str(run_dir),
-                      checkpoint_every=4, tensorboard=False, **kw)
+                      checkpoint_every=4, loggers=("csv",), **kw)
     return fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg), model
 
 

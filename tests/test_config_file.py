@@ -48,7 +48,8 @@ def test_a_run_repeated_from_its_config_ends_with_the_same_loss(tmp_path, capsys
     assert recorded["workload"] == "linear-regression" and recorded["options"] == {"n": "300"}
     train = recorded["train"]
     assert (train["batch_size"], train["steps"], train["lr"], train["seed"]) == (16, 30, 0.02, 7)
-    assert (train["warmup_steps"], train["schedule"], train["tensorboard"]) == (4, "cosine", False)
+    assert (train["warmup_steps"], train["schedule"], train["loggers"]) == (4, "cosine", ["csv"])  # --no-tensorboard
+    assert "tensorboard" not in train
     assert "epochs" not in train and "run_dir" not in train and "resume" not in train
 
     code, out, err = _fit(capsys, "--config", "a/config.toml", "--run-dir", "b", "--json")
@@ -81,6 +82,26 @@ def test_the_recorded_config_holds_every_field_and_reads_back(tmp_path, capsys):
     (tmp_path / "off.toml").write_text('[train]\nspike_ratio = "none"\nstop_signals = ["SIGTERM"]\n')
     rc = load_run_config(tmp_path / "off.toml")
     assert rc.train == {"spike_ratio": None, "stop_signals": ("SIGTERM",)}
+
+
+def test_the_old_tensorboard_key_warns_and_sets_the_loggers(tmp_path, capsys, monkeypatch):
+    """[train] tensorboard, in every RUN_DIR/config.toml recorded before TensorBoard became one of
+    the loggers: still read (false drops it from the loggers, true leaves them as they are), with a
+    DeprecationWarning naming the line and what to write; the run records loggers, not the old key."""
+    from gputrain.run_config import load_run_config
+
+    monkeypatch.chdir(tmp_path)
+    Path("old.toml").write_text('workload = "iris-mlp"\n[train]\nsteps = 2\ndevice = "cpu"\ntensorboard = false\n')
+    with pytest.warns(DeprecationWarning, match=r"old.toml line 5: \[train\] tensorboard is deprecated: TensorBoard is "
+                                                r"one of the loggers.*write loggers = \[\"csv\"\] instead"):
+        code, _, err = _fit(capsys, "--config", "old.toml", "--run-dir", "r", "--progress", "off", "--json")
+    assert code == 0, err
+    assert not list(Path("r").glob("events.out.tfevents.*")) and Path("r/metrics.jsonl").is_file()
+    recorded = tomllib.loads(Path("r/config.toml").read_text())["train"]
+    assert recorded["loggers"] == ["csv"] and "tensorboard" not in recorded
+    Path("kept.toml").write_text('[train]\nloggers = ["csv", "wandb"]\ntensorboard = true\n')
+    with pytest.warns(DeprecationWarning, match=r'write loggers = \["csv", "wandb"\] instead'):
+        assert load_run_config("kept.toml").train == {"loggers": ("csv", "wandb")}
 
 
 # ---------------------------------------------------------------- precedence and --print-config
@@ -162,6 +183,8 @@ BAD = [
     ("option-list", '[options]\nn = [1, 2]\n', r"line 2: \[options\] n: a workload option is a string, number"),
     ("workload-number", 'workload = 3\n', r"line 1: workload must be a string"),
     ("old-name", '[train]\ncheckpointing = true\n', r"line 2: \[train\] checkpointing is the old name of recompute"),
+    ("old-tensorboard-not-bool", '[train]\ntensorboard = "no"\n', r"line 2: \[train\] tensorboard must be true or "
+                                                                 r"false, got 'no' \(a string\)"),
     ("not-toml", '[train\nlr = 1\n', r"not valid TOML: .*\(at line 1, column 7\)"),
 ]
 

@@ -51,7 +51,7 @@ def _zero_grad_terms(model, batch):
 
 
 def _cfg(**kw):
-    return TrainConfig(**{"device": "cpu", "batch_size": 16, "steps": 6, "log_every": 3, "tensorboard": False,
+    return TrainConfig(**{"device": "cpu", "batch_size": 16, "steps": 6, "log_every": 3, "loggers": ("csv",),
                           **kw})
 
 

@@ -152,7 +152,7 @@ def _fit_kwargs(spec: dict) -> tuple[nn.Module, object, dict, dict]:
         kwargs["callbacks"] = spec["callbacks"]()
     if spec.get("eval"):
         kwargs["eval_data"] = data(48, seed=1)
-    config = {"device": "cpu", "batch_size": 16, "steps": STEPS, "log_every": 8, "tensorboard": False, "seed": 3,
+    config = {"device": "cpu", "batch_size": 16, "steps": STEPS, "log_every": 8, "loggers": ("csv",), "seed": 3,
               "cuda_graphs": "auto", **spec.get("config", {})}
     return model, train, kwargs, config
 

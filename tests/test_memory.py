@@ -1,5 +1,5 @@
 """Memory: estimate arithmetic, activation measurement, the max-batch search, OOM handling,
-recommendations and activation checkpointing (CPU), plus the real search on a GPU."""
+recommendations and recompute (CPU), plus the real search on a GPU."""
 
 import copy
 import json
@@ -15,7 +15,7 @@ from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estima
 from gputrain.diagnostics.probe import StepProbe, as_loss_rule, measure_step_memory
 from gputrain.diagnostics.memory_stats import memory_stats
 from gputrain.runtime.oom import free_after_oom, is_oom
-from gputrain.train.activation_checkpointing import apply_activation_checkpointing, checkpoint_units
+from gputrain.train.recompute import apply_recompute, recompute_units
 
 
 @pytest.fixture(autouse=True)
@@ -223,7 +223,7 @@ def test_recommendations_each_save_bytes():
     assert acc["fits_after"]
 
 
-# ---------------------------------------------------------------- activation checkpointing
+# ---------------------------------------------------------------- recompute
 
 
 def grads_and_buffers(model, x, y):
@@ -233,12 +233,12 @@ def grads_and_buffers(model, x, y):
     return [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
 
 
-def test_checkpointing_repeated_blocks_gives_identical_gradients():
+def test_recompute_of_repeated_blocks_gives_identical_gradients():
     model = BlockNet()
     wrapped = copy.deepcopy(model)
-    names = apply_activation_checkpointing(wrapped)
+    names = apply_recompute(wrapped)
     assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
-    assert [repr(u) for u in checkpoint_units(model)] == [f"_Unit('blocks.{i}')" for i in range(4)]
+    assert [repr(u) for u in recompute_units(model)] == [f"RecomputeUnit('blocks.{i}')" for i in range(4)]
     assert list(wrapped.state_dict()) == list(model.state_dict())  # parameter names unchanged
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
     g1, b1 = grads_and_buffers(model, x, y)
@@ -248,14 +248,14 @@ def test_checkpointing_repeated_blocks_gives_identical_gradients():
     # It saves memory: fewer bytes are kept for backward.
     assert (estimate_memory(wrapped, (x, y), loss_fn=nn.functional.cross_entropy)["activation_bytes_per_sample"]
             < estimate_memory(model, (x, y), loss_fn=nn.functional.cross_entropy)["activation_bytes_per_sample"])
-    # Idempotent, and a deep copy checkpoints its own weights.
-    assert apply_activation_checkpointing(wrapped) == names
+    # Idempotent, and a deep copy recomputes with its own weights.
+    assert apply_recompute(wrapped) == names
     twin = copy.deepcopy(wrapped)
     nn.functional.cross_entropy(twin(x), y).backward()
     assert twin.blocks[0].fc.weight.grad is not None
 
 
-def test_checkpointing_a_plain_sequential_and_named_targets():
+def test_recompute_of_a_plain_sequential_and_named_targets():
     torch.manual_seed(0)
 
     class Net(nn.Module):
@@ -269,29 +269,29 @@ def test_checkpointing_a_plain_sequential_and_named_targets():
 
     model = Net()
     auto = copy.deepcopy(model)
-    assert apply_activation_checkpointing(auto) == ["net[0:3]", "net[3:6]"]
+    assert apply_recompute(auto) == ["net[0:3]", "net[3:6]"]
     named = copy.deepcopy(model)
-    assert apply_activation_checkpointing(named, ["net[0:4]", "out"]) == ["net[0:4]", "out"]
+    assert apply_recompute(named, ["net[0:4]", "out"]) == ["net[0:4]", "out"]
     x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
     ref, _ = grads_and_buffers(model, x, y)
     for m in (auto, named):
         got, _ = grads_and_buffers(m, x, y)
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    # No gradients, no checkpointing: eval output is unchanged.
+    # No gradients, no recompute: eval output is unchanged.
     with torch.no_grad():
         assert torch.equal(model.eval()(x), named.eval()(x))
 
 
-def test_checkpointing_errors_name_the_bad_target():
+def test_recompute_errors_name_the_bad_target():
     model = BlockNet()
     with pytest.raises(ConfigError, match=r"'blocks\.9'.*did you mean"):
-        apply_activation_checkpointing(model, ["blocks.9"])
+        apply_recompute(model, ["blocks.9"])
     with pytest.raises(ConfigError, match="'blockz'"):
-        apply_activation_checkpointing(model, ["blockz"])
+        apply_recompute(model, ["blockz"])
     with pytest.raises(ConfigError, match="has 4 layers"):
-        apply_activation_checkpointing(model, ["blocks[2:9]"])
+        apply_recompute(model, ["blocks[2:9]"])
     with pytest.raises(ConfigError, match="no repeated blocks"):
-        apply_activation_checkpointing(nn.Linear(3, 3))
+        apply_recompute(nn.Linear(3, 3))
 
 
 # ---------------------------------------------------------------- the command

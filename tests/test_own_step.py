@@ -21,7 +21,7 @@ import own_step as examples  # noqa: E402
 
 from helpers import params  # noqa: E402
 
-CFG = dict(device="cpu", batch_size=64, log_every=8, tensorboard=False, seed=5)
+CFG = dict(device="cpu", batch_size=64, log_every=8, loggers=("csv",), seed=5)
 
 
 def _teacher() -> nn.Module:

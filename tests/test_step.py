@@ -427,7 +427,7 @@ class _Hooked(nn.Module):
     ({"accumulate": 2}, None, None, "gradient accumulation"),
     ({"compile": True}, None, None, None),  # inductor kernels inside gputrain's whole-step graph
     ({"compile": True, "compile_mode": "reduce-overhead"}, None, None, "captures its own CUDA graphs"),
-    ({"checkpointing": True}, None, None, "activation checkpointing"),
+    ({"recompute": True}, None, None, "recompute runs forward passes again"),
     ({}, "hooked", None, "module hooks on lin"),
     ({}, None, "plain", "was not created with capturable=True"),
     ({}, None, "factory", "comes from a factory"),

@@ -32,7 +32,7 @@ RUN = '''workload = "iris-mlp"
 steps = 20
 log_every = 5
 device = "cpu"
-tensorboard = false
+loggers = ["csv"]
 '''
 SWEEP = RUN + '''
 [sweep]

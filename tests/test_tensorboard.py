@@ -1,19 +1,25 @@
 """TensorBoard event files: read back with TensorBoard's own reader (EventAccumulator) and compared
-with metrics.jsonl; the off switch, a missing tensorboard package, non-zero ranks and resumed runs."""
+with metrics.jsonl; the off switch, a missing tensorboard package, non-zero ranks and resumed runs;
+TensorBoard as one of the loggers, and the old `tensorboard` switch (deprecated) mapped onto them."""
 
 import json
 import logging
 import math
 import sys
+import warnings
 
 import pytest
+import torch
+from torch import nn
 
 pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
 
-from gputrain import cli  # noqa: E402
+from gputrain import cli, fit  # noqa: E402
+from gputrain.config import TrainConfig  # noqa: E402
+from gputrain.errors import ConfigError  # noqa: E402
 from gputrain.report.tensorboard import TensorBoardLog, tag_for  # noqa: E402
 
 
@@ -151,15 +157,6 @@ def test_resumed_run_hides_what_came_after_its_checkpoint(tmp_path):
                                                                                   (40, 40.5)]
 
 
-def _trainer_writes_tensorboard() -> bool:
-    from gputrain.config import TrainConfig
-
-    return "tensorboard" in TrainConfig.__dataclass_fields__
-
-
-@pytest.mark.skipif(not _trainer_writes_tensorboard(),
-                    reason="the trainer does not write TensorBoard files yet (TrainConfig has no `tensorboard` "
-                           "field; the integration of issue 15 adds it)")
 def test_fit_writes_event_files_and_report(tmp_path, capsys):
     on, off = tmp_path / "on", tmp_path / "off"
     assert cli.main(["fit", "digits-cnn", "--run-dir", str(on), "--steps", "20", "--log-every", "10",
@@ -170,3 +167,45 @@ def test_fit_writes_event_files_and_report(tmp_path, capsys):
     assert cli.main(["fit", "digits-cnn", "--run-dir", str(off), "--steps", "10", "--log-every", "10",
                      "--quiet", "--progress", "off", "--json", "--no-tensorboard"]) == 0
     assert not list(off.glob("events.out.tfevents.*")) and (off / "metrics.jsonl").is_file()
+
+
+# ---------------------------------------------------------------- one switch: the loggers
+
+
+def _fit_tiny(run_dir, config: TrainConfig) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    fit(nn.Linear(4, 2), (x, y), loss_fn=nn.CrossEntropyLoss(), config=config)
+
+
+def _tiny(run_dir, **kw) -> dict:
+    return dict(device="cpu", batch_size=16, steps=4, log_every=2, run_dir=str(run_dir), **kw)
+
+
+def test_tensorboard_is_one_of_the_loggers(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = TrainConfig(**_tiny(tmp_path / "on", loggers=("csv", "tensorboard")))
+        off = TrainConfig(**_tiny(tmp_path / "off", loggers=("csv",)))
+        _fit_tiny(tmp_path / "on", on)
+        _fit_tiny(tmp_path / "off", off)
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning) and "tensorboard" in str(w.message)]
+    assert list((tmp_path / "on").glob("events.out.tfevents.*"))
+    assert not list((tmp_path / "off").glob("events.out.tfevents.*")) and (tmp_path / "off" / "metrics.jsonl").is_file()
+
+
+def test_the_old_tensorboard_switch_warns_and_maps_onto_the_loggers(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig\(tensorboard=\.\.\.\) is deprecated: TensorBoard is one "
+                                                r"of the loggers.*use TrainConfig\(loggers=\('csv', 'tensorboard'\)\)"):
+        on = TrainConfig(**_tiny(tmp_path / "on"), tensorboard=True)
+    _fit_tiny(tmp_path / "on", on)
+    assert list((tmp_path / "on").glob("events.out.tfevents.*")), "the old switch gave no event files"
+    with pytest.warns(DeprecationWarning, match=r"use TrainConfig\(loggers=\('csv', 'mlflow'\)\)"):
+        off = TrainConfig(**_tiny(tmp_path / "off"), loggers=("csv", "tensorboard", "mlflow"), tensorboard=False)
+    assert off.loggers == ("csv", "mlflow") and "tensorboard" not in off.to_dict()
+    assert off.replace(lr=0.1).loggers == ("csv", "mlflow")
+    # True never turned TensorBoard on where the loggers leave it out: a recorded config means the same run
+    with pytest.warns(DeprecationWarning):
+        assert TrainConfig(loggers=("csv",), tensorboard=True).loggers == ("csv",)
+    with pytest.raises(ConfigError, match="tensorboard must be True or False, got 'no'"):
+        TrainConfig(tensorboard="no")  # type: ignore[arg-type]

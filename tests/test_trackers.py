@@ -53,6 +53,27 @@ def test_logger_names_are_checked():
     assert TrainConfig().loggers == ("csv", "tensorboard")
 
 
+def test_no_tensorboard_is_the_loggers_without_it():
+    """`fit --no-tensorboard`: a shorthand over the one switch (loggers), whichever gave them."""
+    import warnings
+
+    from gputrain.cli import build_parser
+    from gputrain.commands.fit import build_config
+    from gputrain.workloads import get_workload
+
+    w = get_workload("iris-mlp")
+
+    def loggers(*argv: str) -> tuple[str, ...]:
+        return build_config(build_parser().parse_args(["fit", "iris-mlp", "--no-save", *argv]), w).loggers
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert loggers() == ("csv", "tensorboard")
+        assert loggers("--no-tensorboard") == ("csv",)
+        assert loggers("--logger", "tensorboard,mlflow", "--no-tensorboard") == ("mlflow",)
+    assert not [w for w in caught if "tensorboard" in str(w.message)]
+
+
 def test_mlflow_run_read_back_with_mlflows_client(tracker_env):
     pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'gputrain[track]')")
     pytest.importorskip("sqlalchemy", reason="sqlalchemy is not installed (MLflow's local store needs it)")

@@ -11,6 +11,7 @@ from gputrain.errors import ConfigError
 from gputrain.runtime.precision import CHOICES as PRECISIONS
 
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")  # the experiment trackers (report/trackers.py)
+DEFAULT_LOGGERS = ("csv", "tensorboard")
 
 
 @dataclass
@@ -55,10 +56,10 @@ class TrainConfig:
     async_checkpoint: bool = False  # DCP's async_save: training goes on while the files are written
     full_checkpoints: bool = False  # a frozen base's weights too; False: its fingerprint (train/frozen.py)
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
-    tensorboard: bool = True  # TensorBoard event files in run_dir (rank 0 only)
     # experiment trackers fed at every log point (rank 0 only): "csv" (metrics.csv + metrics.jsonl),
-    # "tensorboard", "mlflow", "wandb" (report/trackers.py); a tracker that fails is a warning, never a stop
-    loggers: tuple[str, ...] = ("csv", "tensorboard")
+    # "tensorboard" (event files in run_dir), "mlflow", "wandb" (report/trackers.py); a tracker that
+    # fails is a warning, never a stop. The one switch for each of them, TensorBoard's included
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
     device_memory_fraction: float = 0.5  # the share of free device memory device-resident data may take
@@ -74,7 +75,7 @@ class TrainConfig:
     # False: used as is (a resume reads up to its position; several processes see every batch)
     rebuild_loader: bool = True
     # memory
-    # recompute blocks in backward instead of storing their activations (activation checkpointing):
+    # recompute blocks in backward instead of storing their activations (torch.utils.checkpoint):
     # True = the model's repeated blocks, or a list of module names
     recompute: bool | list[str] = False
     oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
@@ -86,15 +87,21 @@ class TrainConfig:
     on_spike: str = "warn"  # "warn" | "stop"
     # distributed
     shard: bool = False  # FSDP2 (fully_shard) instead of DDP when world size > 1
-    # the old name of `recompute`, still accepted with a DeprecationWarning (not a field: not saved)
-    checkpointing: InitVar[bool | list[str] | None] = None
+    # old names, still accepted with a DeprecationWarning (not fields: not saved)
+    checkpointing: InitVar[bool | list[str] | None] = None  # `recompute`
+    tensorboard: InitVar[bool | None] = None  # False: `loggers` without "tensorboard" (tensorboard_loggers)
 
-    def __post_init__(self, checkpointing: bool | list[str] | None = None) -> None:
+    def __post_init__(self, checkpointing: bool | list[str] | None = None, tensorboard: bool | None = None) -> None:
         if checkpointing is not None:
             warnings.warn("TrainConfig(checkpointing=...) is deprecated: the field is now `recompute` "
-                          "(activation checkpointing, not run checkpoints); use TrainConfig(recompute=...)",
+                          "(recomputing activations in backward, not run checkpoints); use TrainConfig(recompute=...)",
                           DeprecationWarning, stacklevel=3)
             self.recompute = checkpointing
+        if tensorboard is not None:
+            self.loggers = tensorboard_loggers(self.loggers, tensorboard)
+            warnings.warn("TrainConfig(tensorboard=...) is deprecated: TensorBoard is one of the loggers, on when "
+                          f"`loggers` names 'tensorboard'; for these settings use TrainConfig(loggers={self.loggers!r})",
+                          DeprecationWarning, stacklevel=3)
         self.validate()
 
     def validate(self) -> None:
@@ -169,6 +176,16 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def tensorboard_loggers(loggers: Any, tensorboard: Any) -> tuple[str, ...]:
+    """The loggers as the old `tensorboard` switch leaves them: False drops "tensorboard", True keeps
+    them as they are (TensorBoard when they name it, as before: the switch could only turn it off).
+    What TrainConfig(tensorboard=...), [train] tensorboard in a config file and `fit --no-tensorboard`
+    mean."""
+    if not isinstance(tensorboard, bool):
+        raise ConfigError(f"tensorboard must be True or False, got {tensorboard!r}")
+    return tuple(n for n in check_loggers(loggers) if tensorboard or n != "tensorboard")
 
 
 def check_loggers(names: Any) -> tuple[str, ...]:

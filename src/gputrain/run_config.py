@@ -5,7 +5,7 @@ A run is one tree, one TOML file (read with the standard library's tomllib):
     workload = "iris-mlp"      # a built-in workload, or module:function
     [options]                  # the workload's options (--option KEY=VALUE, --data-dir)
     [train]                    # TrainConfig's fields: every fit flag that sets one (--lr is lr,
-                               # --no-tensorboard is tensorboard = false, --logger is loggers)
+                               # --logger is loggers, --no-tensorboard is loggers without "tensorboard")
                                # and the fields no flag sets (warmup_steps, metric_modes, ...)
     [fit]                      # the command's own flags (FitFlags: nproc, early_stop, ema, ...)
     [sweep]                    # the search (gputrain/sweeps); `gputrain fit` leaves it alone
@@ -23,11 +23,12 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from gputrain.config import TrainConfig
+from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 from gputrain.errors import ConfigError
 from gputrain.io.toml_file import TomlFile, dumps, read_toml, value_text
 
@@ -38,6 +39,9 @@ ARG_KEYS = ("device", "precision", "epochs", "steps", "batch_size", "progress", 
 # [train] values a flag takes besides the field's own type: the CLI's "auto".
 AUTO_OK = ("batch_size", "progress")
 FIT_MINIMUM = {"nproc": 1, "max_restarts": 0, "patience": 1}  # as the flags' types check them
+# [train] tensorboard: TrainConfig's old switch, in every RUN_DIR/config.toml recorded before TensorBoard
+# became one of the loggers; read as the loggers it leaves (config.tensorboard_loggers), with a warning.
+OLD_TENSORBOARD = "tensorboard"
 
 
 @dataclass
@@ -99,7 +103,11 @@ def check_tree(source: TomlFile) -> RunConfig:
         if not isinstance(value, (str, int, float, bool)):
             raise source.error(["options", key], f"[options] {key}: a workload option is a string, number or "
                                                  f"true/false, got {_shown(value)}")
-    train = {k: check_value("train", k, v, source) for k, v in data.get("train", {}).items()}
+    train_table = dict(data.get("train", {}))
+    tensorboard = train_table.pop(OLD_TENSORBOARD, None)
+    train = {k: check_value("train", k, v, source) for k, v in train_table.items()}
+    if tensorboard is not None:
+        train["loggers"] = _old_tensorboard(tensorboard, train.get("loggers", DEFAULT_LOGGERS), source)
     if "epochs" in train and "steps" in train:
         raise source.error(["train", "steps"], "[train] sets both epochs and steps: give one of them")
     fit = {k: check_value("fit", k, v, source) for k, v in data.get("fit", {}).items()}
@@ -315,9 +323,20 @@ def _toml_str(s: str) -> str:
     return value_text(s)
 
 
+def _old_tensorboard(value: Any, loggers: tuple[str, ...], source: TomlFile) -> tuple[str, ...]:
+    """The loggers [train] tensorboard = `value` leaves; a DeprecationWarning saying what to write."""
+    if not isinstance(value, bool):
+        raise source.error(["train", OLD_TENSORBOARD], f"[train] tensorboard must be true or false, got {_shown(value)}")
+    out = tensorboard_loggers(loggers, value)
+    warnings.warn(f"{source.where(['train', OLD_TENSORBOARD])}: [train] tensorboard is deprecated: TensorBoard is one "
+                  f"of the loggers, on when loggers names \"tensorboard\"; for this file write loggers = "
+                  f"{value_text(list(out))} instead", DeprecationWarning, stacklevel=2)
+    return out
+
+
 def _unknown_key(section: str, key: str, known: dict[str, Any]) -> str:
     if section == "train" and key == "checkpointing":
-        return "[train] checkpointing is the old name of recompute (activation checkpointing): write recompute"
+        return "[train] checkpointing is the old name of recompute (not run checkpoints): write recompute"
     other = "fit" if section == "train" else "train"
     if key.replace("-", "_") in field_types(other):
         return f"[{section}] has no key {key!r}: it belongs under [{other}] as {key.replace('-', '_')}"

@@ -46,7 +46,7 @@ def flat(m):
 def train(model, **kw):
     return fit(model, (X, Y), loss_fn=nn.CrossEntropyLoss(),
                config=TrainConfig(**{"device": "cpu", "batch_size": 4, "steps": STEPS, "log_every": 2, "seed": 3,
-                                     "weight_decay": 0.1, "tensorboard": False, **kw}))
+                                     "weight_decay": 0.1, "loggers": ("csv",), **kw}))
 
 
 result = {}

@@ -63,7 +63,7 @@ model = Pair()
 optimizers = {"student": lambda m: torch.optim.SGD(m.student.parameters(), lr=0.1, momentum=0.9),
               "head": lambda m: torch.optim.SGD(m.head.parameters(), lr=0.05, momentum=0.9)}
 cfg = TrainConfig(device="cpu", batch_size=batch, steps=steps, log_every=2, seed=1, run_dir=run_dir, resume=True,
-                  checkpoint_every=2, stop_at_step=stop_at, tensorboard=False,
+                  checkpoint_every=2, stop_at_step=stop_at, loggers=("csv",),
                   shard=os.environ.get("SHARD") == "1")
 h = fit(model, (x, y), step_fn=step_fn, optimizer=optimizers, config=cfg, callbacks=[Params()])
 if rank == 0:

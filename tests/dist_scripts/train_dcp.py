@@ -77,7 +77,7 @@ resume = True if args.resume == "auto" else (args.resume or False)
 cfg = TrainConfig(device="cpu", batch_size=args.batch, accumulate=args.accumulate, steps=args.steps, log_every=2,
                   seed=1, lr=1e-2, shard=args.shard, run_dir=args.run_dir, resume=resume,
                   checkpoint_every=args.every, stop_at_step=args.stop_at, checkpoint_format=args.format,
-                  async_checkpoint=args.async_save, tensorboard=False)
+                  async_checkpoint=args.async_save, loggers=("csv",))
 trainer = Trainer(Net(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
 info = trainer.dist
 try:

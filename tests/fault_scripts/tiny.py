@@ -88,5 +88,5 @@ def workload(n: int | str = 256, inf_at: int | str | None = None, sleep_ms: floa
         make_model=lambda: TinyNet(sleep_ms, pad_kb, act),
         loss_fn=nn.CrossEntropyLoss(),
         defaults={"batch_size": 16, "steps": 200, "lr": 1e-2, "log_every": 10, "seed": 0, "device": "cpu",
-                  "tensorboard": False},
+                  "loggers": ("csv",)},
     )

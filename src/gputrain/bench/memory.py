@@ -1,4 +1,4 @@
-"""Memory against batch size, with and without recompute (activation checkpointing), and the largest batch
+"""Memory against batch size, with and without recompute, and the largest batch
 that fits.
 
 Memory across batch sizes and what recomputing blocks in backward saves, measured. Each batch
@@ -49,15 +49,15 @@ def config_for(quick: bool, device: torch.device, workload: str, batch_sizes: li
 
 def run_memory(device: str = "auto", quick: bool = False, workload: str = "cifar-cnn",
                batch_sizes: list[int] | None = None, max_batch: int | None = None) -> dict[str, Any]:
-    """Peak memory and saved-activation bytes per batch size, without and with recompute (activation
-    checkpointing). Rows: one per (recompute, batch size); summary: largest batch per mode."""
+    """Peak memory and saved-activation bytes per batch size, without and with recompute (blocks
+    computed again in backward). Rows: one per (recompute, batch size); summary: largest batch per mode."""
     if workload not in CASES:
         raise ConfigError(f"unknown benchmark workload {workload!r}: choose from {', '.join(CASES)}")
     gpus, no_gpu = accelerators(device)
     dev = gpus[0] if gpus else torch.device("cpu")
     cuda = dev.type == "cuda"
     cfg = config_for(quick, dev, workload, batch_sizes, max_batch)
-    result = new_result("memory", "Memory against batch size, with and without recompute (activation checkpointing)",
+    result = new_result("memory", "Memory against batch size, with and without recompute",
                         cfg, gpus, no_gpu)
     result["config"]["device"] = str(dev)
     result["config"]["device_name"] = device_name(dev)

@@ -1,8 +1,11 @@
-"""Argument types shared by the subcommands: each rejects a bad value with a one-line reason."""
+"""Argument types shared by the subcommands, each rejecting a bad value with a one-line reason, and
+the workload options of `--option KEY=VALUE` (fit, eval, predict, export)."""
 
 from __future__ import annotations
 
 import argparse
+
+from gputrain.errors import ConfigError
 
 
 def positive_int(value: str) -> int:
@@ -35,3 +38,16 @@ def tri(value: str):
     if v in ("off", "false", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected auto, on or off, got {value!r}")
+
+
+def workload_options(items: list[str], example: str = "") -> dict[str, str]:
+    """{key: value} of the repeated `--option KEY=VALUE` (a dash in a key is an underscore, as in
+    the workload's parameter names); ConfigError naming the item without KEY=VALUE. example: shown
+    after the expected form, e.g. "--option n=2000"."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE{f', e.g. {example}' if example else ''}")
+        options[key.replace("-", "_")] = value
+    return options

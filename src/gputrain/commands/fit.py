@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from gputrain.errors import ConfigError
 from gputrain.commands.argtypes import positive_float as _positive_float, positive_int as _positive_int, tri as _tri
+from gputrain.commands.argtypes import workload_options
 
 DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
 
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--run-dir", default=None, help="where metrics, plots and checkpoints go (default runs/WORKLOAD/TIME)")
     p.add_argument("--no-save", action="store_true", help="write nothing to disk")
-    p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files in the run directory")
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="no TensorBoard event files: the loggers (--logger, or the default) without tensorboard")
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None, help="optimizer steps between checkpoints")
@@ -69,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--recompute", "--checkpointing", dest="recompute", nargs="?", const=True, default=None,
                    metavar="MODULES",
-                   help="recompute blocks in backward instead of storing their activations (activation "
-                        "checkpointing): alone = the model's repeated blocks; or comma-separated module names. "
+                   help="recompute blocks in backward instead of storing their activations "
+                        "(torch.utils.checkpoint): alone = the model's repeated blocks; or comma-separated module names. "
                         "--checkpointing is its old name, still accepted")
     p.add_argument("--shard", action="store_true", help="FSDP2 (fully_shard) instead of DDP with several processes")
     p.add_argument("--nproc", type=_positive_int, default=None, help="start N processes on this machine with torchrun")
@@ -159,7 +161,7 @@ def _safe(name: str) -> str:
 
 def build_config(args, workload):
     """TrainConfig from the workload's defaults overridden by the flags the user gave."""
-    from gputrain.config import TrainConfig
+    from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 
     values = dict(workload.defaults)
     values.update(getattr(args, "config_train", None) or {})  # --config's [train] keys that no flag reads
@@ -185,8 +187,8 @@ def build_config(args, workload):
         values["compile"] = True
     if args.logger:
         values["loggers"] = tuple(n for item in args.logger for n in item.split(",") if n.strip())
-    if args.no_tensorboard:
-        values["tensorboard"] = False
+    if args.no_tensorboard:  # a shorthand: the loggers (--logger, the file's, the default) without tensorboard
+        values["loggers"] = tensorboard_loggers(values.get("loggers", DEFAULT_LOGGERS), False)
     if args.shard:
         values["shard"] = True
     if args.async_checkpoint:
@@ -248,11 +250,7 @@ def run(args, extra_callbacks: Sequence[Any] = ()) -> int:
     from gputrain.workloads import resolve_workload
 
     options = {"data_dir": args.data_dir} if args.data_dir else {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. --option n=2000")
-        options[key.replace("-", "_")] = value
+    options.update(workload_options(args.option, example="--option n=2000"))
     name, options = _workload_to_train(args, options)
     workload = resolve_workload(name, **options)
     config = build_config(args, workload)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gputrain.commands.argtypes import workload_options
+
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `gputrain fit` (with checkpoints)")
@@ -20,17 +22,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def load(args):
     """The TrainedRun the arguments name (workloads/from_run.py)."""
-    from gputrain.errors import ConfigError
     from gputrain.workloads.from_run import load_run
 
-    options = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--option {item!r}: expected KEY=VALUE")
-        options[key.replace("-", "_")] = value
     run = load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
-                   options=options)
+                   options=workload_options(args.option))
     for note in run.skipped:
         print(f"gputrain {args.command}: warning: checkpoint {note}; using {run.checkpoint.name}", file=sys.stderr)
     return run

@@ -2,7 +2,7 @@
 
 `recommendations(estimate, device_total_bytes, precision, device)`: 16-bit autocast (bf16, or fp16 on a
 GPU without bf16), gradient accumulation,
-recompute (activation checkpointing) and a smaller batch, each priced in bytes from a memory estimate
+recompute (blocks computed again in backward) and a smaller batch, each priced in bytes from a memory estimate
 (`gputrain.diagnostics.estimate.estimate_memory`).
 """
 
@@ -74,7 +74,7 @@ def recommendations(estimate: dict[str, Any], device_total_bytes: int | None, pr
         rest = max(0.0, per - inside)
         after = inputs + max(max(b["activation_bytes_per_sample"] for b in blocks), rest)
         names = ", ".join(b["name"] for b in blocks[:4]) + (", ..." if len(blocks) > 4 else "")
-        add("recompute", f"recompute {len(blocks)} block(s) ({names}; activation checkpointing): keep each "
+        add("recompute", f"recompute {len(blocks)} block(s) ({names}): keep each "
             "block's input, compute the rest again in backward (about one more forward pass)",
             "--recompute (TrainConfig(recompute=True))", (rest + inside - after) * B)
 

@@ -77,7 +77,7 @@ def find_max_batch(try_batch: Callable[[int], None], start: int = 1, limit: int 
             where = f" on {device}" if device is not None else ""
             raise GputrainError(
                 f"out of memory{where} even with a batch of 1: the model, its gradients and optimizer state "
-                "do not fit; use bf16, --recompute (activation checkpointing), a smaller model or a device with more "
+                "do not fit; use bf16, --recompute, a smaller model or a device with more "
                 "memory")
     while bad - good > 1:
         mid = (good + bad) // 2

@@ -24,7 +24,7 @@ from gputrain.diagnostics.probe import StepProbe, as_loss_rule
 from gputrain.diagnostics.saved_tensors import measure_saved, nbytes, side_effect_free, unique_parameters
 from gputrain.errors import ConfigError, DataError
 from gputrain.runtime.precision import Precision
-from gputrain.train.activation_checkpointing import checkpoint_units
+from gputrain.train.recompute import RecomputeUnit, recompute_units
 from gputrain.train.loss import LossRule
 
 # Optimizer state tensors per parameter (each the parameter's shape and dtype).
@@ -92,7 +92,7 @@ def estimate_memory(model: nn.Module, sample_batch, optimizer_name: str = "adamw
     sample = batches.move(sample_batch, device)
     n = _samples(sample)
     batch = batch_size or n
-    units = checkpoint_units(model, strict=False)
+    units = recompute_units(model, strict=False)
     fits = _activation_fits(model, sample, rule, autocast_dtype, device, units)
     per_sample, fixed = fits["all"]
     activation_bytes = int(round(fixed + per_sample * batch))
@@ -151,7 +151,7 @@ def _samples(sample) -> int:
 
 
 def _activation_fits(model: nn.Module, sample, rule: LossRule, autocast_dtype: torch.dtype | None,
-                     device: torch.device, units: list) -> dict[str, Any]:
+                     device: torch.device, units: list[RecomputeUnit]) -> dict[str, Any]:
     """The saved bytes measured at the sample and half of it, and the lines fitted through them:
     {"all": (per_sample, fixed), "measured": (at n, at n/2 or None), "bf16": a fit under bf16
     autocast or None, "blocks": [{name, activation_bytes_per_sample, input_bytes_per_sample}]}."""

@@ -6,7 +6,7 @@ own parts, in the Trainer's order:
 - precision: `resolve_precision` in one `RunPrecision` (TF32 set; `close()` gives it back);
 - the speed switches: `decide_speed` (channels_last, cudnn.benchmark, compile, CUDA graphs),
   applied as the Trainer applies them;
-- recompute (activation checkpointing) where the config asks for it, then torch.compile where it does;
+- recompute where the config asks for it, then torch.compile where it does;
 - the optimizer from `make_optimizer` with lr 0 (the weights do not change; its state takes its
   memory): the Trainer's fused AdamW, graph-capturable when graphs are on. Other optimizers
   (`gputrain memory --optimizer sgd`) come as a factory, as a user's would, so graphs are off
@@ -112,10 +112,9 @@ class StepProbe:
         self.speed.apply(device)
         self.recomputed: list[str] = []
         if cfg.recompute:
-            from gputrain.train.activation_checkpointing import apply_activation_checkpointing
+            from gputrain.train.recompute import apply_recompute
 
-            self.recomputed = apply_activation_checkpointing(self.module, None if cfg.recompute is True
-                                                             else list(cfg.recompute))
+            self.recomputed = apply_recompute(self.module, None if cfg.recompute is True else list(cfg.recompute))
         self.model = self.module
         if cfg.compile:
             # Compiling a Module gives an OptimizedModule (a Module); torch's stub only says "a callable".

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gputrain.runtime.precision import Precision
-from gputrain.train.activation_checkpointing import _Unit
+from gputrain.train.recompute import RecomputeUnit
 from gputrain.train.loss import LossRule
 
 
@@ -119,11 +119,12 @@ def side_effect_free(model: nn.Module, device: torch.device):
 
 
 def measure_saved(model: nn.Module, batch: Any, loss: LossRule, autocast_dtype: torch.dtype | None,
-                  device: torch.device, units: Sequence[_Unit] = ()) -> tuple[int, dict[str, int], dict[str, int]]:
+                  device: torch.device,
+                  units: Sequence[RecomputeUnit] = ()) -> tuple[int, dict[str, int], dict[str, int]]:
     """One forward + loss under the meter: (saved bytes, saved bytes per unit, input bytes per unit).
 
     batch: on `device`; loss: how it becomes a loss (train/loss.py); autocast_dtype: the run's
-    autocast (None: none); units: blocks (activation_checkpointing.checkpoint_units) to attribute
+    autocast (None: none); units: blocks (recompute.recompute_units) to attribute
     the bytes to, and whose inputs to count. The caller keeps it side-effect free (`side_effect_free`).
     """
     meter = SavedTensorMeter(parameter_storages(unique_parameters(model)))

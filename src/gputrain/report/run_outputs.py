@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gputrain.config import DEFAULT_LOGGERS
 from gputrain.report.trackers import Trackers, open_trackers
 
 log = logging.getLogger("gputrain")
@@ -24,9 +25,7 @@ class RunOutputs:
     def __init__(self, run_dir: Path | None, config, enabled: bool, start_step: int = 0):
         self.run_dir = run_dir
         self.enabled = bool(enabled and run_dir is not None)
-        names = tuple(getattr(config, "loggers", ("csv", "tensorboard")))
-        if not getattr(config, "tensorboard", True):  # --no-tensorboard
-            names = tuple(n for n in names if n != "tensorboard")
+        names = tuple(getattr(config, "loggers", DEFAULT_LOGGERS))
         opened = open_trackers(names, run_dir, dataclasses.asdict(config), start_step) \
             if self.enabled and run_dir is not None else []
         self.trackers = Trackers(opened)

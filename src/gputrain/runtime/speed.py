@@ -57,7 +57,7 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
     if compiled and compiled in ("reduce-overhead", "max-autotune"):
         return f"torch.compile mode {compiled!r} captures its own CUDA graphs (cudagraph trees)"
     if recompute:
-        return "recompute (activation checkpointing) runs forward passes again inside backward"
+        return "recompute runs forward passes again inside backward"
     if step_hooks:
         return (f"callback {', '.join(step_hooks)} asked for a hook after every step (every_step=True); "
                 "callbacks that run at log points keep graphs on")

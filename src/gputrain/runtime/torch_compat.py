@@ -185,7 +185,7 @@ _ENTRIES = [
     # ---- modules and batches
     Private("torch.utils._pytree", "batch.py", CHECKED,
             "none: importing gputrain fails, naming it", _find_pytree),
-    Private("torch.nn.modules.batchnorm._BatchNorm", "train/activation_checkpointing.py", CHECKED,
+    Private("torch.nn.modules.batchnorm._BatchNorm", "train/recompute.py", CHECKED,
             "the public BatchNorm1d/2d/3d, SyncBatchNorm and their lazy forms"),
     Private("torch.nn.Module()." + "/".join(_MODULE_HOOKS), "runtime/speed.py", CHECKED,
             "every module is taken as hooked: no whole-step CUDA graph",

@@ -270,7 +270,7 @@ class TrainStep:
         if self.splits * 2 > smallest:
             raise GputrainError(
                 f"out of memory on {self.device} even with micro-batches of {math.ceil(smallest / self.splits)} "
-                "sample(s): use a smaller model, bf16, activation checkpointing (--recompute), or a device "
+                "sample(s): use a smaller model, bf16, recompute (--recompute), or a device "
                 "with more memory") from None
         self.optimizer.zero_grad(set_to_none=True)
         free_after_oom(self.device)

@@ -2,7 +2,7 @@
 
 Setup, decided once and in this order: process group and device; precision (one `RunPrecision`);
 the model (speed switches decided before the optimizer, channels_last, cudnn.benchmark, recompute
-(activation checkpointing), DDP/FSDP wrapping, compile); the data (placement by the memory rule);
+(blocks that compute their activations again in backward), DDP/FSDP wrapping, compile); the data (placement by the memory rule);
 the optimizer and schedule (capturable when graphs will be used); the step (`TrainStep`, wrapped
 in a `GraphedStep` when graphs are on); the checkpoint's named parts (train/checkpoint_parts.py).
 The loop (`_iterate`, also what `run_steps` runs for profile) pulls one optimizer step's
@@ -117,10 +117,10 @@ class Trainer:
         self.speed.apply(device)  # cudnn.benchmark, given back by close()
         self.recomputed: list[str] = []  # the modules whose activations are recomputed in backward
         if cfg.recompute:
-            from gputrain.train.activation_checkpointing import apply_activation_checkpointing
+            from gputrain.train.recompute import apply_recompute
 
             targets = None if cfg.recompute is True else list(cfg.recompute)
-            self.recomputed = apply_activation_checkpointing(self.module, targets)
+            self.recomputed = apply_recompute(self.module, targets)
         # A step of your own is not DDP-wrapped: it averages its gradients per optimizer (train/own_step.py).
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) \
             if self.own_step is None or cfg.shard else self.module
