@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gputrain.io.checkpoint import (FORMAT, VERSION, capture_rng_state, check_model_state, load_checkpoint,
+from gputrain.checkpoint.format import (FORMAT, VERSION, capture_rng_state, check_model_state, load_checkpoint,
                                  restore_rng_state, save_checkpoint)
 from gputrain.config import TrainConfig
 from gputrain.errors import CheckpointError
@@ -113,7 +113,7 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     save_checkpoint(path, _state(1.0))
     script = textwrap.dedent(f"""
         import io, os, signal, torch
-        from gputrain.io import checkpoint
+        from gputrain.checkpoint import format as checkpoint
         real = torch.save
         def killed_half_way(obj, f, *a, **k):
             buf = io.BytesIO()

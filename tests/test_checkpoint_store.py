@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io import checkpoint, checkpoint_store
-from gputrain.io.checkpoint import save_checkpoint
-from gputrain.io.checkpoint_store import CheckpointStore, CheckpointWarning, Damage, step_of
+from gputrain.checkpoint import format as checkpoint, store as checkpoint_store
+from gputrain.checkpoint.format import save_checkpoint
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, Damage, step_of
 
 
 def _state(step):
@@ -219,7 +219,7 @@ def test_latest_wins_over_higher_steps_left_by_a_rewound_run(tmp_path):
 def test_a_run_dir_from_before_the_store_still_loads(tmp_path, caplog):
     save_checkpoint(tmp_path / "checkpoint.pt", _state(42))
     store = CheckpointStore(tmp_path)
-    with caplog.at_level("INFO", logger="gputrain.io.checkpoint_store"):
+    with caplog.at_level("INFO", logger="gputrain.checkpoint.store"):
         state, path = store.load_latest()
     assert path == tmp_path / "checkpoint.pt" and state["step"] == 42
     assert "no hash to verify" in caplog.text

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 from gputrain.io.preflight import METADATA_BYTES, estimate_checkpoint_bytes, preflight_run_dir
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /sys, read-only on Linux")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gputrain.errors import ConfigError
-from gputrain.io.checkpoint_store import FOLDER, LEGACY_NAME
+from gputrain.checkpoint.store import FOLDER, LEGACY_NAME
 
 # What a checkpoint holds besides tensors (config, history, random-number states, pickling):
 # generous for a long history, small beside any real model.

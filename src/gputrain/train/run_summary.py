@@ -65,7 +65,7 @@ def _callbacks(t):
 
 
 def _frozen(t):
-    """The run's FrozenBase (train/frozen.py: parameter counts, what checkpoints hold); None for a
+    """The run's FrozenBase (checkpoint/frozen.py: parameter counts, what checkpoints hold); None for a
     trainer-like stand-in without checkpoint parts."""
     part = getattr(getattr(t, "checkpoint", None), "parts", {}).get("model")
     return getattr(part, "frozen", None)

@@ -4,7 +4,7 @@ Setup, decided once and in this order: process group and device; precision (one 
 the model (speed switches decided before the optimizer, channels_last, cudnn.benchmark, recompute
 (activation checkpointing), DDP/FSDP wrapping, compile); the data (placement by the memory rule);
 the optimizer and schedule (capturable when graphs will be used); the step (`TrainStep`, wrapped
-in a `GraphedStep` when graphs are on); the checkpoint's named parts (train/checkpoint_parts.py).
+in a `GraphedStep` when graphs are on); the checkpoint's named parts (checkpoint/parts.py).
 The loop (`_iterate`, also what `run_steps` runs for profile) pulls one optimizer step's
 micro-batches from the stream, runs the step, and reads the device-side loss only every
 `log_every` steps (the one host sync of the hot loop); evaluation and checkpoints happen there.
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
+from gputrain.checkpoint import run as checkpointing
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
 from gputrain.data.deferred import materialize, num_samples
@@ -43,7 +44,7 @@ from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.eval_points import EvalPoints
 from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector
-from gputrain.train import checkpointing, run_summary
+from gputrain.train import run_summary
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
@@ -206,14 +207,14 @@ class Trainer:
 
     def _setup_checkpoints(self):
         """Preflight the run directory (created, writable, room for the checkpoints) and open its store;
-        choose the checkpoint format (one file, or every rank its part with DCP, train/dcp_checkpointing.py)."""
-        from gputrain.train.dcp_checkpointing import DcpCheckpointer
+        choose the checkpoint format (one file, or every rank its part with DCP, checkpoint/sharded_save.py)."""
+        from gputrain.checkpoint.sharded_save import DcpCheckpointer
 
         self.checkpointer = DcpCheckpointer(self.dist, self.device, self.config.checkpoint_format,
                                             self.config.async_checkpoint)
         if self.run_dir is None:
             return None
-        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.checkpoint.store import CheckpointStore
         from gputrain.io.preflight import estimate_checkpoint_bytes, preflight_run_dir
 
         cfg = self.config
@@ -456,10 +457,10 @@ class Trainer:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
         return self.evaluator(self.eval_model, self.eval_loader)
 
-    # ------------------------------------------------------------ checkpoints (train/checkpointing.py)
+    # ------------------------------------------------------------ checkpoints (checkpoint/run.py)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's contents from the named parts (train/checkpoint_parts.py), as they stand:
+        """The checkpoint's contents from the named parts (checkpoint/parts.py), as they stand:
         no device accumulator is read (`collect_step_totals` first for the loss of the steps since
         the last log point, as `save_checkpoint` does). Its tensors are the live ones (as
         `Module.state_dict` gives them): save or copy it before training on. Collective with

@@ -26,7 +26,7 @@ before it moved `latest` (the previous checkpoint is as good) or what remains of
 resumed from an earlier step (older work, not newer). Step numbers come from the file names, not
 modification times, which copies and clocks change.
 
-Sharded checkpoints (io/checkpoint_dcp.py) live beside the files as folders, step-000123.dcp/, with
+Sharded checkpoints (checkpoint/sharded.py) live beside the files as folders, step-000123.dcp/, with
 the same promises: a folder appears under its step name only whole (every rank's files, DCP's
 metadata and MANIFEST.sha256, renamed into place by `commit_dir`), `latest` moves after it, the
 last keep_last and the best are kept whatever their format, and `load_latest` / `find_latest` skip
@@ -50,8 +50,8 @@ import torch
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io.atomic import atomic_file, fsync_dir
-from gputrain.io import checkpoint_dcp
-from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.format import load_checkpoint, save_checkpoint, sha256_file
 from gputrain.metric_direction import Direction, metric_direction
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         value = self._metric_value(metrics)
-        final = self.folder / checkpoint_dcp.dir_name(step)
+        final = self.folder / sharded.dir_name(step)
         aside = final.with_name(f".{final.name}.replaced-{os.getpid()}.tmp")
         if final.exists():
             os.replace(final, aside)
@@ -284,8 +284,8 @@ class CheckpointStore:
         test) saying what is wrong. A sharded checkpoint (a .dcp folder) verifies when every file its
         MANIFEST.sha256 lists matches; its Damage names the first file that does not."""
         path = Path(path)
-        if path.name.endswith(checkpoint_dcp.SUFFIX):
-            why = checkpoint_dcp.verify(path)
+        if path.name.endswith(sharded.SUFFIX):
+            why = sharded.verify(path)
             return True if why is True else Damage(str(why))
         if not path.is_file():
             return Damage("the file is missing")
@@ -311,7 +311,7 @@ class CheckpointStore:
 
         Damaged or unverifiable files are skipped, with a CheckpointWarning naming each and why.
         For a sharded checkpoint (a .dcp folder) the state is rank 0's run state, without "model"
-        and "optimizer" (io.checkpoint_dcp.load_weights / load_full read those).
+        and "optimizer" (checkpoint.sharded.load_weights / load_full read those).
         A run directory from before the store (a single RUN_DIR/checkpoint.pt, no hash) loads
         with a note in the log. Raises CheckpointError when checkpoints exist but none verifies
         (the message lists them and why), or when one verifies but cannot be loaded (e.g.
@@ -324,7 +324,7 @@ class CheckpointStore:
                 skipped.append((path, str(why)))
                 continue
             if path.is_dir():
-                state = checkpoint_dcp.read_run_state(path)[0]
+                state = sharded.read_run_state(path)[0]
             else:
                 state = load_checkpoint(path, map_location=map_location)
             self._warn_skipped(skipped, path)
@@ -419,12 +419,12 @@ class CheckpointStore:
         def rank(path: Path, step: int) -> tuple[bool, bool, bool]:
             # step-123.pt and step-000123.pt would be the same step: the canonical name wins; a file
             # and a folder of one step (the format changed between runs): the one `latest` names.
-            return (path.name == latest, path.name in (step_file_name(step), checkpoint_dcp.dir_name(step)),
+            return (path.name == latest, path.name in (step_file_name(step), sharded.dir_name(step)),
                     path.is_dir())
 
         for path in self.folder.iterdir():
             step = step_of(path)
-            if step is None or not (path.is_dir() if path.name.endswith(checkpoint_dcp.SUFFIX) else path.is_file()):
+            if step is None or not (path.is_dir() if path.name.endswith(sharded.SUFFIX) else path.is_file()):
                 continue
             if step not in files or rank(path, step) > rank(files[step], step):
                 files[step] = path

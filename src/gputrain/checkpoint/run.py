@@ -1,4 +1,4 @@
-"""A run's checkpoints: the trainer's named parts (train/checkpoint_parts.py), writing them into the
+"""A run's checkpoints: the trainer's named parts (checkpoint/parts.py), writing them into the
 run's verified store (one file, or each rank its share with DCP), an exact resume with its checks,
 and the checkpoint of the last finished step when user code fails (with the note that says so).
 
@@ -17,18 +17,18 @@ import torch
 from gputrain.batch import move_optimizer_state
 from gputrain.data.checks import first_step_note
 from gputrain.errors import CheckpointError, StopRequested, user_frame
-from gputrain.io import checkpoint_dcp
+from gputrain.checkpoint import sharded
 from gputrain.runtime import distributed
-from gputrain.train.frozen import FrozenBase
+from gputrain.checkpoint.frozen import FrozenBase
 from gputrain.train.signals import agree_to_stop
-from gputrain.train.checkpoint_parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
+from gputrain.checkpoint.parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
                                              RngPart, RunCheckpoint, RunPart)
 
 log = logging.getLogger("gputrain")
 
 
 def run_checkpoint(t) -> RunCheckpoint:
-    """The trainer's checkpoint contents from its named parts (train/checkpoint_parts.py)."""
+    """The trainer's checkpoint contents from its named parts (checkpoint/parts.py)."""
     frozen = FrozenBase.decide(t.module, full_checkpoints=t.config.full_checkpoints, sharded=t.checkpointer.uses_dcp,
                                fsdp=t.config.shard and t.dist.enabled)  # what the checkpoints hold of a frozen base
     parts = {
@@ -50,7 +50,7 @@ def run_checkpoint(t) -> RunCheckpoint:
 def save_checkpoint(t, path: Path | None = None) -> Path | None:
     """Write a checkpoint: into the run's store (retention, hash, `latest`), or to `path`.
     The sharded format (several processes, or asked for) goes to `_save_sharded`."""
-    from gputrain.io.checkpoint import save_checkpoint
+    from gputrain.checkpoint.format import save_checkpoint
 
     if path is None and t.checkpointer.uses_dcp:
         return _save_sharded(t)
@@ -100,7 +100,7 @@ def wait_for_saves(t) -> None:
         t.last_checkpoint = str(committed)
 
 def resume(t) -> None:
-    from gputrain.io.checkpoint import check_model_state
+    from gputrain.checkpoint.format import check_model_state
 
     if isinstance(t.config.resume, str):
         path = Path(t.config.resume)
@@ -111,14 +111,14 @@ def resume(t) -> None:
             log.info("no checkpoint in %s: starting a new run", t.run_dir)
             return
         state, path = found
-    sharded = checkpoint_dcp.is_dcp(path)
-    check_model_state(checkpoint_dcp.saved_model_shapes(path) if sharded else _model_state(t, state, path), t.module,
+    in_shares = sharded.is_dcp(path)
+    check_model_state(sharded.saved_model_shapes(path) if in_shares else _model_state(t, state, path), t.module,
                       path=str(path))
     check_resumable(t, state, path)
-    if sharded:  # each rank reads its share, resharded to this job's process count
+    if in_shares:  # each rank reads its share, resharded to this job's process count
         t.checkpointer.load_weights(path, distributed.unwrap(t.model), t.optimizer)
         move_optimizer_state(t.optimizer, t.device)
-    t.checkpoint.load_state_dict(state, weights=not sharded)
+    t.checkpoint.load_state_dict(state, weights=not in_shares)
     log.info("resumed from %s at step %d", path, t.state.step)
     if t.state.step >= t.total_steps:
         done = (f"the checkpoint {path} is at step {t.state.step}, which already reaches this run's "
@@ -127,7 +127,7 @@ def resume(t) -> None:
         t.warnings.append(done)
 
 def _model_state(t, state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (train/frozen.py)
+    """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (checkpoint/frozen.py)
     with the frozen base filled in from the model, once its fingerprint matched. Also refuses an
     optimizer state whose parameter groups are another weight-decay layout than this run's."""
     if "frozen" not in state:
@@ -172,11 +172,11 @@ def _find_checkpoint(t) -> tuple[dict[str, Any], Path] | None:
 
 
 def _load_run_state(t, path: Path) -> dict[str, Any]:
-    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.checkpoint.format import load_checkpoint
 
-    if not checkpoint_dcp.is_dcp(path):
+    if not sharded.is_dcp(path):
         return load_checkpoint(path)
-    state, used = checkpoint_dcp.read_run_state(path, t.dist.rank)
+    state, used = sharded.read_run_state(path, t.dist.rank)
     if used != t.dist.rank:  # written by fewer processes than this job has
         log.debug("%s has no run state of rank %d: it takes rank %d's (random-number state included)",
                   path, t.dist.rank, used)

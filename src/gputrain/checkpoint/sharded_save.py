@@ -1,7 +1,7 @@
 """Sharded checkpoints in a run: every rank writes its part with DCP, rank 0 commits, optionally
 while training goes on; and the resume that finds the newest checkpoint all ranks verified.
 
-One save, on every rank (io/checkpoint_dcp.py has the layout):
+One save, on every rank (checkpoint/sharded.py has the layout):
   1. wait for the previous save (async: it may still be writing), so at most one is in flight;
   2. agree on a fresh staging folder (rank 0's token, broadcast) and write this rank's run state;
   3. torch.distributed.checkpoint.save of this rank's model and optimizer state (get_state_dict:
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io import checkpoint_dcp
+from gputrain.checkpoint import sharded
 from gputrain.runtime import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
@@ -114,15 +114,15 @@ class DcpCheckpointer:
         start = time.perf_counter()
         self.wait()
         timing = SaveTiming(step, "dcp", started_s=start)
-        staging = store.folder / checkpoint_dcp.staging_name(step, self._token())
+        staging = store.folder / sharded.staging_name(step, self._token())
         digests: dict[str, str] = {}
         try:  # a rank that fails here still takes part in the collectives below, then all raise
             staging.mkdir(parents=True, exist_ok=True)
-            name, digest = checkpoint_dcp.write_run_state(staging, self.info.rank, run_state)
+            name, digest = sharded.write_run_state(staging, self.info.rank, run_state)
             digests[name] = digest
         except OSError as exc:
             digests[_ERROR] = f"rank {self.info.rank}: {exc.strerror or exc}"
-        weights = checkpoint_dcp.weights_state(module, optimizer)
+        weights = sharded.weights_state(module, optimizer)
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
@@ -131,7 +131,7 @@ class DcpCheckpointer:
             if self.no_dist:  # DCP's writer thread warns that it assumes one process: it is the intent
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                                         "uninitialized, assuming the intent is to save in a single process")
-            with checkpoint_dcp.single_process_quiet(self.no_dist):
+            with sharded.single_process_quiet(self.no_dist):
                 response = async_save(weights, storage_writer=writer, process_group=self.group(),
                                       async_stager=self._get_stager(), no_dist=self.no_dist)
             upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
@@ -141,9 +141,9 @@ class DcpCheckpointer:
                                                   timing, start)
             timing.blocked_s = time.perf_counter() - start
             self.timings.append(timing)
-            return store.folder / checkpoint_dcp.dir_name(step)
+            return store.folder / sharded.dir_name(step)
         try:
-            with checkpoint_dcp.single_process_quiet(self.no_dist):
+            with sharded.single_process_quiet(self.no_dist):
                 save(weights, storage_writer=writer, process_group=self.group(), no_dist=self.no_dist)
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's error in its CheckpointException
             raise self._failed(step, store, exc) from exc
@@ -221,17 +221,17 @@ class DcpCheckpointer:
                 raise self._failed(step, store, exc) from exc
         if _ERROR not in digests:
             try:
-                digests.update(checkpoint_dcp.hash_files(staging, checkpoint_dcp.own_files(staging, self.info.rank)))
+                digests.update(sharded.hash_files(staging, sharded.own_files(staging, self.info.rank)))
             except OSError as exc:  # told to rank 0 with the digests: nothing is committed
                 digests[_ERROR] = f"rank {self.info.rank}: cannot read back its files ({exc.strerror or exc})"
         everyone = self._gather(digests)
         errors = [part[_ERROR] for part in everyone if _ERROR in part]
         error: str | None = "; ".join(errors) if errors else None
-        path = store.folder / checkpoint_dcp.dir_name(step)
+        path = store.folder / sharded.dir_name(step)
         if self.info.is_main and error is None:
             try:
                 merged = {name: digest for part in everyone for name, digest in part.items()}
-                checkpoint_dcp.write_manifest(staging, merged)
+                sharded.write_manifest(staging, merged)
                 path = store.commit_dir(staging, step, metrics)
             except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
                 error = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
@@ -278,8 +278,8 @@ class DcpCheckpointer:
         rank, world = self.info.rank, self.info.world_size
 
         def verify(path: Path) -> bool | str:
-            if path.name.endswith(checkpoint_dcp.SUFFIX):
-                mine = checkpoint_dcp.verify(path, share=(rank, world))
+            if path.name.endswith(sharded.SUFFIX):
+                mine = sharded.verify(path, share=(rank, world))
             else:  # a one-file checkpoint: rank 0 reads it once
                 mine = store.verify(path) if self.info.is_main else True
             reasons: list[Any] = [None] * world
@@ -291,7 +291,7 @@ class DcpCheckpointer:
 
     def load_weights(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Model and optimizer from a sharded checkpoint, resharded to this job (collective)."""
-        checkpoint_dcp.load_weights(path, module, optimizer, process_group=self.group(), no_dist=self.no_dist)
+        sharded.load_weights(path, module, optimizer, process_group=self.group(), no_dist=self.no_dist)
 
     # ------------------------------------------------------------ reporting
 

@@ -5,7 +5,7 @@ In the manner of torchtitan's `CheckpointManager(states=...)`: every part is an 
 its name; `RunCheckpoint` composes them, in load order:
 
   model       the weights (gathered in full on rank 0 under DDP/FSDP); a frozen base's left out
-              (train/frozen.py), its fingerprint saved as `frozen`
+              (checkpoint/frozen.py), its fingerprint saved as `frozen`
   optimizer   its state (likewise), moved to the run's device on load
   scaler      the precision's GradScaler state (`RunPrecision`)
   scheduler   the learning-rate schedule
@@ -32,7 +32,7 @@ from torch import nn
 from gputrain.batch import move_optimizer_state
 from gputrain.errors import CheckpointError
 from gputrain.runtime import distributed
-from gputrain.train.frozen import FrozenBase
+from gputrain.checkpoint.frozen import FrozenBase
 from gputrain.train.state import RunState
 
 WEIGHTS = ("model", "optimizer")  # the parts the sharded format (DCP) writes itself, each rank its share
@@ -41,7 +41,7 @@ POSITION_KEYS = ("step", "epoch", "batch_in_epoch", "samples_seen")  # copied to
 
 class ModelPart:
     """The weights: the plain module's state_dict; under DDP/FSDP, gathered in full (collective).
-    With a frozen base (`frozen.trainable_only`, train/frozen.py) the frozen weights are left out, and
+    With a frozen base (`frozen.trainable_only`, checkpoint/frozen.py) the frozen weights are left out, and
     a checkpoint without them takes them from the module on load (its resume checked them first)."""
 
     def __init__(self, model: nn.Module, module: nn.Module, dist: distributed.DistInfo,
@@ -50,7 +50,7 @@ class ModelPart:
         self.frozen = frozen
 
     def state_dict(self) -> dict[str, Any]:
-        if self.frozen is not None and self.frozen.trainable_only:  # one process or DDP (train/frozen.py)
+        if self.frozen is not None and self.frozen.trainable_only:  # one process or DDP (checkpoint/frozen.py)
             if self.dist.enabled and not self.dist.is_main:
                 return {}
             state = self.frozen.trainable_state(self.module.state_dict())
@@ -98,12 +98,12 @@ class RngPart:
         self.device = device
 
     def state_dict(self) -> dict[str, Any]:
-        from gputrain.io.checkpoint import capture_rng_state
+        from gputrain.checkpoint.format import capture_rng_state
 
         return capture_rng_state(self.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from gputrain.io.checkpoint import restore_rng_state
+        from gputrain.checkpoint.format import restore_rng_state
 
         restore_rng_state(state, self.device)
 

@@ -22,7 +22,7 @@ folder under a step name always holds every rank's files, the metadata and their
 writer killed before the rename leaves a staging folder that the next save removes.
 
 This module holds the single-process pieces (names, hashing, verification, reading); the
-collective orchestration (who writes, gathers, commits) is the trainer's (train/dcp_checkpointing.py).
+collective orchestration (who writes, gathers, commits) is the trainer's (checkpoint/sharded_save.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
-from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.checkpoint.format import load_checkpoint, save_checkpoint, sha256_file
 from gputrain.runtime import torch_compat
 
 SUFFIX = ".dcp"
@@ -181,7 +181,7 @@ def read_run_state(path: str | os.PathLike, rank: int = 0) -> tuple[dict[str, An
 
 def saved_model_shapes(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model entries of the checkpoint as empty meta tensors of their full shapes (for
-    io.checkpoint.check_model_state), read from DCP's metadata without loading any tensor."""
+    checkpoint.format.check_model_state), read from DCP's metadata without loading any tensor."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
