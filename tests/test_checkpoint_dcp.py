@@ -19,6 +19,7 @@ from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import sharded
 from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
+from gputrain.checkpoint.verify import Damage, verify
 from gputrain.runtime.distributed import SINGLE
 from gputrain.checkpoint.sharded_save import DcpCheckpointer, resolve_format
 
@@ -112,10 +113,27 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_naming_the_file(t
 def test_shares_of_the_files_verify_separately(tmp_path):
     path = _save(CheckpointStore(tmp_path), 1)
     _flip_a_byte(path / "run-00000.pt")  # the third of .metadata, __0_0.distcp, run-00000.pt
-    damage = sharded.verify(path, share=(0, 2))  # files 0 and 2
-    assert isinstance(damage, sharded.Damage) and bool(damage) is False  # a reason that tests false
+    damage = verify(path, share=(0, 2))  # files 0 and 2
+    assert isinstance(damage, Damage) and bool(damage) is False  # a reason that tests false
     assert "run-00000.pt: its content hash does not match" in damage
-    assert sharded.verify(path, share=(1, 2)) is True  # file 1
+    assert verify(path, share=(1, 2)) is True  # file 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_sharded_save_leaves_the_warning_filters_as_it_found_them(tmp_path, async_save):
+    """DCP warns, in one process, that it assumes one process (the intent): the save drops that
+    warning within its own scope (even from DCP's writer thread) and installs no process-wide filter."""
+    store = CheckpointStore(tmp_path)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inside = list(warnings.filters)
+        for step in (1, 2):
+            _save(store, step, DcpCheckpointer(SINGLE, torch.device("cpu"), "dcp", async_save=async_save))
+        assert warnings.filters == inside
+    assert warnings.filters == before
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    assert store.verify(store.latest_path()) is True
 
 
 def test_a_staging_folder_is_never_taken_for_a_checkpoint_and_the_next_save_clears_it(tmp_path):

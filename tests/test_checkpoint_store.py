@@ -18,8 +18,9 @@ import torch
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import format as checkpoint, store as checkpoint_store
-from gputrain.checkpoint.format import save_checkpoint
-from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, Damage, step_of
+from gputrain.checkpoint.format import write_checkpoint
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
+from gputrain.checkpoint.verify import Damage
 
 
 def _state(step):
@@ -217,7 +218,7 @@ def test_latest_wins_over_higher_steps_left_by_a_rewound_run(tmp_path):
 
 
 def test_a_run_dir_from_before_the_store_still_loads(tmp_path, caplog):
-    save_checkpoint(tmp_path / "checkpoint.pt", _state(42))
+    write_checkpoint(tmp_path / "checkpoint.pt", _state(42))
     store = CheckpointStore(tmp_path)
     with caplog.at_level("INFO", logger="gputrain.checkpoint.store"):
         state, path = store.load_latest()

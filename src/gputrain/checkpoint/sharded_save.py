@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +35,7 @@ from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import sharded
+from gputrain.checkpoint.verify import verify
 from gputrain.runtime import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
@@ -59,6 +60,19 @@ def resolve_format(requested: str, world_size: int, async_save: bool) -> tuple[s
     if async_save:
         return "dcp", "one process, asynchronous save (DCP's async_save)"
     return "file", "one process: one file"
+
+
+def _writer_that_signals(folder: Path, started: threading.Event):
+    """DCP's FileSystemWriter into `folder`, which sets `started` when a save sets it up (in the save's
+    own thread, once its opening checks and warnings are done)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            started.set()
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    return Writer(str(folder))
 
 
 @dataclass
@@ -126,15 +140,18 @@ class DcpCheckpointer:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
-        writer = FileSystemWriter(str(staging))
         if self.async_save:
-            if self.no_dist:  # DCP's writer thread warns that it assumes one process: it is the intent
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
-                                        "uninitialized, assuming the intent is to save in a single process")
+            started = threading.Event()
+            writer = _writer_that_signals(staging, started)
+            # DCP's writer thread warns, as its save starts, that it assumes one process (the intent): the
+            # warning filters are process-wide, so this thread keeps them scoped until the writer is past
+            # that start (DCP sets up its storage writer after it), then puts them back.
             with sharded.single_process_quiet(self.no_dist):
                 response = async_save(weights, storage_writer=writer, process_group=self.group(),
                                       async_stager=self._get_stager(), no_dist=self.no_dist)
-            upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+                upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+                while self.no_dist and not started.wait(0.005) and not upload.done():
+                    pass
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gputrain-checkpoint")
             self._pending = self._executor.submit(self._commit, upload, staging, step, digests, store, metrics,
@@ -144,7 +161,7 @@ class DcpCheckpointer:
             return store.folder / sharded.dir_name(step)
         try:
             with sharded.single_process_quiet(self.no_dist):
-                save(weights, storage_writer=writer, process_group=self.group(), no_dist=self.no_dist)
+                save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(), no_dist=self.no_dist)
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's error in its CheckpointException
             raise self._failed(step, store, exc) from exc
         path = self._commit(None, staging, step, digests, store, metrics, timing, start)
@@ -277,17 +294,14 @@ class DcpCheckpointer:
         candidates: list[Path] = box[0]
         rank, world = self.info.rank, self.info.world_size
 
-        def verify(path: Path) -> bool | str:
-            if path.name.endswith(sharded.SUFFIX):
-                mine = sharded.verify(path, share=(rank, world))
-            else:  # a one-file checkpoint: rank 0 reads it once
-                mine = store.verify(path) if self.info.is_main else True
+        def agreed(path: Path) -> bool | str:
+            mine = verify(path, share=(rank, world))  # a folder's files in shares; a file by rank 0 alone
             reasons: list[Any] = [None] * world
             dist.all_gather_object(reasons, None if mine is True else str(mine), group=self.group())
             bad = [r for r in reasons if r]
             return True if not bad else bad[0]
 
-        return store.find_latest(verify, candidates, warn=self.info.is_main)
+        return store.find_latest(agreed, candidates, warn=self.info.is_main)
 
     def load_weights(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Model and optimizer from a sharded checkpoint, resharded to this job (collective)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
 from gputrain.checkpoint import run as checkpointing
+from gputrain.checkpoint.parts import run_checkpoint
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
 from gputrain.data.deferred import materialize, num_samples
@@ -95,11 +96,11 @@ class Trainer:
         self.history = History(records=[], config=config.to_dict(), summary={})
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.store = self._setup_checkpoints()
-        self.checkpoint = checkpointing.run_checkpoint(self)  # the checkpoint's named parts
+        self.checkpoint = run_checkpoint(self)  # the checkpoint's named parts
         self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
         self._bare_loop: _Loop | None = None  # run_steps' loop (no outputs, progress bar or signals)
         if config.resume:
-            self._resume()
+            checkpointing.resume(self)
 
     # ------------------------------------------------------------ setup parts
 
@@ -218,12 +219,14 @@ class Trainer:
         from gputrain.io.preflight import estimate_checkpoint_bytes, preflight_run_dir
 
         cfg = self.config
-        if self.is_main:
-            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last)
-        distributed.barrier(self.dist)
         mode = self.control.metric_direction(cfg.best_metric).mode if cfg.best_metric and cfg.best_mode == "auto" \
             else cfg.best_mode  # "auto": gputrain/metric_direction.py's rule, with the run's metrics
-        return CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
+        store = CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
+        if self.is_main:  # a resumed run's checkpoints count as room already taken
+            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last,
+                              store.bytes_held())
+        distributed.barrier(self.dist)
+        return store
 
     # ------------------------------------------------------------ the loop
 
@@ -368,7 +371,7 @@ class Trainer:
         if ((loop.world == 1 and signals.requested is not None)
                 or (loop.world > 1 and self.state.step % SIGNAL_SYNC_EVERY == 0
                     and agree_to_stop(signals.requested is not None, self.dist))):
-            checkpointing.stop_for_signal(self, signals)
+            checkpointing.stop_for_signal(self, signals, functools.partial(agree_to_stop, dist_info=self.dist))
 
     def run_steps(self, n: int) -> None:
         """n iterations of the training loop's own body (`_iterate`: the step, log points with the
@@ -457,7 +460,7 @@ class Trainer:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
         return self.evaluator(self.eval_model, self.eval_loader)
 
-    # ------------------------------------------------------------ checkpoints (checkpoint/run.py)
+    # ------------------------------------------------------------ checkpoints (gputrain/checkpoint/)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's contents from the named parts (checkpoint/parts.py), as they stand:
@@ -469,9 +472,6 @@ class Trainer:
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
         return checkpointing.save_checkpoint(self, path)
-
-    def _resume(self) -> None:
-        checkpointing.resume(self)
 
     # ------------------------------------------------------------ reporting (train/run_summary.py)
 

@@ -82,17 +82,16 @@ def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | Non
 def _named_checkpoint(path: Path) -> Path:
     """--checkpoint PATH: a sharded folder must match its MANIFEST.sha256, a file its .sha256 when it
     has one (a file from elsewhere, without one, is loaded as it is)."""
-    from gputrain.checkpoint import sharded
-    from gputrain.checkpoint.store import CheckpointStore, hash_path
+    from gputrain.checkpoint import hash_path, is_dcp, verify
 
-    if path.is_dir() and not sharded.is_dcp(path):
+    if path.is_dir() and not is_dcp(path):
         raise ConfigError(f"--checkpoint {path}: a folder, but not a sharded checkpoint (step-N.dcp); give RUN_DIR "
                           "with --checkpoint best or last, or a checkpoint from RUN_DIR/checkpoints/")
     if not path.exists():
         raise ConfigError(f"--checkpoint {path}: no such file; choose best, last, or a checkpoint file (step-N.pt) "
                           "or folder (step-N.dcp) from RUN_DIR/checkpoints/")
-    if sharded.is_dcp(path) or hash_path(path).is_file():
-        why = CheckpointStore(path.parent.parent).verify(path)
+    if is_dcp(path) or hash_path(path).is_file():
+        why = verify(path)
         if why is not True:
             raise CheckpointError(f"{path}: does not verify ({why}); choose another checkpoint "
                                   "(--checkpoint best, last, or another step)")
