@@ -20,7 +20,7 @@ from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import format as checkpoint, store as checkpoint_store
 from gputrain.checkpoint.format import write_checkpoint
 from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
-from gputrain.checkpoint.verify import Damage
+from gputrain.checkpoint.verify import Damage, verify
 
 
 def _state(step):
@@ -156,6 +156,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_with_a_warning
     _flip_a_byte(newest)
     why = store.verify(newest)
     assert not why and isinstance(why, Damage) and "content hash does not match" in why
+    assert verify(newest, share=(0, 2)) == why and verify(newest, share=(1, 2)) is True  # a file: rank 0 reads it
     with pytest.warns(CheckpointWarning, match=r"step-000003.pt skipped: its content hash does not match.*"
                                                r"resuming from step-000002.pt"):
         state, path = store.load_latest()

@@ -188,7 +188,11 @@ def wait_for_saves(t: Waiting) -> None:
     if committed is not None:
         t.last_checkpoint = str(committed)
 
+
 def resume(t: Resuming) -> None:
+    """Resume from `config.resume`: a checkpoint's path, or True for the run directory's newest that
+    verifies (the store's order, every rank agreeing); check that it fits the model and the run, then
+    load every part."""
     if isinstance(t.config.resume, str):
         path = Path(t.config.resume)
         state = _load_run_state(t, path)
