@@ -22,5 +22,5 @@ from gputrain.checkpoint.sharded import is_dcp, load_full
 from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
 from gputrain.checkpoint.verify import Damage, hash_path, verify
 
-__all__ = ["CheckpointStore", "CheckpointWarning", "Damage", "check_model_state", "hash_path", "is_dcp", "load_checkpoint",
-           "load_full", "step_of", "verify", "write_checkpoint"]
+__all__ = ["CheckpointStore", "CheckpointWarning", "Damage", "check_model_state", "hash_path", "is_dcp",
+           "load_checkpoint", "load_full", "step_of", "verify", "write_checkpoint"]

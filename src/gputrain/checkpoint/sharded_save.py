@@ -161,7 +161,8 @@ class DcpCheckpointer:
             return store.folder / sharded.dir_name(step)
         try:
             with sharded.single_process_quiet(self.no_dist):
-                save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(), no_dist=self.no_dist)
+                save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(),
+                     no_dist=self.no_dist)
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's error in its CheckpointException
             raise self._failed(step, store, exc) from exc
         path = self._commit(None, staging, step, digests, store, metrics, timing, start)
