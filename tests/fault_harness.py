@@ -142,7 +142,7 @@ class Harness:
     @staticmethod
     def resumable(run_dir: Path) -> tuple[int | None, list[str]]:
         """The step --resume will start from (the store's own choice) and the warnings it gives."""
-        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.checkpoint.store import CheckpointStore
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -151,17 +151,17 @@ class Harness:
 
     @staticmethod
     def final(run_dir: Path) -> dict[str, Any]:
-        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.checkpoint.store import CheckpointStore
 
-        from gputrain.io import checkpoint_dcp
+        from gputrain.checkpoint import sharded
 
         path = CheckpointStore(run_dir).latest_path()
         if path is None:
             raise AssertionError(f"{run_dir}: no checkpoint")
-        if checkpoint_dcp.is_dcp(path):  # several processes write the sharded format: read it whole
+        if sharded.is_dcp(path):  # several processes write the sharded format: read it whole
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return checkpoint_dcp.load_full(path)
+                return sharded.load_full(path)
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def reference(self, nproc: int = 1, options: dict[str, Any] | None = None, extra: tuple[str, ...] = ()) -> dict:
@@ -206,7 +206,7 @@ class Harness:
 
     @staticmethod
     def all_checkpoints_finite_and_verified(run_dir: Path) -> tuple[bool, str]:
-        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.checkpoint.store import CheckpointStore
 
         store = CheckpointStore(run_dir)
         for path in store.list():
@@ -465,7 +465,7 @@ def trial_corrupt(h: Harness, rng: random.Random, how: str | None = None) -> Tri
     stopped = proc.wait(60)
     if stopped.rc != 143:
         return Trial("c", False, None, f"the stop before the damage failed: {stopped.describe()}")
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     newest = CheckpointStore(run_dir).latest_path()
     how = how or rng.choice(["truncate", "flip", "empty"])
@@ -684,13 +684,14 @@ def trial_torchrun(h: Harness, rng: random.Random) -> Trial:
     steps = [int(m.group(2)) for m in _RESUME_HINT.finditer(stopped.stderr)]
     newest, temp = h.snapshot(run_dir)
     files = sorted(p.name for p in h.folder(run_dir).iterdir() if _STEP_FILE.match(p.name))
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
+    from gputrain.checkpoint.verify import file_digests
 
     store = CheckpointStore(run_dir)
     same_step = len(steps) == 2 and steps[0] == steps[1]
     sidecar = store.folder / f"step-{newest:06d}.pt.sha256"  # one-file format: one digest (a folder: its manifest)
     one_ckpt = same_step and newest == steps[0] and store.verify(store.latest_path()) is True \
-        and (not sidecar.exists() or len(store._digests(sidecar)) == 1) and not temp
+        and (not sidecar.exists() or len(file_digests(sidecar)) == 1) and not temp
     resume_step, _ = h.resumable(run_dir)
     resumed = h.run(h.args(run_dir, "--nproc", "2", "--resume", str(run_dir)))
     exact, why = h.exact(run_dir, reference) if resumed.rc == 0 else (False, resumed.describe())

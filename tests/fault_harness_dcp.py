@@ -68,7 +68,7 @@ def trial_dcp_sigkill(h: Harness, rng: random.Random) -> Trial:
     os.kill(workers[target], signal.SIGKILL)
     in_save = bool(_staging(h, run_dir))  # the staging folder was still there when the rank died
     killed = proc.wait(120)
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(run_dir)
     bad = [f"{p.name}: {why}" for p in store.list() if (why := store.verify(p)) is not True]
@@ -100,7 +100,7 @@ def trial_dcp_damaged(h: Harness, rng: random.Random) -> Trial:
     stopped = h.run(h.args(run_dir, "--nproc", "2", "--stop-at-step", str(stop)))
     if stopped.rc != 0:
         return Trial("h", False, None, f"the run to step {stop} failed: {stopped.describe()}")
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     newest = CheckpointStore(run_dir).latest_path()
     if newest is None or newest.name != f"step-{stop:06d}.dcp":

@@ -17,7 +17,7 @@ import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.data import Sharded, make_loader, take_part
 from gputrain.errors import ConfigError, DataError, StopRequested
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 
 CPU = torch.device("cpu")
 

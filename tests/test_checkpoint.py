@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from gputrain.io.checkpoint import (FORMAT, VERSION, capture_rng_state, check_model_state, load_checkpoint,
-                                 restore_rng_state, save_checkpoint)
+from gputrain.checkpoint.format import FORMAT, VERSION, check_model_state, load_checkpoint, write_checkpoint
+from gputrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from gputrain.config import TrainConfig
 from gputrain.errors import CheckpointError
 from gputrain.train.optim import make_optimizer, make_scheduler
@@ -48,7 +48,7 @@ def _files(folder):
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "onecycle"])
 def test_the_trainers_state_round_trips_under_weights_only(tmp_path, schedule):
     saved = _state(schedule=schedule)
-    path = save_checkpoint(tmp_path / "ck.pt", saved)
+    path = write_checkpoint(tmp_path / "ck.pt", saved)
     state = load_checkpoint(path)  # weights_only=True inside
     assert state["format"] == FORMAT and state["version"] == VERSION
     assert (state["step"], state["epoch"], state["batch_in_epoch"], state["samples_seen"]) == (7, 1, 3, 448)
@@ -76,20 +76,20 @@ def test_the_trainers_state_round_trips_under_weights_only(tmp_path, schedule):
 
 
 def test_unloadable_values_are_refused_before_anything_is_written(tmp_path):
-    path = save_checkpoint(tmp_path / "ck.pt", _state(1.0))
+    path = write_checkpoint(tmp_path / "ck.pt", _state(1.0))
     bad = _state(2.0)
     bad["history"][0]["loss"] = np.float64(0.5)  # a float subclass that weights_only refuses
     with pytest.raises(CheckpointError, match=r"history'\]\[0\]\['loss'\].*numpy.float64.*float\(\)"):
-        save_checkpoint(path, bad)
+        write_checkpoint(path, bad)
     with pytest.raises(CheckpointError, match="nn.modules.linear.Linear"):
-        save_checkpoint(path, {"obj": nn.Linear(1, 1)})
+        write_checkpoint(path, {"obj": nn.Linear(1, 1)})
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
     assert _files(tmp_path) == ["ck.pt"]
 
 
 def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "ck.pt"
-    save_checkpoint(path, _state(1.0))
+    write_checkpoint(path, _state(1.0))
     real_save = torch.save
 
     def half_then_crash(obj, f, *a, **k):
@@ -100,7 +100,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", half_then_crash)
     with pytest.raises(OSError, match="simulated"):
-        save_checkpoint(path, _state(2.0))
+        write_checkpoint(path, _state(2.0))
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
     assert _files(tmp_path) == ["ck.pt"]  # no temp file left behind
@@ -110,10 +110,10 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     """SIGKILL a process half-way through writing a checkpoint: the old one still loads, and the
     next save removes the dead writer's temp file."""
     path = tmp_path / "ck.pt"
-    save_checkpoint(path, _state(1.0))
+    write_checkpoint(path, _state(1.0))
     script = textwrap.dedent(f"""
         import io, os, signal, torch
-        from gputrain.io import checkpoint
+        from gputrain.checkpoint import format as checkpoint
         real = torch.save
         def killed_half_way(obj, f, *a, **k):
             buf = io.BytesIO()
@@ -122,7 +122,7 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         torch.save = killed_half_way
-        checkpoint.save_checkpoint({str(path)!r}, {{"model": {{"weight": torch.zeros(100_000)}}}})
+        checkpoint.write_checkpoint({str(path)!r}, {{"model": {{"weight": torch.zeros(100_000)}}}})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
@@ -130,13 +130,13 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     assert len(leftovers) == 1 and leftovers[0].endswith(".tmp")  # it died after writing, before the rename
     assert (tmp_path / leftovers[0]).stat().st_size > 100_000
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
-    save_checkpoint(path, _state(3.0))
+    write_checkpoint(path, _state(3.0))
     assert _files(tmp_path) == ["ck.pt"]
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.full((2, 3), 3.0))
 
 
 def test_the_file_gets_the_usual_permissions(tmp_path):
-    path = save_checkpoint(tmp_path / "ck.pt", {"step": 1})
+    path = write_checkpoint(tmp_path / "ck.pt", {"step": 1})
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
@@ -157,7 +157,7 @@ def test_bad_files_are_explained(tmp_path, content, needle):
 
 
 def test_truncated_checkpoint(tmp_path):
-    path = save_checkpoint(tmp_path / "ck.pt", _state())
+    path = write_checkpoint(tmp_path / "ck.pt", _state())
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="ck.pt.*truncated or corrupt") as exc_info:
@@ -200,7 +200,7 @@ def test_check_model_state_names_the_differences():
 
 def test_rng_state_round_trip(tmp_path):
     random.random(), np.random.normal()  # numpy caches a second Gaussian: that is state too
-    save_checkpoint(tmp_path / "rng.pt", {"rng": capture_rng_state("cpu")})
+    write_checkpoint(tmp_path / "rng.pt", {"rng": capture_rng_state("cpu")})
     first = (torch.rand(3), random.random(), random.gauss(0, 1), np.random.rand(), np.random.normal())
     for _ in range(5):  # move every generator on
         torch.rand(7), random.random(), np.random.rand()
@@ -214,7 +214,7 @@ def test_rng_state_round_trip(tmp_path):
 @pytest.mark.gpu
 def test_cuda_rng_state_round_trip(tmp_path):
     device = torch.device("cuda")
-    save_checkpoint(tmp_path / "rng.pt", {"rng": capture_rng_state(device)})
+    write_checkpoint(tmp_path / "rng.pt", {"rng": capture_rng_state(device)})
     first = torch.rand(3, device=device)
     torch.rand(5, device=device)
     restore_rng_state(load_checkpoint(tmp_path / "rng.pt")["rng"], device)

@@ -17,10 +17,11 @@ from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io import checkpoint_dcp
-from gputrain.io.checkpoint_store import CheckpointStore, CheckpointWarning, step_of
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
+from gputrain.checkpoint.verify import Damage, verify
 from gputrain.runtime.distributed import SINGLE
-from gputrain.train.dcp_checkpointing import DcpCheckpointer, resolve_format
+from gputrain.checkpoint.sharded_save import DcpCheckpointer, resolve_format
 
 
 def _model_and_optimizer(value: float):
@@ -69,7 +70,7 @@ def test_a_sharded_checkpoint_is_a_committed_folder_with_a_manifest_of_every_fil
     assert store.verify(path) is True and step_of(path) == 7
     state, found = store.load_latest()
     assert found == path and state["step"] == 7 and "model" not in state  # the run state, rank 0's
-    full = checkpoint_dcp.load_full(path)
+    full = sharded.load_full(path)
     model, optimizer = _model_and_optimizer(7.0)  # the same state, made again
     for name, value in model.state_dict().items():
         assert torch.equal(full["model"][name], value), name
@@ -112,16 +113,33 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_naming_the_file(t
 def test_shares_of_the_files_verify_separately(tmp_path):
     path = _save(CheckpointStore(tmp_path), 1)
     _flip_a_byte(path / "run-00000.pt")  # the third of .metadata, __0_0.distcp, run-00000.pt
-    damage = checkpoint_dcp.verify(path, share=(0, 2))  # files 0 and 2
-    assert isinstance(damage, checkpoint_dcp.Damage) and bool(damage) is False  # a reason that tests false
+    damage = verify(path, share=(0, 2))  # files 0 and 2
+    assert isinstance(damage, Damage) and bool(damage) is False  # a reason that tests false
     assert "run-00000.pt: its content hash does not match" in damage
-    assert checkpoint_dcp.verify(path, share=(1, 2)) is True  # file 1
+    assert verify(path, share=(1, 2)) is True  # file 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_sharded_save_leaves_the_warning_filters_as_it_found_them(tmp_path, async_save):
+    """DCP warns, in one process, that it assumes one process (the intent): the save drops that
+    warning within its own scope (even from DCP's writer thread) and installs no process-wide filter."""
+    store = CheckpointStore(tmp_path)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inside = list(warnings.filters)
+        for step in (1, 2):
+            _save(store, step, DcpCheckpointer(SINGLE, torch.device("cpu"), "dcp", async_save=async_save))
+        assert warnings.filters == inside
+    assert warnings.filters == before
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    assert store.verify(store.latest_path()) is True
 
 
 def test_a_staging_folder_is_never_taken_for_a_checkpoint_and_the_next_save_clears_it(tmp_path):
     store = CheckpointStore(tmp_path)
     _save(store, 1)
-    staged = store.folder / checkpoint_dcp.staging_name(2, "killed")
+    staged = store.folder / sharded.staging_name(2, "killed")
     staged.mkdir()
     (staged / "__0_0.distcp").write_bytes(b"half of a shard")
     assert [p.name for p in store.list()] == ["step-000001.dcp"] and store.load_latest()[0]["step"] == 1
@@ -166,7 +184,7 @@ def test_fit_with_dcp_checkpoints_resumes_exactly(tmp_path, async_save):
         assert torch.equal(a, b), name
     # The interval cut by the stop sums its losses in another order: equal to the last bits or so.
     assert [r["loss"] for r in resumed.records] == pytest.approx([r["loss"] for r in ref.records], rel=1e-6)
-    full = checkpoint_dcp.load_full(store.latest_path())
+    full = sharded.load_full(store.latest_path())
     assert full["step"] == 16 and torch.equal(full["model"]["0.weight"], ref_model.state_dict()["0.weight"])
 
 
@@ -240,7 +258,7 @@ def test_a_writer_killed_at_any_moment_of_a_dcp_save_leaves_a_verifying_checkpoi
             found = store.load_latest()
         if saved:
             assert found is not None and found[0]["step"] in (saved[-1], saved[-1] + 1), (trial, saved, found)
-            full = checkpoint_dcp.load_full(found[1])
+            full = sharded.load_full(found[1])
             step = found[0]["step"]
             assert torch.equal(full["model"]["2.bias"], _model_and_optimizer(float(step))[0].state_dict()["2.bias"])
     assert mid_save >= 3, (mid_save, saved)

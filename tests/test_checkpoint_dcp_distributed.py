@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain.io import checkpoint_dcp
-from gputrain.io.checkpoint_store import CheckpointStore, step_of
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.store import CheckpointStore, step_of
 from test_distributed import TORCHRUN, _descendants, _finish, _free_port, _single, _start, _torchrun
 
 SCRIPT = str(Path(__file__).parent / "dist_scripts" / "train_dcp.py")
@@ -38,7 +38,7 @@ def _final(run_dir) -> dict:
     assert path is not None, f"{run_dir}: no checkpoint"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = checkpoint_dcp.load_full(path) if checkpoint_dcp.is_dcp(path) else \
+        state = sharded.load_full(path) if sharded.is_dcp(path) else \
             torch.load(path, weights_only=True)
     opt = state["optimizer"]["state"]
     if opt and isinstance(next(iter(opt)), int):  # a one-process optimizer.state_dict(): numbered

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io import checkpoint, checkpoint_store
-from gputrain.io.checkpoint import save_checkpoint
-from gputrain.io.checkpoint_store import CheckpointStore, CheckpointWarning, Damage, step_of
+from gputrain.checkpoint import format as checkpoint, store as checkpoint_store
+from gputrain.checkpoint.format import write_checkpoint
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
+from gputrain.checkpoint.verify import Damage, verify
 
 
 def _state(step):
@@ -155,6 +156,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_with_a_warning
     _flip_a_byte(newest)
     why = store.verify(newest)
     assert not why and isinstance(why, Damage) and "content hash does not match" in why
+    assert verify(newest, share=(0, 2)) == why and verify(newest, share=(1, 2)) is True  # a file: rank 0 reads it
     with pytest.warns(CheckpointWarning, match=r"step-000003.pt skipped: its content hash does not match.*"
                                                r"resuming from step-000002.pt"):
         state, path = store.load_latest()
@@ -217,9 +219,9 @@ def test_latest_wins_over_higher_steps_left_by_a_rewound_run(tmp_path):
 
 
 def test_a_run_dir_from_before_the_store_still_loads(tmp_path, caplog):
-    save_checkpoint(tmp_path / "checkpoint.pt", _state(42))
+    write_checkpoint(tmp_path / "checkpoint.pt", _state(42))
     store = CheckpointStore(tmp_path)
-    with caplog.at_level("INFO", logger="gputrain.io.checkpoint_store"):
+    with caplog.at_level("INFO", logger="gputrain.checkpoint.store"):
         state, path = store.load_latest()
     assert path == tmp_path / "checkpoint.pt" and state["step"] == 42
     assert "no hash to verify" in caplog.text

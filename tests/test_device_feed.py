@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from gputrain import TrainConfig, fit
 from gputrain.data import make_loader
 from gputrain.data.device_feed import to_device
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint import CheckpointStore
 
 CPU = torch.device("cpu")
 

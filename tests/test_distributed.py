@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 import torch
 
 from gputrain.runtime import distributed as D
-from gputrain.io.checkpoint import load_checkpoint
+from gputrain.checkpoint.format import load_checkpoint
 from gputrain.errors import ConfigError, DeviceError
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
@@ -107,9 +107,9 @@ def _single(args, timeout=120):
 
 def _checkpoint(path):
     """A checkpoint whole, in either format (several processes write step-N.dcp folders by default)."""
-    from gputrain.io import checkpoint_dcp
+    from gputrain.checkpoint import sharded
 
-    return checkpoint_dcp.load_full(path) if checkpoint_dcp.is_dcp(path) else load_checkpoint(path)
+    return sharded.load_full(path) if sharded.is_dcp(path) else load_checkpoint(path)
 
 
 def _params(run_dir):

@@ -1,7 +1,7 @@
 """Fine-tuning with frozen parts: the optimizer holds only what trains, weight decay spares biases and
 normalization weights, checkpoints of a frozen base hold the trainable weights and a fingerprint of
 the base (and resume exactly, on that base only), PEFT's LoRA trains and exports as PEFT does, and
-`memory` and the summary count trainable and frozen parameters (train/frozen.py, train/optim.py)."""
+`memory` and the summary count trainable and frozen parameters (checkpoint/frozen.py, train/optim.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from torch import nn
 import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io.checkpoint import load_checkpoint
-from gputrain.train.frozen import CHUNK, FrozenBase, tensor_digests
+from gputrain.checkpoint.format import load_checkpoint
+from gputrain.checkpoint.frozen import CHUNK, FrozenBase, tensor_digests
 
 from helpers import data, mlp, params
 

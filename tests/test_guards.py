@@ -33,9 +33,9 @@ def test_a_nan_stops_the_run_naming_the_steps_and_the_last_good_checkpoint(tmp_p
         fit(model, data(64), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, log_every=4, checkpoint_every=2,
                                run_dir=str(run_dir)))
-    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.checkpoint.format import load_checkpoint
 
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     state = load_checkpoint(CheckpointStore(run_dir).latest_path())
     assert state["step"] == 6  # the last checkpoint before the NaN; step 8's was refused
@@ -145,7 +145,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeyp
     import errno
 
     from gputrain.errors import CheckpointError
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     real_save = CheckpointStore.save
     calls = []
@@ -170,8 +170,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeyp
 def test_a_nan_gradient_in_the_step_before_a_checkpoint_never_reaches_it(tmp_path):
     """The step counts nothing per step with on_nan="stop": a NaN gradient in the very step before a
     checkpoint (the loss still finite) is found in the parameters the optimizer then wrote."""
-    from gputrain.io.checkpoint import load_checkpoint
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.format import load_checkpoint
+    from gputrain.checkpoint.store import CheckpointStore
 
     run_dir = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"between steps 6 and 6.*last good checkpoint is .*step-0+5\.pt"):

@@ -1,8 +1,10 @@
 """The house rules of the layout, checked on the code's own imports and calls:
 
-- the training core (train, data, runtime, io) imports no workloads, bench, diagnostics or commands;
+- the training core (train, checkpoint, data, runtime, io) imports no workloads, bench, diagnostics or commands;
 - diagnostics imports no bench or commands (the benchmarks build on the diagnostics, not back);
-- io, data and runtime import no train or report (the floors under the trainer);
+- io, data and runtime import no train, report or checkpoint (the floors under the trainer);
+- checkpoint imports no train or report: it sits on those floors, under the trainer, which hands it
+  what it reads as Protocols;
 - nothing outside io/ opens a file for writing: files are written whole or not at all through
   io/atomic.py (allow-listed: logs that only append);
 - no module is over 500 lines.
@@ -14,7 +16,7 @@ from pathlib import Path
 import gputrain
 
 ROOT = Path(gputrain.__file__).parent
-CORE = ("train", "data", "runtime", "io")
+CORE = ("train", "checkpoint", "data", "runtime", "io")
 FORBIDDEN = ("gputrain.workloads", "gputrain.bench", "gputrain.diagnostics", "gputrain.commands")
 
 # Files that open a file for writing themselves, and why that is safe.
@@ -55,7 +57,13 @@ def test_diagnostics_import_no_bench_or_commands():
 def test_the_floors_under_the_trainer_import_nothing_above_them():
     """io, data and runtime serve the trainer and the reports, never the other way round (export reads
     a model's logits through gputrain/outputs.py, not train/loss.py)."""
-    assert _offenders(("io", "data", "runtime"), ("gputrain.train", "gputrain.report")) == []
+    assert _offenders(("io", "data", "runtime"), ("gputrain.train", "gputrain.report", "gputrain.checkpoint")) == []
+
+
+def test_the_checkpoint_package_sits_under_the_trainer():
+    """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, run.py), so it
+    imports nothing of train/ (nor the reports above it)."""
+    assert _offenders(("checkpoint",), ("gputrain.train", "gputrain.report")) == []
 
 
 def _mode(call: ast.Call, position: int) -> str | None:

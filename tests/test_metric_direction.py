@@ -11,7 +11,7 @@ from torch import nn
 
 from gputrain import EMA, EarlyStopping, TrainConfig, fit
 from gputrain.errors import ConfigError
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 from gputrain.metric_direction import Direction, metric_direction, metric_figures, says_lower_is_better
 from gputrain.report.summary import summary_rows
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 from gputrain.io.preflight import METADATA_BYTES, estimate_checkpoint_bytes, preflight_run_dir
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /sys, read-only on Linux")
@@ -73,10 +73,11 @@ def test_checkpoints_already_there_count_as_room(tmp_path, monkeypatch):
     store.save({"w": torch.zeros(100_000)}, 1)  # ~400 KB, as a resumed run finds it
     held = store.list()[0].stat().st_size
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 << 30, 0, 4 * held - held))
-    preflight_run_dir(tmp_path, needed_bytes=held, keep_last=2)
+    assert store.bytes_held() == held
+    preflight_run_dir(tmp_path, needed_bytes=held, keep_last=2, held_bytes=held)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 << 30, 0, 4 * held - held - 1))
     with pytest.raises(ConfigError, match=r"free \(plus 3\d\d\.\d KiB in checkpoints already there\)"):
-        preflight_run_dir(tmp_path, needed_bytes=held, keep_last=2)
+        preflight_run_dir(tmp_path, needed_bytes=held, keep_last=2, held_bytes=store.bytes_held())
 
 
 # ---------------------------------------------------------------- the size of a checkpoint

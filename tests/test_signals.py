@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain.io import checkpoint
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint import format as checkpoint
+from gputrain.checkpoint.store import CheckpointStore
 from gputrain.runtime.distributed import SINGLE, DistInfo
 from gputrain.train.signals import StopSignals, agree_to_stop
 

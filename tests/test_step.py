@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 
 def _latest(run_dir):
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     return CheckpointStore(run_dir).latest_path()
 
@@ -561,7 +561,7 @@ def test_ctrl_c_mid_step_writes_a_checkpoint_that_resumes_exactly(tmp_path):
     interrupted = _InterruptAt(mlp(), at=12)  # steps 1..11 done, step 12 interrupted in its forward
     with pytest.raises(KeyboardInterrupt):
         fit(interrupted, (x, y), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(**cfg, run_dir=run_dir))
-    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.checkpoint.format import load_checkpoint
 
     assert load_checkpoint(_latest(tmp_path / "run"))["step"] == 11
     resumed = _InterruptAt(mlp(seed=3), at=-1)

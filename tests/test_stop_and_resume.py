@@ -14,7 +14,7 @@ from torch import nn
 from gputrain import TrainConfig, fit
 from gputrain.cli import main
 from gputrain.errors import ConfigError, StopRequested
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore
 
 
 CFG = dict(device="cpu", batch_size=8, steps=30, log_every=5, seed=3)

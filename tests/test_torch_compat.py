@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import gputrain
-from gputrain.io.checkpoint_dcp import single_process_quiet
+from gputrain.checkpoint.sharded import single_process_quiet
 from gputrain.runtime import torch_compat
 
 ROOT = Path(gputrain.__file__).parent

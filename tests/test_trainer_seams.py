@@ -177,7 +177,7 @@ def test_a_graphed_step_adds_each_loss_in_place():
 def test_checkpoints_fall_on_their_own_steps_between_log_points(tmp_path):
     """The steps between two log points run as one stretch; a checkpoint every 3 steps with a log
     point every 10 still lands on steps 3, 6 and 9 (and the run's end on 10)."""
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     x, y = data(96)
     cfg = TrainConfig(device="cpu", batch_size=16, steps=10, log_every=10, checkpoint_every=3, keep_last=10,

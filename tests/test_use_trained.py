@@ -139,7 +139,7 @@ def test_export_safetensors_loads_into_a_fresh_model(digits_run, tmp_path, capsy
     pytest.importorskip("safetensors", reason="safetensors is not installed (pip install 'gputrain[export]')")
     from safetensors.torch import load_file
 
-    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.checkpoint.format import load_checkpoint
     from gputrain.workloads import get_workload
     from gputrain.workloads.from_run import checkpoint_path
 

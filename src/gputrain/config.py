@@ -54,7 +54,7 @@ class TrainConfig:
     # there are several processes, one file (step-N.pt) for one process | "dcp" | "file"
     checkpoint_format: str = "auto"
     async_checkpoint: bool = False  # DCP's async_save: training goes on while the files are written
-    full_checkpoints: bool = False  # a frozen base's weights too; False: its fingerprint (train/frozen.py)
+    full_checkpoints: bool = False  # a frozen base's weights too; False: its fingerprint (checkpoint/frozen.py)
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
     # experiment trackers fed at every log point (rank 0 only): "csv" (metrics.csv + metrics.jsonl),
     # "tensorboard" (event files in run_dir), "mlflow", "wandb" (report/trackers.py); a tracker that

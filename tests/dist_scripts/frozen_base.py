@@ -17,9 +17,9 @@ from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError
-from gputrain.io import checkpoint_dcp
-from gputrain.io.checkpoint import load_checkpoint
-from gputrain.io.checkpoint_store import CheckpointStore
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.format import load_checkpoint
+from gputrain.checkpoint.store import CheckpointStore
 
 out_dir = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))
@@ -59,10 +59,10 @@ resumed = make_model(head_seed=9)
 train(resumed, run_dir=run_dir, checkpoint_format="file", resume=True)
 result.update(equal=bool(torch.equal(flat(full), flat(resumed))), contents=history.summary["checkpoint_contents"],
               keys=sorted(load_checkpoint(stopped)["model"]), has_frozen="frozen" in load_checkpoint(stopped))
-sharded = train(make_model(), run_dir=os.path.join(out_dir, "dcp"), steps=2)
+dcp_run = train(make_model(), run_dir=os.path.join(out_dir, "dcp"), steps=2)
 dcp_path = CheckpointStore(os.path.join(out_dir, "dcp")).latest_path()
-result.update(dcp=checkpoint_dcp.is_dcp(dcp_path), dcp_contents=sharded.summary["checkpoint_contents"],
-              dcp_keys=sorted(checkpoint_dcp.saved_model_shapes(dcp_path)))
+result.update(dcp=sharded.is_dcp(dcp_path), dcp_contents=dcp_run.summary["checkpoint_contents"],
+              dcp_keys=sorted(sharded.saved_model_shapes(dcp_path)))
 for name, model, kw in (("another_base", make_model(base_seed=1), {}), ("fsdp", make_model(), {"shard": True})):
     try:
         train(model, resume=stopped, run_dir=os.path.join(out_dir, name), checkpoint_format="file", **kw)

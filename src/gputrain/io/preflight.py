@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from gputrain.errors import ConfigError
-from gputrain.io.checkpoint_store import FOLDER, LEGACY_NAME
 
 # What a checkpoint holds besides tensors (config, history, random-number states, pickling):
 # generous for a long history, small beside any real model.
@@ -30,15 +29,15 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
-def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: int = 2) -> None:
+def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: int = 2, held_bytes: int = 0) -> None:
     """Create `run_dir` (and its parents), check that files can be written in it and that its
     disk has room for the run's checkpoints; raise ConfigError with one line when not.
 
     `needed_bytes`: one checkpoint's size (estimate_checkpoint_bytes). The disk must hold
     keep_last + 2 of them: the keep_last kept, the best by the metric (which may be older than all
     of them), and the next one being written while all those still exist (it replaces nothing
-    until it is complete). Checkpoints already in the run directory (a resumed run) count as room
-    already taken: they are pruned as the new ones arrive.
+    until it is complete). `held_bytes`, the checkpoints already in the run directory (a resumed run's:
+    CheckpointStore.bytes_held), count as room already taken: they are pruned as the new ones arrive.
     """
     run_dir = Path(run_dir)
     try:
@@ -67,7 +66,7 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
         return
     copies = keep_last + 2
     required = needed_bytes * copies
-    held = _bytes_held(run_dir)
+    held = held_bytes
     free = shutil.disk_usage(run_dir).free
     if free + held < required:
         raise ConfigError(
@@ -115,17 +114,6 @@ def _probe_folder(folder: Path, flag: str, target: Path) -> None:
     except OSError as exc:
         raise ConfigError(f"{flag} {target}: cannot write in {existing} ({_describe(exc)}): choose a folder you "
                           "can write to") from None
-
-
-def _bytes_held(run_dir: Path) -> int:
-    paths = [run_dir / LEGACY_NAME, *(run_dir / FOLDER).glob("step-*.pt")]
-    total = 0
-    for path in paths:
-        try:
-            total += path.stat().st_size
-        except OSError:
-            pass
-    return total
 
 
 def _size(n: float) -> str:

@@ -139,7 +139,7 @@ _GLOBAL_MODULE_HOOKS = tuple(f"torch.nn.modules.module._global{name}" for name i
 _FOREACH = ("_foreach_lerp_", "_foreach_sub", "_foreach_mul_", "_foreach_add_", "_foreach_copy_", "_foreach_norm")
 
 _ENTRIES = [
-    # ---- torch.compile (runtime/recompiles.py, runtime/distributed.py, io/checkpoint.py)
+    # ---- torch.compile (runtime/recompiles.py, runtime/distributed.py, checkpoint/format.py)
     Private("torch._dynamo.utils._compilation_metrics", "runtime/recompiles.py",
             f"{CHECKED}: a deque of the last 64 compilations",
             "each poll copies get_compilation_metrics() and compares its last entry (a list copy per poll)",
@@ -151,7 +151,7 @@ _ENTRIES = [
     Private("torch._dynamo.external_utils.__file__", "runtime/recompiles.py",
             f"{CHECKED}: the file that wraps a compiled module's forward",
             "a recompiled module's forward is named by its function and file, not as \"a compiled module's forward\""),
-    Private("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "runtime/distributed.py, io/checkpoint.py",
+    Private("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "runtime/distributed.py, checkpoint/format.py",
             CHECKED, "none needed at run time: a model without it is taken as not compiled",
             _find_compiled_module_attr),
     # ---- the optimizer's per-step calls (train/optimizer_calls.py)
@@ -173,10 +173,10 @@ _ENTRIES = [
             f"{CHECKED}: what get_last_lr() returns",
             "after a callback scales the learning rate, get_last_lr() gives the old rate until the "
             "scheduler's next step", _find_last_lr),
-    # ---- DCP (io/checkpoint_dcp.py)
-    Private("torch.distributed.checkpoint.state_dict_loader._load_state_dict", "io/checkpoint_dcp.py", CHECKED,
+    # ---- DCP (checkpoint/sharded.py)
+    Private("torch.distributed.checkpoint.state_dict_loader._load_state_dict", "checkpoint/sharded.py", CHECKED,
             "a whole checkpoint is read through DCP's public dcp_to_torch_save, by way of a temporary file"),
-    Private("torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner", "io/checkpoint_dcp.py",
+    Private("torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner", "checkpoint/sharded.py",
             CHECKED, "as for _load_state_dict"),
     # ---- CUDA (diagnostics/gpu_util.py)
     Private("torch.cuda._get_nvml_device_index", "diagnostics/gpu_util.py",

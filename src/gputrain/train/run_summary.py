@@ -132,7 +132,7 @@ def _callbacks(callbacks: CallbackList) -> CallbackList | None:
 
 
 def _frozen(checkpoint: _Checkpoint):
-    """The run's FrozenBase (train/frozen.py: parameter counts, what checkpoints hold), from the
+    """The run's FrozenBase (checkpoint/frozen.py: parameter counts, what checkpoints hold), from the
     checkpoint's "model" part; None without one."""
     return getattr(checkpoint.parts.get("model"), "frozen", None)
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 @dataclass
 class RunState:
     """The run's own counters that an exact resume needs (besides the parts that hold theirs: the
-    model, the optimizer, the data stream's position, the step's OOM splits; train/checkpoint_parts.py).
+    model, the optimizer, the data stream's position, the step's OOM splits; checkpoint/parts.py).
 
     step: optimizer steps done; samples_seen: samples over all processes; loss_since_log: the loss
     summed (host float) over the steps_since_log steps since the last log point, so that a resumed

@@ -4,7 +4,7 @@ Setup, decided once and in this order: process group and device; precision (one 
 the model (speed switches decided before the optimizer, channels_last, cudnn.benchmark, recompute
 (blocks that compute their activations again in backward), DDP/FSDP wrapping, compile); the data (placement by the memory rule);
 the optimizer and schedule (capturable when graphs will be used); the step (`TrainStep`, wrapped
-in a `GraphedStep` when graphs are on); the checkpoint's named parts (train/checkpoint_parts.py).
+in a `GraphedStep` when graphs are on); the checkpoint's named parts (checkpoint/parts.py).
 The loop (`_iterate`, also what `run_steps` runs for profile) pulls one optimizer step's
 micro-batches from the stream, runs the step, and reads the device-side loss only every
 `log_every` steps (the one host sync of the hot loop); evaluation and checkpoints happen there.
@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
+from gputrain.checkpoint import run as checkpointing
+from gputrain.checkpoint.parts import run_checkpoint
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
 from gputrain.data.deferred import materialize, num_samples
@@ -43,7 +45,7 @@ from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.eval_points import EvalPoints
 from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
-from gputrain.train import checkpointing, run_summary
+from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
@@ -95,11 +97,11 @@ class Trainer:
         self.history = History(records=[], config=config.to_dict(), summary={})
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self.store = self._setup_checkpoints()
-        self.checkpoint = checkpointing.run_checkpoint(self)  # the checkpoint's named parts
+        self.checkpoint = run_checkpoint(self)  # the checkpoint's named parts
         self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
         self._bare_loop: LoopPass | None = None  # run_steps' loop (no outputs, progress bar or signals)
         if config.resume:
-            self._resume()
+            checkpointing.resume(self)
 
     # ------------------------------------------------------------ setup parts
 
@@ -202,23 +204,25 @@ class Trainer:
 
     def _setup_checkpoints(self):
         """Preflight the run directory (created, writable, room for the checkpoints) and open its store;
-        choose the checkpoint format (one file, or every rank its part with DCP, train/dcp_checkpointing.py)."""
-        from gputrain.train.dcp_checkpointing import DcpCheckpointer
+        choose the checkpoint format (one file, or every rank its part with DCP, checkpoint/sharded_save.py)."""
+        from gputrain.checkpoint.sharded_save import DcpCheckpointer
 
         self.checkpointer = DcpCheckpointer(self.dist, self.device, self.config.checkpoint_format,
                                             self.config.async_checkpoint)
         if self.run_dir is None:
             return None
-        from gputrain.io.checkpoint_store import CheckpointStore
+        from gputrain.checkpoint.store import CheckpointStore
         from gputrain.io.preflight import estimate_checkpoint_bytes, preflight_run_dir
 
         cfg = self.config
-        if self.is_main:
-            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last)
-        distributed.barrier(self.dist)
         mode = self.control.metric_direction(cfg.best_metric).mode if cfg.best_metric and cfg.best_mode == "auto" \
             else cfg.best_mode  # "auto": gputrain/metric_direction.py's rule, with the run's metrics
-        return CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
+        store = CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
+        if self.is_main:  # a resumed run's checkpoints count as room already taken
+            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last,
+                              store.bytes_held())
+        distributed.barrier(self.dist)
+        return store
 
     # ------------------------------------------------------------ the loop
 
@@ -357,7 +361,7 @@ class Trainer:
         if ((loop.world == 1 and signals.requested is not None)
                 or (loop.world > 1 and self.state.step % SIGNAL_SYNC_EVERY == 0
                     and agree_to_stop(signals.requested is not None, self.dist))):
-            checkpointing.stop_for_signal(self, signals)
+            checkpointing.stop_for_signal(self, signals, functools.partial(agree_to_stop, dist_info=self.dist))
 
     def run_steps(self, n: int) -> None:
         """n iterations of the training loop's own body (`_iterate`: the step, log points with the
@@ -463,10 +467,10 @@ class Trainer:
         """Loss, the built-in accuracy and the run's metrics over the whole eval set; one host read."""
         return self.evaluator(self.eval_model, self.eval_loader)
 
-    # ------------------------------------------------------------ checkpoints (train/checkpointing.py)
+    # ------------------------------------------------------------ checkpoints (gputrain/checkpoint/)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's contents from the named parts (train/checkpoint_parts.py), as they stand:
+        """The checkpoint's contents from the named parts (checkpoint/parts.py), as they stand:
         no device accumulator is read (`collect_step_totals` first for the loss of the steps since
         the last log point, as `save_checkpoint` does). Its tensors are the live ones (as
         `Module.state_dict` gives them): save or copy it before training on. Collective with
@@ -475,9 +479,6 @@ class Trainer:
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
         return checkpointing.save_checkpoint(self, path)
-
-    def _resume(self) -> None:
-        checkpointing.resume(self)
 
     # ------------------------------------------------------------ reporting (train/run_summary.py)
 

@@ -5,10 +5,10 @@ module:function, and its --option values), else from the checkpoint's config nam
 built fresh and takes the weights of the best checkpoint (by the run's best_metric) when there is
 one, else the newest that verifies; the EMA weights when the run kept an average (`--ema`), unless
 the raw ones are asked for. A checkpoint that holds only the trainable parameters of a frozen base
-(train/frozen.py) takes the base from the model the workload builds (seeded as fit seeded it), once it
+(checkpoint/frozen.py) takes the base from the model the workload builds (seeded as fit seeded it), once it
 matches the checkpoint's fingerprint. A checkpoint is a file (one process wrote it) or a sharded step-N.dcp
 folder (every process of a multi-process run wrote its part): either is verified by its hashes
-first, and the sharded one is read whole in this process (io/checkpoint_dcp.load_full), so a run
+first, and the sharded one is read whole in this process (checkpoint/sharded.load_full), so a run
 of N processes evaluates, predicts and exports on one.
 """
 
@@ -46,7 +46,7 @@ def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | Non
     checkpoint file, or a step-N.dcp folder). Newer checkpoints that do not verify are passed over
     and listed in `skipped` ("NAME: why"). Raises ConfigError / CheckpointError saying which to
     choose instead."""
-    from gputrain.io.checkpoint_store import CheckpointStore
+    from gputrain.checkpoint.store import CheckpointStore
 
     if which not in ("best", "last"):
         return _named_checkpoint(Path(which))
@@ -82,17 +82,16 @@ def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | Non
 def _named_checkpoint(path: Path) -> Path:
     """--checkpoint PATH: a sharded folder must match its MANIFEST.sha256, a file its .sha256 when it
     has one (a file from elsewhere, without one, is loaded as it is)."""
-    from gputrain.io import checkpoint_dcp
-    from gputrain.io.checkpoint_store import CheckpointStore, hash_path
+    from gputrain.checkpoint import hash_path, is_dcp, verify
 
-    if path.is_dir() and not checkpoint_dcp.is_dcp(path):
+    if path.is_dir() and not is_dcp(path):
         raise ConfigError(f"--checkpoint {path}: a folder, but not a sharded checkpoint (step-N.dcp); give RUN_DIR "
                           "with --checkpoint best or last, or a checkpoint from RUN_DIR/checkpoints/")
     if not path.exists():
         raise ConfigError(f"--checkpoint {path}: no such file; choose best, last, or a checkpoint file (step-N.pt) "
                           "or folder (step-N.dcp) from RUN_DIR/checkpoints/")
-    if checkpoint_dcp.is_dcp(path) or hash_path(path).is_file():
-        why = CheckpointStore(path.parent.parent).verify(path)
+    if is_dcp(path) or hash_path(path).is_file():
+        why = verify(path)
         if why is not True:
             raise CheckpointError(f"{path}: does not verify ({why}); choose another checkpoint "
                                   "(--checkpoint best, last, or another step)")
@@ -102,13 +101,13 @@ def _named_checkpoint(path: Path) -> Path:
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint whole, as a one-file checkpoint holds it: a step-N.dcp folder is read in this
     process (every rank's part gathered into full tensors)."""
-    from gputrain.io import checkpoint_dcp
-    from gputrain.io.checkpoint import load_checkpoint
+    from gputrain.checkpoint import sharded
+    from gputrain.checkpoint.format import load_checkpoint
 
-    if not checkpoint_dcp.is_dcp(path):
+    if not sharded.is_dcp(path):
         return load_checkpoint(path)
     try:
-        return checkpoint_dcp.load_full(path)
+        return sharded.load_full(path)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - DCP's reader fails in its own words (CheckpointException, ...)
@@ -149,7 +148,7 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
     weights: "auto" (EMA when the run kept one, else raw), "ema" (an error when there is none) or "raw".
     workload / options: override what RUN_DIR/workload.json says.
     """
-    from gputrain.io.checkpoint import check_model_state
+    from gputrain.checkpoint.format import check_model_state
     from gputrain.workloads import resolve_workload
 
     if weights not in ("auto", "ema", "raw"):
@@ -182,9 +181,9 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
 
 
 def _with_frozen_base(model: nn.Module, state: dict[str, Any], path: Path, spec: str) -> dict[str, Any]:
-    """A trainable-only checkpoint's weights (train/frozen.py) completed with the frozen base of the
+    """A trainable-only checkpoint's weights (checkpoint/frozen.py) completed with the frozen base of the
     model the workload built, once that base matches the checkpoint's fingerprint."""
-    from gputrain.train.frozen import FrozenBase
+    from gputrain.checkpoint.frozen import FrozenBase
 
     frozen = FrozenBase(model, trainable_only=True, reason="")
     frozen.check(state["frozen"], str(path), model=f"the model {spec} builds",

@@ -1,7 +1,7 @@
 """Checkpoints: written atomically, loaded safely, and explained when they are bad.
 
 A checkpoint is a dict of tensors and plain data (no pickled objects), so it loads with
-`torch.load(weights_only=True)`; `save_checkpoint` refuses anything else before it writes, so a
+`torch.load(weights_only=True)`; `write_checkpoint` refuses anything else before it writes, so a
 run fails at its first checkpoint rather than at the resume hours later. Writing goes through
 `io.atomic.atomic_file` (a temporary file in the same folder, fsynced, then renamed over the
 target): a crash at any moment leaves either the old checkpoint or the new one, never half of one.
@@ -13,13 +13,11 @@ import collections
 import hashlib
 import os
 import pickle
-import random
 import re
 import zipfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
-import numpy as np
 import torch
 
 from gputrain.errors import CheckpointError
@@ -57,7 +55,7 @@ def check_plain(value: Any, where: str = "state") -> None:
                           f"checkpoints hold only tensors and plain data (numbers, strings, lists, dicts){hint}")
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
+def write_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
                     before_replace: Callable[[str], None] | None = None) -> Path:
     """Write `state` (tensors and plain data) to `path` atomically; returns the path.
 
@@ -135,7 +133,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             raise CheckpointError(
                 f"{path}: holds Python objects that a safe (weights_only) load refuses ({refused.group(1)}); "
                 "gputrain checkpoints hold only tensors and plain data, so this file was not written by "
-                "gputrain.save_checkpoint") from None
+                "gputrain's write_checkpoint") from None
         raise CheckpointError(_explain(path, size, msg)) from None
     except Exception as exc:  # noqa: BLE001
         # Damaged bytes can make the unpickler fail in any way (EOFError, BadZipFile, also
@@ -217,54 +215,3 @@ def check_model_state(model_state: dict[str, torch.Tensor], model: torch.nn.Modu
                 {k[len(prefix):] for k in missing} >= set(unexpected):
             hint = f" (the model's keys start with {prefix!r}: load into the inner module)"
     raise CheckpointError(f"{where}the checkpoint belongs to another model: {'; '.join(parts)}{hint}")
-
-
-# ---------------------------------------------------------------- random-number state
-
-def capture_rng_state(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Every global random-number state a run draws from, in weights_only-loadable form.
-
-    Returns {"torch": uint8 tensor, "numpy": {...}, "python": {...}} plus "cuda" (that device's
-    generator) or "mps". torch.Generator objects a loader shuffles with are not global: save their
-    get_state() separately.
-    """
-    device = torch.device(device) if device is not None else None
-    np_state = np.random.get_state(legacy=True)  # a tuple while the global generator is numpy's MT19937
-    if not isinstance(np_state, tuple):
-        raise CheckpointError(f"numpy's global random state is a {np_state.get('bit_generator')}, not the MT19937 "
-                              "that a checkpoint stores")
-    name, keys, pos, has_gauss, cached_gauss = np_state
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        # The Mersenne Twister keys are 624 uint32; stored widened to int64 (uint32 tensors have
-        # few kernels in older PyTorch), narrowed back on restore.
-        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gauss": float(cached_gauss)},
-        "python": {"version": int(version), "state": [int(x) for x in internal], "gauss": gauss},
-    }
-    if device is not None and device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    elif device is not None and device.type == "mps":
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any], device: torch.device | str | None = None) -> None:
-    """Set the generators `capture_rng_state` read. A device state of another kind is skipped
-    (a CUDA run resumed on the CPU draws its CPU numbers exactly, its CUDA ones cannot apply)."""
-    device = torch.device(device) if device is not None else None
-    try:
-        torch.set_rng_state(state["torch"].cpu())
-        n = state["numpy"]
-        np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), int(n["pos"]),
-                             int(n["has_gauss"]), float(n["cached_gauss"])))
-        p = state["python"]
-        random.setstate((int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss"]))
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"the checkpoint's random-number state is malformed ({type(exc).__name__}: {exc})") from None
-    if device is not None and device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-    elif device is not None and device.type == "mps" and "mps" in state:
-        torch.mps.set_rng_state(state["mps"].cpu())

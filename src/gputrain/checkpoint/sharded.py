@@ -21,8 +21,9 @@ then renames the folder to its final name (the commit: `CheckpointStore.commit_d
 folder under a step name always holds every rank's files, the metadata and their hashes; a
 writer killed before the rename leaves a staging folder that the next save removes.
 
-This module holds the single-process pieces (names, hashing, verification, reading); the
-collective orchestration (who writes, gathers, commits) is the trainer's (train/dcp_checkpointing.py).
+This module holds the single-process pieces (names, hashing, reading); verify.py checks a folder
+against its manifest; the collective orchestration (who writes, gathers, commits, optionally while
+training goes on) is sharded_save.py's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
-from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.checkpoint.format import load_checkpoint, sha256_file, write_checkpoint
 from gputrain.runtime import torch_compat
 
 SUFFIX = ".dcp"
@@ -47,14 +48,6 @@ MANIFEST = "MANIFEST.sha256"
 METADATA = ".metadata"  # DCP's own name for its index
 FORMAT = "gputrain-dcp"
 _SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank files
-_HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
-
-
-class Damage(str):
-    """Why a checkpoint folder does not verify (a str that is false in a test, as the store's)."""
-
-    def __bool__(self) -> bool:
-        return False
 
 
 def dir_name(step: int) -> str:
@@ -87,7 +80,7 @@ def write_run_state(folder: Path, rank: int, state: dict[str, Any]) -> tuple[str
     """
     name = run_file_name(rank)
     digest: list[str] = []
-    save_checkpoint(folder / name, {"layout": FORMAT, **state}, before_replace=digest.append)
+    write_checkpoint(folder / name, {"layout": FORMAT, **state}, before_replace=digest.append)
     return name, digest[0]
 
 
@@ -114,55 +107,6 @@ def write_manifest(folder: Path, digests: dict[str, str]) -> None:
         f.write("".join(f"{digests[name]}  {name}\n" for name in sorted(digests)))
 
 
-def read_manifest(path: Path) -> dict[str, str] | Damage:
-    try:
-        text = (path / MANIFEST).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return Damage(f"it has no {MANIFEST} (the hashes of its files) to verify it by")
-    except (OSError, UnicodeDecodeError) as exc:
-        return Damage(f"cannot read {MANIFEST} ({exc})")
-    digests = {}
-    for line in text.splitlines():
-        match = _HASH_LINE.match(line.strip())
-        if match:
-            digests[match.group(2)] = match.group(1)
-    if METADATA not in digests or run_file_name(0) not in digests:
-        return Damage(f"{MANIFEST} does not list {METADATA} and {run_file_name(0)}")
-    return digests
-
-
-# ---------------------------------------------------------------- verifying
-
-
-def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> bool | Damage:
-    """True when every file of the checkpoint folder matches MANIFEST.sha256, else a Damage naming
-    the first file that does not (missing, unreadable, or another content).
-
-    share=(rank, world): check only the files rank takes of world (every world-th file from the
-    rank-th, in name order), so that the ranks of a job verify a large checkpoint in parallel.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        return Damage("the folder is missing")
-    digests = read_manifest(path)
-    if isinstance(digests, Damage):
-        return digests
-    rank, world = share
-    for name in sorted(digests)[rank::world]:
-        file = path / name
-        if not file.is_file():
-            return Damage(f"{name} is missing")
-        try:
-            actual = sha256_file(file)
-        except OSError as exc:
-            return Damage(f"cannot read {name} ({exc.strerror or exc})")
-        if actual != digests[name]:
-            return Damage(f"{name}: its content hash does not match {MANIFEST} (the file was damaged or changed "
-                          f"after it was written; {file.stat().st_size} bytes, sha256 {actual[:12]}..., expected "
-                          f"{digests[name][:12]}...)")
-    return True
-
-
 # ---------------------------------------------------------------- reading
 
 
@@ -181,7 +125,7 @@ def read_run_state(path: str | os.PathLike, rank: int = 0) -> tuple[dict[str, An
 
 def saved_model_shapes(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model entries of the checkpoint as empty meta tensors of their full shapes (for
-    io.checkpoint.check_model_state), read from DCP's metadata without loading any tensor."""
+    checkpoint.format.check_model_state), read from DCP's metadata without loading any tensor."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

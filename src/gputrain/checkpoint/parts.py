@@ -5,12 +5,12 @@ In the manner of torchtitan's `CheckpointManager(states=...)`: every part is an 
 its name; `RunCheckpoint` composes them, in load order:
 
   model       the weights (gathered in full on rank 0 under DDP/FSDP); a frozen base's left out
-              (train/frozen.py), its fingerprint saved as `frozen`
+              (checkpoint/frozen.py), its fingerprint saved as `frozen`
   optimizer   its state (likewise), moved to the run's device on load
   scaler      the precision's GradScaler state (`RunPrecision`)
   scheduler   the learning-rate schedule
   rng         every global random-number generator
-  run         `RunState` (step, samples, loss since the last log point, ...), the stream's
+  run         the run's state (train/state.py: step, samples, loss since the last log point, ...), the stream's
               position and the step's OOM splits
   data        the data position (data/stream.py); each rank's own, also saved as `data_ranks`
   history     the log records so far
@@ -20,20 +20,27 @@ plus, for readers of the file, the run's `step`, `epoch`, `batch_in_epoch`, `sam
 `global_batch`, `world_size` and `config`. Taking the state has no side effect: the loss still on
 the device since the last read is the trainer's to fold in first (`Trainer.collect_step_totals`).
 The format is the one earlier versions wrote, so their checkpoints still resume.
+
+`run_checkpoint` builds the parts from what it reads of the run (`PartsSource`, which the Trainer
+satisfies): this package needs nothing of train/'s types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
 
 from gputrain.batch import move_optimizer_state
+from gputrain.checkpoint.frozen import FrozenBase
+from gputrain.checkpoint.rng import capture_rng_state, restore_rng_state
+from gputrain.checkpoint.sharded_save import DcpCheckpointer
+from gputrain.config import TrainConfig
+from gputrain.data.stream import BatchStream
 from gputrain.errors import CheckpointError
+from gputrain.io.history import History
 from gputrain.runtime import distributed
-from gputrain.train.frozen import FrozenBase
-from gputrain.train.state import RunState
 
 WEIGHTS = ("model", "optimizer")  # the parts the sharded format (DCP) writes itself, each rank its share
 POSITION_KEYS = ("step", "epoch", "batch_in_epoch", "samples_seen")  # copied to the top level for readers
@@ -41,7 +48,7 @@ POSITION_KEYS = ("step", "epoch", "batch_in_epoch", "samples_seen")  # copied to
 
 class ModelPart:
     """The weights: the plain module's state_dict; under DDP/FSDP, gathered in full (collective).
-    With a frozen base (`frozen.trainable_only`, train/frozen.py) the frozen weights are left out, and
+    With a frozen base (`frozen.trainable_only`, checkpoint/frozen.py) the frozen weights are left out, and
     a checkpoint without them takes them from the module on load (its resume checked them first)."""
 
     def __init__(self, model: nn.Module, module: nn.Module, dist: distributed.DistInfo,
@@ -50,7 +57,7 @@ class ModelPart:
         self.frozen = frozen
 
     def state_dict(self) -> dict[str, Any]:
-        if self.frozen is not None and self.frozen.trainable_only:  # one process or DDP (train/frozen.py)
+        if self.frozen is not None and self.frozen.trainable_only:  # one process or DDP (checkpoint/frozen.py)
             if self.dist.enabled and not self.dist.is_main:
                 return {}
             state = self.frozen.trainable_state(self.module.state_dict())
@@ -98,22 +105,33 @@ class RngPart:
         self.device = device
 
     def state_dict(self) -> dict[str, Any]:
-        from gputrain.io.checkpoint import capture_rng_state
-
         return capture_rng_state(self.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from gputrain.io.checkpoint import restore_rng_state
-
         restore_rng_state(state, self.device)
 
 
-class RunPart:
-    """`RunState`, with the position of the stream (`epoch`, `batch_in_epoch`) and the step's OOM
-    `splits`, which live on those objects while the run goes on."""
+class Stateful(Protocol):
+    """torch.distributed.checkpoint's Stateful: what every part is, and what a part of the run's own
+    (its RunState, scheduler, precision) must be."""
 
-    def __init__(self, state: RunState, stream, step):
-        self.state, self.stream, self.step = state, stream, step  # step: a TrainStep (its `splits`)
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+class Splits(Protocol):
+    """The step's OOM splits (train/step.py): each micro-batch is cut into this many pieces."""
+
+    splits: int
+
+
+class RunPart:
+    """The run state (train/state.py's RunState), with the position of the stream (`epoch`,
+    `batch_in_epoch`) and the step's OOM `splits`, which live on those objects while the run goes on."""
+
+    def __init__(self, state: Stateful, stream: BatchStream, step: Splits):
+        self.state, self.stream, self.step = state, stream, step
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.state.state_dict(), "epoch": self.stream.epoch, "batch_in_epoch": self.stream.batch_in_epoch,
@@ -130,7 +148,7 @@ class DataPart:
 
     per_rank = True
 
-    def __init__(self, stream):
+    def __init__(self, stream: BatchStream):
         self.stream = stream
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,7 +166,7 @@ class DataPart:
 class HistoryPart:
     """The log records so far (io/history.py), so that a resumed run's history is whole."""
 
-    def __init__(self, history):
+    def __init__(self, history: History):
         self.history = history
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -158,10 +176,18 @@ class HistoryPart:
         self.history.records = list(records)
 
 
+class Callbacks(Protocol):
+    """The run's callbacks (train/callbacks.py's CallbackList): their states, given the run's control."""
+
+    def state_dict(self, run: Any, /) -> dict[str, Any]: ...
+
+    def load_state_dict(self, run: Any, states: Any, /) -> None: ...
+
+
 class CallbacksPart:
     """Each callback's own state, under its `state_key` (train/callbacks.py)."""
 
-    def __init__(self, callbacks, control):
+    def __init__(self, callbacks: Callbacks, control: Any):
         self.callbacks, self.control = callbacks, control
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,3 +248,68 @@ class RunCheckpoint:
             part.load_shared(state[name])
         else:
             part.load_state_dict(state[name])
+
+
+class PartsSource(Protocol):
+    """What `run_checkpoint` reads of the run (the Trainer): the objects whose states a checkpoint
+    holds, and the facts saved beside them. Read-only, so any object with these attributes fits."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def dist(self) -> distributed.DistInfo: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def model(self) -> nn.Module: ...  # as trained: wrapped for DDP/FSDP or compiled
+    @property
+    def module(self) -> nn.Module: ...  # the plain module
+    @property
+    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optimizer_set.py)
+    @property
+    def precision(self) -> Stateful: ...
+    @property
+    def scheduler(self) -> Stateful: ...
+    @property
+    def state(self) -> Stateful: ...
+    @property
+    def stream(self) -> BatchStream: ...
+    @property
+    def train_step(self) -> Splits: ...
+    @property
+    def history(self) -> History: ...
+    @property
+    def callbacks(self) -> Callbacks: ...
+    @property
+    def control(self) -> Any: ...
+    @property
+    def batch_size(self) -> int | None: ...  # the data's own, per process
+    @property
+    def checkpointer(self) -> DcpCheckpointer: ...  # its format: whether the weights are saved in shares
+
+
+def run_checkpoint(run: PartsSource) -> RunCheckpoint:
+    """The run's checkpoint contents from its named parts (see the module docstring)."""
+    cfg, dist = run.config, run.dist
+    frozen = FrozenBase.decide(run.module, full_checkpoints=cfg.full_checkpoints, sharded=run.checkpointer.uses_dcp,
+                               fsdp=cfg.shard and dist.enabled)  # what the checkpoints hold of a frozen base
+    parts = {
+        "model": ModelPart(run.model, run.module, dist, frozen),
+        "optimizer": OptimizerPart(run.model, run.optimizer, dist, run.device),
+        "scaler": run.precision,
+        "scheduler": run.scheduler,
+        "rng": RngPart(run.device),
+        "run": RunPart(run.state, run.stream, run.train_step),
+        "data": DataPart(run.stream),
+        "history": HistoryPart(run.history),
+        "callbacks": CallbacksPart(run.callbacks, run.control),
+    }
+    return RunCheckpoint(parts, dist, lambda: {"global_batch": global_batch(cfg, run.batch_size, dist.world_size),
+                                               "world_size": dist.world_size, "config": cfg.to_dict(),
+                                               **({"frozen": frozen.header()} if frozen.trainable_only else {})})
+
+
+def global_batch(config: TrainConfig, batch_size: int | None, world_size: int) -> int | None:
+    """Samples per optimizer step over all processes, from the data's own per-process batch size (a user
+    DataLoader's); None for an iterable whose batches are its own."""
+    return None if batch_size is None else batch_size * config.accumulate * world_size

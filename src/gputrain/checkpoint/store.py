@@ -2,7 +2,7 @@
 
 Layout, in RUN_DIR/checkpoints/:
 
-    step-000123.pt          the checkpoint (save_checkpoint's format), written atomically
+    step-000123.pt          the checkpoint (format.py's one file), written atomically
     step-000123.pt.sha256   "HEX  step-000123.pt" (sha256sum's format: `sha256sum -c` checks it)
     latest                  the name of the newest checkpoint written, one line
     index.json              {"best": {...}}: which file is the best by a metric, kept across restarts
@@ -26,7 +26,7 @@ before it moved `latest` (the previous checkpoint is as good) or what remains of
 resumed from an earlier step (older work, not newer). Step numbers come from the file names, not
 modification times, which copies and clocks change.
 
-Sharded checkpoints (io/checkpoint_dcp.py) live beside the files as folders, step-000123.dcp/, with
+Sharded checkpoints (checkpoint/sharded.py) live beside the files as folders, step-000123.dcp/, with
 the same promises: a folder appears under its step name only whole (every rank's files, DCP's
 metadata and MANIFEST.sha256, renamed into place by `commit_dir`), `latest` moves after it, the
 last keep_last and the best are kept whatever their format, and `load_latest` / `find_latest` skip
@@ -50,8 +50,9 @@ import torch
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io.atomic import atomic_file, fsync_dir
-from gputrain.io import checkpoint_dcp
-from gputrain.io.checkpoint import load_checkpoint, save_checkpoint, sha256_file
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.format import load_checkpoint, write_checkpoint
+from gputrain.checkpoint.verify import HASH_SUFFIX, Damage, file_digests, hash_path, verify
 from gputrain.metric_direction import Direction, metric_direction
 
 log = logging.getLogger(__name__)
@@ -60,22 +61,12 @@ FOLDER = "checkpoints"
 LEGACY_NAME = "checkpoint.pt"  # the single checkpoint runs wrote before the store existed
 LATEST = "latest"
 INDEX = "index.json"
-HASH_SUFFIX = ".sha256"
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 _STEP_DIR = re.compile(r"^step-(\d+)\.dcp$")  # a sharded checkpoint's folder
-_HASH_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, unverifiable) and an earlier one used instead."""
-
-
-class Damage(str):
-    """Why a checkpoint does not verify. A str (print it) that is false in a test, so that
-    `if store.verify(path):` reads right: verify returns True or a Damage."""
-
-    def __bool__(self) -> bool:
-        return False
 
 
 def step_file_name(step: int) -> str:
@@ -87,11 +78,6 @@ def step_of(path: str | os.PathLike) -> int | None:
     name = Path(path).name
     match = _STEP_FILE.match(name) or _STEP_DIR.match(name)
     return int(match.group(1)) if match else None
-
-
-def hash_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + HASH_SUFFIX)
 
 
 class CheckpointStore:
@@ -135,7 +121,7 @@ class CheckpointStore:
         sidecar = hash_path(path)
         # Overwriting a step (a run resumed from before it): keep the old file's digest valid
         # until the new file has replaced it, so that a crash in between leaves the old one usable.
-        old_digests = self._digests(sidecar) if path.exists() else []
+        old_digests = file_digests(sidecar) if path.exists() else []
         # What a writer killed between its write and its prune left beyond retention goes first, so
         # the folder never holds more than keep_last + best + the one being written, whatever
         # crashed before (each crash before a prune would otherwise leave one more file).
@@ -146,8 +132,8 @@ class CheckpointStore:
             new_digest.append(digest)
             self._write_hash(path, [digest, *[d for d in old_digests if d != digest]])
 
-        save_checkpoint(path, state, before_replace=write_hash)
-        if len(self._digests(sidecar)) > 1:
+        write_checkpoint(path, state, before_replace=write_hash)
+        if len(file_digests(sidecar)) > 1:
             self._write_hash(path, new_digest)
         self._update_best(path, step, value)
         self._write_latest(path)
@@ -166,7 +152,7 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         value = self._metric_value(metrics)
-        final = self.folder / checkpoint_dcp.dir_name(step)
+        final = self.folder / sharded.dir_name(step)
         aside = final.with_name(f".{final.name}.replaced-{os.getpid()}.tmp")
         if final.exists():
             os.replace(final, aside)
@@ -251,6 +237,17 @@ class CheckpointStore:
                 with contextlib.suppress(OSError):
                     sidecar.unlink()
 
+    def bytes_held(self) -> int:
+        """The bytes of the one-file checkpoints here and of a RUN_DIR/checkpoint.pt from before the
+        store: room a resumed run's preflight counts as its own (io/preflight.py), as they are pruned."""
+        total = 0
+        for path in [self.run_dir / LEGACY_NAME, *self.folder.glob("step-*.pt")]:
+            try:
+                total += path.stat().st_size
+            except OSError:
+                pass
+        return total
+
     # ------------------------------------------------------------ finding
 
     def list(self) -> list[Path]:
@@ -280,38 +277,16 @@ class CheckpointStore:
         return self._best_record()
 
     def verify(self, path: str | os.PathLike) -> bool | Damage:
-        """True when the file's sha256 matches its .sha256; otherwise a Damage (a str, false in a
-        test) saying what is wrong. A sharded checkpoint (a .dcp folder) verifies when every file its
-        MANIFEST.sha256 lists matches; its Damage names the first file that does not."""
-        path = Path(path)
-        if path.name.endswith(checkpoint_dcp.SUFFIX):
-            why = checkpoint_dcp.verify(path)
-            return True if why is True else Damage(str(why))
-        if not path.is_file():
-            return Damage("the file is missing")
-        sidecar = hash_path(path)
-        if not sidecar.is_file():
-            return Damage(f"it has no {sidecar.name} (its content hash) to verify it by")
-        expected = self._digests(sidecar)
-        if not expected:
-            return Damage(f"{sidecar.name} holds no sha256 line for {path.name}")
-        try:
-            actual = sha256_file(path)
-        except OSError as exc:
-            return Damage(f"cannot read it ({exc.strerror or exc})")
-        if actual not in expected:
-            size = path.stat().st_size
-            return Damage(f"its content hash does not match {sidecar.name} (the file was damaged or changed "
-                          f"after it was written; {size} bytes, sha256 {actual[:12]}..., expected "
-                          f"{expected[0][:12]}...)")
-        return True
+        """True when the checkpoint (a file or a .dcp folder) matches its hashes; otherwise a Damage
+        (a str, false in a test) saying what is wrong (verify.py)."""
+        return verify(path)
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
         """The newest checkpoint that verifies, loaded: (state, path); None when the run has none.
 
         Damaged or unverifiable files are skipped, with a CheckpointWarning naming each and why.
         For a sharded checkpoint (a .dcp folder) the state is rank 0's run state, without "model"
-        and "optimizer" (io.checkpoint_dcp.load_weights / load_full read those).
+        and "optimizer" (checkpoint.sharded.load_weights / load_full read those).
         A run directory from before the store (a single RUN_DIR/checkpoint.pt, no hash) loads
         with a note in the log. Raises CheckpointError when checkpoints exist but none verifies
         (the message lists them and why), or when one verifies but cannot be loaded (e.g.
@@ -324,7 +299,7 @@ class CheckpointStore:
                 skipped.append((path, str(why)))
                 continue
             if path.is_dir():
-                state = checkpoint_dcp.read_run_state(path)[0]
+                state = sharded.read_run_state(path)[0]
             else:
                 state = load_checkpoint(path, map_location=map_location)
             self._warn_skipped(skipped, path)
@@ -419,12 +394,12 @@ class CheckpointStore:
         def rank(path: Path, step: int) -> tuple[bool, bool, bool]:
             # step-123.pt and step-000123.pt would be the same step: the canonical name wins; a file
             # and a folder of one step (the format changed between runs): the one `latest` names.
-            return (path.name == latest, path.name in (step_file_name(step), checkpoint_dcp.dir_name(step)),
+            return (path.name == latest, path.name in (step_file_name(step), sharded.dir_name(step)),
                     path.is_dir())
 
         for path in self.folder.iterdir():
             step = step_of(path)
-            if step is None or not (path.is_dir() if path.name.endswith(checkpoint_dcp.SUFFIX) else path.is_file()):
+            if step is None or not (path.is_dir() if path.name.endswith(sharded.SUFFIX) else path.is_file()):
                 continue
             if step not in files or rank(path, step) > rank(files[step], step):
                 files[step] = path
@@ -450,17 +425,3 @@ class CheckpointStore:
         ok = isinstance(best, dict) and isinstance(best.get("file"), str) and step_of(best["file"]) is not None \
             and isinstance(best.get("value"), (int, float))
         return best if ok else None
-
-    @staticmethod
-    def _digests(sidecar: Path) -> list[str]:
-        try:
-            text = sidecar.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            return []
-        name = sidecar.name[: -len(HASH_SUFFIX)]
-        out = []
-        for line in text.splitlines():
-            match = _HASH_LINE.match(line.strip())
-            if match and match.group(2) == name:
-                out.append(match.group(1))
-        return out

@@ -1,7 +1,7 @@
 """Sharded checkpoints in a run: every rank writes its part with DCP, rank 0 commits, optionally
 while training goes on; and the resume that finds the newest checkpoint all ranks verified.
 
-One save, on every rank (io/checkpoint_dcp.py has the layout):
+One save, on every rank (checkpoint/sharded.py has the layout):
   1. wait for the previous save (async: it may still be writing), so at most one is in flight;
   2. agree on a fresh staging folder (rank 0's token, broadcast) and write this rank's run state;
   3. torch.distributed.checkpoint.save of this rank's model and optimizer state (get_state_dict:
@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io import checkpoint_dcp
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.verify import verify
 from gputrain.runtime import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
@@ -59,6 +60,19 @@ def resolve_format(requested: str, world_size: int, async_save: bool) -> tuple[s
     if async_save:
         return "dcp", "one process, asynchronous save (DCP's async_save)"
     return "file", "one process: one file"
+
+
+def _writer_that_signals(folder: Path, started: threading.Event):
+    """DCP's FileSystemWriter into `folder`, which sets `started` when a save sets it up (in the save's
+    own thread, once its opening checks and warnings are done)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            started.set()
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    return Writer(str(folder))
 
 
 @dataclass
@@ -114,37 +128,41 @@ class DcpCheckpointer:
         start = time.perf_counter()
         self.wait()
         timing = SaveTiming(step, "dcp", started_s=start)
-        staging = store.folder / checkpoint_dcp.staging_name(step, self._token())
+        staging = store.folder / sharded.staging_name(step, self._token())
         digests: dict[str, str] = {}
         try:  # a rank that fails here still takes part in the collectives below, then all raise
             staging.mkdir(parents=True, exist_ok=True)
-            name, digest = checkpoint_dcp.write_run_state(staging, self.info.rank, run_state)
+            name, digest = sharded.write_run_state(staging, self.info.rank, run_state)
             digests[name] = digest
         except OSError as exc:
             digests[_ERROR] = f"rank {self.info.rank}: {exc.strerror or exc}"
-        weights = checkpoint_dcp.weights_state(module, optimizer)
+        weights = sharded.weights_state(module, optimizer)
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
-        writer = FileSystemWriter(str(staging))
         if self.async_save:
-            if self.no_dist:  # DCP's writer thread warns that it assumes one process: it is the intent
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
-                                        "uninitialized, assuming the intent is to save in a single process")
-            with checkpoint_dcp.single_process_quiet(self.no_dist):
+            started = threading.Event()
+            writer = _writer_that_signals(staging, started)
+            # DCP's writer thread warns, as its save starts, that it assumes one process (the intent): the
+            # warning filters are process-wide, so this thread keeps them scoped until the writer is past
+            # that start (DCP sets up its storage writer after it), then puts them back.
+            with sharded.single_process_quiet(self.no_dist):
                 response = async_save(weights, storage_writer=writer, process_group=self.group(),
                                       async_stager=self._get_stager(), no_dist=self.no_dist)
-            upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+                upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+                while self.no_dist and not started.wait(0.005) and not upload.done():
+                    pass
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gputrain-checkpoint")
             self._pending = self._executor.submit(self._commit, upload, staging, step, digests, store, metrics,
                                                   timing, start)
             timing.blocked_s = time.perf_counter() - start
             self.timings.append(timing)
-            return store.folder / checkpoint_dcp.dir_name(step)
+            return store.folder / sharded.dir_name(step)
         try:
-            with checkpoint_dcp.single_process_quiet(self.no_dist):
-                save(weights, storage_writer=writer, process_group=self.group(), no_dist=self.no_dist)
+            with sharded.single_process_quiet(self.no_dist):
+                save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(),
+                     no_dist=self.no_dist)
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's error in its CheckpointException
             raise self._failed(step, store, exc) from exc
         path = self._commit(None, staging, step, digests, store, metrics, timing, start)
@@ -221,17 +239,17 @@ class DcpCheckpointer:
                 raise self._failed(step, store, exc) from exc
         if _ERROR not in digests:
             try:
-                digests.update(checkpoint_dcp.hash_files(staging, checkpoint_dcp.own_files(staging, self.info.rank)))
+                digests.update(sharded.hash_files(staging, sharded.own_files(staging, self.info.rank)))
             except OSError as exc:  # told to rank 0 with the digests: nothing is committed
                 digests[_ERROR] = f"rank {self.info.rank}: cannot read back its files ({exc.strerror or exc})"
         everyone = self._gather(digests)
         errors = [part[_ERROR] for part in everyone if _ERROR in part]
         error: str | None = "; ".join(errors) if errors else None
-        path = store.folder / checkpoint_dcp.dir_name(step)
+        path = store.folder / sharded.dir_name(step)
         if self.info.is_main and error is None:
             try:
                 merged = {name: digest for part in everyone for name, digest in part.items()}
-                checkpoint_dcp.write_manifest(staging, merged)
+                sharded.write_manifest(staging, merged)
                 path = store.commit_dir(staging, step, metrics)
             except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
                 error = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
@@ -277,21 +295,18 @@ class DcpCheckpointer:
         candidates: list[Path] = box[0]
         rank, world = self.info.rank, self.info.world_size
 
-        def verify(path: Path) -> bool | str:
-            if path.name.endswith(checkpoint_dcp.SUFFIX):
-                mine = checkpoint_dcp.verify(path, share=(rank, world))
-            else:  # a one-file checkpoint: rank 0 reads it once
-                mine = store.verify(path) if self.info.is_main else True
+        def agreed(path: Path) -> bool | str:
+            mine = verify(path, share=(rank, world))  # a folder's files in shares; a file by rank 0 alone
             reasons: list[Any] = [None] * world
             dist.all_gather_object(reasons, None if mine is True else str(mine), group=self.group())
             bad = [r for r in reasons if r]
             return True if not bad else bad[0]
 
-        return store.find_latest(verify, candidates, warn=self.info.is_main)
+        return store.find_latest(agreed, candidates, warn=self.info.is_main)
 
     def load_weights(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Model and optimizer from a sharded checkpoint, resharded to this job (collective)."""
-        checkpoint_dcp.load_weights(path, module, optimizer, process_group=self.group(), no_dist=self.no_dist)
+        sharded.load_weights(path, module, optimizer, process_group=self.group(), no_dist=self.no_dist)
 
     # ------------------------------------------------------------ reporting
 

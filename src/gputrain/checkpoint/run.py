@@ -1,8 +1,9 @@
-"""A run's checkpoints: the trainer's named parts (train/checkpoint_parts.py), writing them into the
-run's verified store (one file, or each rank its share with DCP), an exact resume with its checks,
-and the checkpoint of the last finished step when user code fails (with the note that says so).
+"""A run's checkpoints: writing the named parts (parts.py) into the run's verified store (one file, or
+each rank its share with DCP), an exact resume with its checks, and the checkpoint written when a run
+stops on a signal or fails in user code (with the note that says where it is).
 
-Functions of the Trainer `t`: they need its store, run directory and the path of its last checkpoint.
+The functions take what they read of the run as Protocols (`Saving`, `Resuming`, `Stopping`); the
+Trainer passes itself.
 """
 
 from __future__ import annotations
@@ -10,63 +11,145 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
 
 from gputrain.batch import move_optimizer_state
+from gputrain.checkpoint import sharded
+from gputrain.checkpoint.format import check_model_state, load_checkpoint, write_checkpoint
+from gputrain.checkpoint.parts import RunCheckpoint, global_batch
+from gputrain.checkpoint.sharded_save import DcpCheckpointer
+from gputrain.checkpoint.store import CheckpointStore
+from gputrain.config import TrainConfig
 from gputrain.data.checks import first_step_note
+from gputrain.data.stream import BatchStream
 from gputrain.errors import CheckpointError, StopRequested, user_frame
-from gputrain.io import checkpoint_dcp
+from gputrain.io.history import History
 from gputrain.runtime import distributed
-from gputrain.train.frozen import FrozenBase
-from gputrain.train.signals import agree_to_stop
-from gputrain.train.checkpoint_parts import (CallbacksPart, DataPart, HistoryPart, ModelPart, OptimizerPart,
-                                             RngPart, RunCheckpoint, RunPart)
+from gputrain.runtime.distributed import DistInfo
 
 log = logging.getLogger("gputrain")
 
 
-def run_checkpoint(t) -> RunCheckpoint:
-    """The trainer's checkpoint contents from its named parts (train/checkpoint_parts.py)."""
-    frozen = FrozenBase.decide(t.module, full_checkpoints=t.config.full_checkpoints, sharded=t.checkpointer.uses_dcp,
-                               fsdp=t.config.shard and t.dist.enabled)  # what the checkpoints hold of a frozen base
-    parts = {
-        "model": ModelPart(t.model, t.module, t.dist, frozen),
-        "optimizer": OptimizerPart(t.model, t.optimizer, t.dist, t.device),
-        "scaler": t.precision,
-        "scheduler": t.scheduler,
-        "rng": RngPart(t.device),
-        "run": RunPart(t.state, t.stream, t.train_step),
-        "data": DataPart(t.stream),
-        "history": HistoryPart(t.history),
-        "callbacks": CallbacksPart(t.callbacks, t.control),
-    }
-    return RunCheckpoint(parts, t.dist, lambda: {"global_batch": _global_batch(t), "world_size": t.dist.world_size,
-                                                 "config": t.config.to_dict(),
-                                                 **({"frozen": frozen.header()} if frozen.trainable_only else {})})
+class Step(Protocol):
+    """The run's position (train/state.py's RunState): optimizer steps done."""
+
+    step: int
 
 
-def save_checkpoint(t, path: Path | None = None) -> Path | None:
+class Waiting(Protocol):
+    """What waiting for a save in flight needs: the writer, and where to record what it committed."""
+
+    last_checkpoint: str | None
+
+    @property
+    def checkpointer(self) -> DcpCheckpointer: ...
+
+
+class Place(Protocol):
+    """Where the run is: its folder, its step, its processes."""
+
+    @property
+    def run_dir(self) -> Path | None: ...
+    @property
+    def state(self) -> Step: ...
+    @property
+    def dist(self) -> DistInfo: ...
+
+
+class Checkpointed(Place, Protocol):
+    """What a save and a resume both read: the parts, the writer, the store, the weights."""
+
+    @property
+    def checkpoint(self) -> RunCheckpoint: ...
+    @property
+    def checkpointer(self) -> DcpCheckpointer: ...
+    @property
+    def store(self) -> CheckpointStore | None: ...
+    @property
+    def model(self) -> nn.Module: ...  # as trained: wrapped for DDP/FSDP or compiled
+    @property
+    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optimizer_set.py)
+
+
+class Saving(Waiting, Checkpointed, Protocol):
+    """What a save reads of the run; it records the path written in `last_checkpoint`."""
+
+    @property
+    def history(self) -> History: ...  # the last record's eval metrics pick the best checkpoint
+    @property
+    def is_main(self) -> bool: ...
+
+    def collect_step_totals(self) -> None:
+        """Fold the loss still on the device into the run state (raises on a non-finite one)."""
+
+
+class Resuming(Checkpointed, Protocol):
+    """What a resume reads of the run besides (`total_steps` and `warnings`: to say that nothing is left)."""
+
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def module(self) -> nn.Module: ...  # the plain module
+    @property
+    def optimizer_desc(self) -> str: ...
+    @property
+    def batch_size(self) -> int | None: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def warnings(self) -> list[str]: ...
+
+
+class Stopping(Waiting, Place, Protocol):
+    """What a stop (a signal, an error in user code) reads of the run: its `save_checkpoint` (the
+    Trainer's calls `save_checkpoint` below) writes the checkpoint, which is waited for."""
+
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def stream(self) -> BatchStream: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def loss(self) -> Callable[[nn.Module, Any], Any]: ...  # train/loss.py's LossRule: the note's forward
+
+    def save_checkpoint(self, path: Path | None = None) -> Path | None: ...
+
+
+class Signals(Protocol):
+    """The stop signal received (train/signals.py's StopSignals)."""
+
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def exit_code(self) -> int | None: ...
+    @property
+    def requested(self) -> int | None: ...
+
+
+def save_checkpoint(t: Saving, path: Path | None = None) -> Path | None:
     """Write a checkpoint: into the run's store (retention, hash, `latest`), or to `path`.
     The sharded format (several processes, or asked for) goes to `_save_sharded`."""
-    from gputrain.io.checkpoint import save_checkpoint
-
     if path is None and t.checkpointer.uses_dcp:
         return _save_sharded(t)
     start = time.perf_counter()
     t.collect_step_totals()  # the loss still on the device goes into the run state; never a non-finite one
-    state = t.state_dict()  # collective under DDP/FSDP: every rank takes part
+    state = t.checkpoint.state_dict()  # collective under DDP/FSDP: every rank takes part
     if t.is_main:
         try:
             if path is not None:
-                save_checkpoint(path, state)
+                write_checkpoint(path, state)
             else:
                 last = t.history.records[-1] if t.history.records else {}
                 metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-                path = t.store.save(state, t.state.step, metrics=metrics)
+                path = _store(t).save(state, t.state.step, metrics=metrics)
         except OSError as exc:  # a full disk, a vanished folder: the previous checkpoint is untouched
-            where = path or (t.run_dir / "checkpoints")
+            where = path or _store(t).folder
             previous = f"the previous checkpoint {t.last_checkpoint} is intact" if t.last_checkpoint else \
                 "no earlier checkpoint of this run exists"
             raise CheckpointError(f"could not write the checkpoint of step {t.state.step} to {where}: "
@@ -74,34 +157,42 @@ def save_checkpoint(t, path: Path | None = None) -> Path | None:
                                   f"and resume with --resume {t.run_dir}") from exc
     distributed.barrier(t.dist)
     if path is None:
-        path = t.store.latest_path()
+        path = _store(t).latest_path()
     t.last_checkpoint = str(path)
     t.checkpointer.record_file_save(t.state.step, time.perf_counter() - start)
     return path
 
 
-def _save_sharded(t) -> Path:
+def _store(t: Saving | Resuming) -> CheckpointStore:
+    if t.store is None:  # a run without a run directory writes a checkpoint only to a path it is given
+        raise CheckpointError("this run has no run directory (run_dir) to keep checkpoints in; give a path to save to")
+    return t.store
+
+
+def _save_sharded(t: Saving) -> Path:
     """Every rank writes its part of the model and optimizer (DCP) and its run state; rank 0
     commits. Asynchronous when asked: returns once the state is staged, `wait_for_saves` commits."""
     t.collect_step_totals()
     state = t.checkpoint.state_dict(weights=False)  # collective: every rank takes part
     last = t.history.records[-1] if t.history.records else {}
     metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-    path = t.checkpointer.save(t.store, t.state.step, distributed.unwrap(t.model), t.optimizer, state, metrics)
+    path = t.checkpointer.save(_store(t), t.state.step, distributed.unwrap(t.model), t.optimizer, state, metrics)
     if t.checkpointer.last_committed is not None:
         t.last_checkpoint = str(t.checkpointer.last_committed)
     return path
 
 
-def wait_for_saves(t) -> None:
+def wait_for_saves(t: Waiting) -> None:
     """The end of a run or a stop: an asynchronous save still writing is committed before going on."""
     committed = t.checkpointer.finish()
     if committed is not None:
         t.last_checkpoint = str(committed)
 
-def resume(t) -> None:
-    from gputrain.io.checkpoint import check_model_state
 
+def resume(t: Resuming) -> None:
+    """Resume from `config.resume`: a checkpoint's path, or True for the run directory's newest that
+    verifies (the store's order, every rank agreeing); check that it fits the model and the run, then
+    load every part."""
     if isinstance(t.config.resume, str):
         path = Path(t.config.resume)
         state = _load_run_state(t, path)
@@ -111,14 +202,14 @@ def resume(t) -> None:
             log.info("no checkpoint in %s: starting a new run", t.run_dir)
             return
         state, path = found
-    sharded = checkpoint_dcp.is_dcp(path)
-    check_model_state(checkpoint_dcp.saved_model_shapes(path) if sharded else _model_state(t, state, path), t.module,
+    in_shares = sharded.is_dcp(path)
+    check_model_state(sharded.saved_model_shapes(path) if in_shares else _model_state(t, state, path), t.module,
                       path=str(path))
     check_resumable(t, state, path)
-    if sharded:  # each rank reads its share, resharded to this job's process count
+    if in_shares:  # each rank reads its share, resharded to this job's process count
         t.checkpointer.load_weights(path, distributed.unwrap(t.model), t.optimizer)
         move_optimizer_state(t.optimizer, t.device)
-    t.checkpoint.load_state_dict(state, weights=not sharded)
+    t.checkpoint.load_state_dict(state, weights=not in_shares)
     log.info("resumed from %s at step %d", path, t.state.step)
     if t.state.step >= t.total_steps:
         done = (f"the checkpoint {path} is at step {t.state.step}, which already reaches this run's "
@@ -126,8 +217,8 @@ def resume(t) -> None:
         log.warning("%s", done)
         t.warnings.append(done)
 
-def _model_state(t, state: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (train/frozen.py)
+def _model_state(t: Resuming, state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (checkpoint/frozen.py)
     with the frozen base filled in from the model, once its fingerprint matched. Also refuses an
     optimizer state whose parameter groups are another weight-decay layout than this run's."""
     if "frozen" not in state:
@@ -143,7 +234,7 @@ def _model_state(t, state: dict[str, Any], path: Path) -> dict[str, Any]:
     return frozen.complete(state["model"])
 
 
-def _check_decay_groups(t, state: dict[str, Any], path: Path) -> None:
+def _check_decay_groups(t: Resuming, state: dict[str, Any], path: Path) -> None:
     """The default AdamW keeps biases and normalization weights in a group without weight decay
     (train/optim.py); a checkpoint written with one group for all (before that, or with
     weight_decay_groups=False) resumes only with the same layout, and the other way round."""
@@ -163,53 +254,44 @@ def _check_decay_groups(t, state: dict[str, Any], path: Path) -> None:
            "written with no weight decay on biases and normalization weights; resume with weight_decay_groups=True"))
 
 
-def _find_checkpoint(t) -> tuple[dict[str, Any], Path] | None:
+def _find_checkpoint(t: Resuming) -> tuple[dict[str, Any], Path] | None:
     """The newest checkpoint that verifies, with its state (a sharded one: this rank's run state)."""
     if not t.dist.enabled:
-        return t.store.load_latest()
-    path = t.checkpointer.find(t.store)  # collective: the ranks verify a sharded checkpoint's files in shares
+        return _store(t).load_latest()
+    path = t.checkpointer.find(_store(t))  # collective: the ranks verify a sharded checkpoint's files in shares
     return None if path is None else (_load_run_state(t, path), path)
 
 
-def _load_run_state(t, path: Path) -> dict[str, Any]:
-    from gputrain.io.checkpoint import load_checkpoint
-
-    if not checkpoint_dcp.is_dcp(path):
+def _load_run_state(t: Resuming, path: Path) -> dict[str, Any]:
+    if not sharded.is_dcp(path):
         return load_checkpoint(path)
-    state, used = checkpoint_dcp.read_run_state(path, t.dist.rank)
+    state, used = sharded.read_run_state(path, t.dist.rank)
     if used != t.dist.rank:  # written by fewer processes than this job has
         log.debug("%s has no run state of rank %d: it takes rank %d's (random-number state included)",
                   path, t.dist.rank, used)
     return state
 
 
-def _global_batch(t) -> int | None:
-    """Samples per optimizer step over all processes (the data's own batch size: a user DataLoader's);
-    None for an iterable whose batches are its own."""
-    batch = getattr(t, "batch_size", t.config.batch_size)
-    return None if batch is None else batch * t.config.accumulate * t.dist.world_size
-
-
-def check_resumable(t, state: dict, path: Path) -> None:
+def check_resumable(t: Resuming, state: dict, path: Path) -> None:
     """The data order depends on the seed and the global batch (per-process batch x accumulation x
     processes), so a run may resume with another process count if the global batch is kept."""
     saved_cfg = state.get("config", {})
     saved_global = (saved_cfg.get("batch_size", 0) * saved_cfg.get("accumulate", 1)
                     * int(state.get("world_size", 1)))
-    global_batch = t.config.batch_size * t.config.accumulate * t.dist.world_size
+    run_global = t.config.batch_size * t.config.accumulate * t.dist.world_size
     if "global_batch" in state:  # the data's own batch size (a user DataLoader's), saved since it exists
-        saved_global, global_batch = state["global_batch"], _global_batch(t)
-    if saved_cfg and saved_global != global_batch:
+        saved_global, run_global = state["global_batch"], global_batch(t.config, t.batch_size, t.dist.world_size)
+    if saved_cfg and saved_global != run_global:
         raise CheckpointError(
             f"{path}: the checkpoint was trained with a global batch of {saved_global} "
-            f"(batch_size x accumulate x processes) but this run has {global_batch}; an exact resume needs "
+            f"(batch_size x accumulate x processes) but this run has {run_global}; an exact resume needs "
             "the same global batch")
     if "seed" in saved_cfg and saved_cfg["seed"] != t.config.seed:
         raise CheckpointError(f"{path}: the checkpoint was trained with seed={saved_cfg['seed']} but this run "
                               f"has seed={t.config.seed}; an exact resume needs the same seed")
 
 
-def checkpoint_after_error(t, exc: BaseException) -> None:
+def checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
     """An error in user code (model, loss, data) after the first step: checkpoint the last
     finished step when its state is finite, and add a line saying where and how to resume."""
     st = t.state
@@ -231,9 +313,10 @@ def checkpoint_after_error(t, exc: BaseException) -> None:
         exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py
 
 
-def stop_for_signal(t, signals) -> None:
+def stop_for_signal(t: Stopping, signals: Signals, any_rank: Callable[[bool], bool]) -> None:
     """A stop signal came: checkpoint (every rank takes part; rank 0 writes), requeue a Slurm job that
-    asked for it, and raise StopRequested with how to resume."""
+    asked for it, and raise StopRequested with how to resume. `any_rank(flag)`: whether any rank's flag
+    is true (train/signals.py's agree_to_stop, a collective with several processes)."""
     st = t.state
     name = signals.name or "a stop signal (on another rank)"
     code = signals.exit_code or 143
@@ -243,7 +326,7 @@ def stop_for_signal(t, signals) -> None:
         from gputrain.runtime.slurm import requeue_after_stop
 
         # Slurm's SIGUSR1 before the time limit (on any rank): rank 0 puts a requeuable job back in the queue
-        requeue_after_stop(signals.requested, t.dist, any_rank=lambda flag: agree_to_stop(flag, t.dist))
+        requeue_after_stop(signals.requested, t.dist, any_rank=any_rank)
     resume = (f"resume with: gputrain fit ... --resume {t.run_dir} (from Python: the same fit(...) with "
               f"TrainConfig(..., run_dir={str(t.run_dir)!r}, resume=True))" if path
               else "nothing was saved (no run directory): set run_dir to make runs resumable")
