@@ -17,7 +17,7 @@ import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.data import Sharded, make_loader, take_part
 from gputrain.errors import ConfigError, DataError, StopRequested
-from gputrain.checkpoint.store import CheckpointStore
+from gputrain.checkpoint.store import CheckpointStore, step_of
 
 CPU = torch.device("cpu")
 
@@ -225,15 +225,63 @@ def test_a_sample_that_raises_names_the_batch_and_the_run_checkpoints_the_last_s
     assert CheckpointStore(run_dir).latest_path().name == "step-000006.pt"
 
 
+class RaisesAt(nn.Module):
+    """`net`, raising `error` at its `at`-th call: where torch's SIGCHLD handler, or a worker's reset
+    connection, reaches the main process inside the step."""
+
+    def __init__(self, net, at, error):
+        super().__init__()
+        self.net, self.at, self.error, self.calls = net, at, error, 0
+
+    def forward(self, inputs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return self.net(inputs)
+
+
 def test_a_worker_that_dies_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path):
+    """torch reports the death as the SIGCHLD handler's RuntimeError, or, when the main process was
+    reading the batch the worker had queued, as a reset connection first and the handler's error
+    later, inside gputrain's checkpoint after the error (seen on a loaded machine): either way the
+    error says the worker exited, names the batch, and the last step is checkpointed."""
     loader = DataLoader(Breaks(bad=50, how="exit"), batch_size=8, num_workers=2)
     run_dir = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="exited unexpectedly") as info:
+    with pytest.raises((RuntimeError, ConnectionResetError)) as info:
         fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20,
                                                                            run_dir=str(run_dir)))
     notes = "\n".join(info.value.__notes__)
+    assert "exited unexpectedly" in f"{info.value}\n{notes}"
     assert "loading batch" in notes and "of epoch 0" in notes and "a checkpoint of step" in notes
     assert CheckpointStore(run_dir).latest_path() is not None
+
+
+def test_a_worker_death_reported_during_the_checkpoint_after_an_error_is_said_and_the_save_done(tmp_path):
+    """torch's SIGCHLD handler raises where the main process is: after the error a dead worker
+    caused, it can land inside gputrain's checkpoint after the error (here, as the handler would, in
+    the save). That report becomes a line of the first error and the checkpoint is written."""
+    x, y = data(96)
+    model = mlp()
+
+    class HandlerFires(gputrain.Callback):
+        fired = False
+
+        def on_checkpoint_save(self, run):
+            if not self.fired:
+                self.fired = True
+                raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly with exit code 3. Details "
+                                   "are lost due to multiprocessing.")
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConnectionResetError) as info:
+        fit(RaisesAt(model, 4, ConnectionResetError(104, "Connection reset by peer")),
+            DataLoader(TensorDataset(x, y), batch_size=8), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cpu", steps=20, run_dir=str(run_dir)), callbacks=[HandlerFires()])
+    notes = info.value.__notes__
+    assert notes[0] == "gputrain: DataLoader worker (pid 4242) exited unexpectedly with exit code 3. Details are " \
+                       "lost due to multiprocessing."
+    assert "a checkpoint of step 3 is at" in notes[-1] and len(notes) == 2
+    assert step_of(CheckpointStore(run_dir).latest_path()) == 3
 
 
 def test_a_worker_death_reported_inside_the_step_still_names_the_batches(tmp_path):
@@ -242,20 +290,10 @@ def test_a_worker_death_reported_inside_the_step_still_names_the_batches(tmp_pat
     x, y = data(96)
     model = mlp()
 
-    class Dies(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net, self.calls = model, 0
-
-        def forward(self, inputs):
-            self.calls += 1
-            if self.calls == 4:
-                raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
-            return self.net(inputs)
-
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="exited unexpectedly") as info:
-        fit(Dies(), DataLoader(TensorDataset(x, y), batch_size=8), loss_fn=nn.CrossEntropyLoss(),
+        fit(RaisesAt(model, 4, RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")),
+            DataLoader(TensorDataset(x, y), batch_size=8), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=20, run_dir=str(run_dir)))
     notes = "\n".join(info.value.__notes__)
     assert "loading batch 3 of epoch 0 or one after it" in notes and "a checkpoint of step 3" in notes

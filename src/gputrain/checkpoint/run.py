@@ -294,6 +294,23 @@ def check_resumable(t: Resuming, state: dict, path: Path) -> None:
 def checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
     """An error in user code (model, loss, data) after the first step: checkpoint the last
     finished step when its state is finite, and add a line saying where and how to resume."""
+    kept = len(getattr(exc, "__notes__", ()))
+    try:
+        _checkpoint_after_error(t, exc)
+    except RuntimeError as late:
+        if late is exc or not _lost_worker(late):
+            raise
+        # torch's SIGCHLD handler reports a dead DataLoader worker wherever the main process is, once:
+        # after the error the death caused (the connection to the worker's queue reset mid-batch) it
+        # can land in here, in a save (which then writes nothing: writes are whole or absent) or
+        # anywhere else. Said with the error, and done again.
+        if hasattr(exc, "__notes__"):
+            del exc.__notes__[kept:]
+        exc.add_note(f"gputrain: {str(late).splitlines()[0]}")
+        _checkpoint_after_error(t, exc)
+
+
+def _checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
     st = t.state
     where = user_frame(exc)
     saved = None
@@ -303,6 +320,8 @@ def checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
         try:
             saved = t.save_checkpoint()
         except Exception as save_exc:  # a non-finite state, a full disk: the error stays the first one
+            if _lost_worker(save_exc):
+                raise
             log.warning("no checkpoint after the error: %s", save_exc)
     how = (f"a checkpoint of step {st.step} is at {saved}: fix the cause and resume with --resume {t.run_dir}"
            if saved else "no checkpoint was written after the error"
@@ -311,6 +330,11 @@ def checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
         exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py
+
+
+def _lost_worker(exc: BaseException) -> bool:
+    """torch's report of a DataLoader worker that died (raised by its SIGCHLD handler)."""
+    return isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc) and "exited unexpectedly" in str(exc)
 
 
 def stop_for_signal(t: Stopping, signals: Signals, any_rank: Callable[[bool], bool]) -> None:
