@@ -136,6 +136,33 @@ def test_a_sharded_save_leaves_the_warning_filters_as_it_found_them(tmp_path, as
     assert store.verify(store.latest_path()) is True
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_sharded_save_that_cannot_write_is_one_line_and_the_previous_checkpoint_stays(tmp_path, monkeypatch,
+                                                                                         async_save):
+    """A full disk while DCP writes (synchronously, or in its writer thread, seen at the next wait):
+    CheckpointError names the step, the folder, the cause and the intact previous checkpoint."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    store = CheckpointStore(tmp_path)
+    writer = DcpCheckpointer(SINGLE, torch.device("cpu"), "dcp", async_save=async_save)
+    first = _save(store, 1, writer)
+
+    def full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    model, optimizer = _model_and_optimizer(2.0)
+    with pytest.raises(CheckpointError) as info:
+        writer.save(store, 2, model, optimizer, {"step": 2, "run": {"step": 2}}, None)
+        writer.wait()
+    writer.close()
+    assert str(info.value).startswith(f"could not write the checkpoint of step 2 to {store.folder}: ")
+    assert ": rank 0: [Errno 28] No space left on device; " in str(info.value)  # DCP's error unwrapped
+    assert str(info.value).endswith(f"the previous checkpoint {first} is intact. Free space (or choose another "
+                                    f"--run-dir) and resume with --resume {store.run_dir}")
+    assert store.latest_path() == first and store.verify(first) is True
+
+
 def test_a_staging_folder_is_never_taken_for_a_checkpoint_and_the_next_save_clears_it(tmp_path):
     store = CheckpointStore(tmp_path)
     _save(store, 1)

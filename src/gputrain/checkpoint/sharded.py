@@ -184,7 +184,28 @@ def load_weights(path: str | os.PathLike, module: nn.Module, optimizer: torch.op
         with single_process_quiet(no_dist):
             load(state, storage_reader=FileSystemReader(str(path)), process_group=process_group,
                      no_dist=no_dist)
-    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException / RuntimeError with its own words
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot load the model and optimizer state: {first}") from exc
+    except dcp_errors() as exc:  # DCP raises CheckpointException / RuntimeError with its own words
+        raise CheckpointError(f"{path}: cannot load the model and optimizer state: {dcp_cause(exc)}") from exc
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP's save and load raise: any error, and its CheckpointException (every rank's errors in one),
+    which is a BaseException, not an Exception (an `except Exception` lets a full disk through)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def dcp_cause(exc: BaseException) -> str:
+    """The first line of what went wrong: for DCP's CheckpointException ("CheckpointException
+    ranks:dict_keys([0])") the first failing rank's own error, e.g. "rank 0: [Errno 28] No space left
+    on device"."""
+    failures = getattr(exc, "failures", None)  # {rank: (the rank's exception, its stack)}
+    if isinstance(failures, dict) and failures:
+        rank, failure = min(failures.items())
+        error = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(error, BaseException):
+            return f"rank {rank}: {dcp_cause(error)}"
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

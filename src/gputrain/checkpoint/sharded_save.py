@@ -163,7 +163,7 @@ class DcpCheckpointer:
             with sharded.single_process_quiet(self.no_dist):
                 save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(),
                      no_dist=self.no_dist)
-        except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's error in its CheckpointException
+        except sharded.dcp_errors() as exc:  # DCP wraps every rank's error in its CheckpointException
             raise self._failed(step, store, exc) from exc
         path = self._commit(None, staging, step, digests, store, metrics, timing, start)
         timing.blocked_s = time.perf_counter() - start
@@ -265,8 +265,8 @@ class DcpCheckpointer:
     def _failed(self, step: int, store, exc: BaseException) -> CheckpointError:
         previous = (f"the previous checkpoint {self.last_committed} is intact" if self.last_committed
                     else "no earlier checkpoint of this run was written")
-        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        return CheckpointError(f"could not write the checkpoint of step {step} to {store.folder}: {text}; {previous}. "
+        return CheckpointError(f"could not write the checkpoint of step {step} to {store.folder}: "
+                               f"{sharded.dcp_cause(exc)}; {previous}. "
                                f"Free space (or choose another --run-dir) and resume with --resume {store.run_dir}")
 
     def _gather(self, digests: dict[str, str]) -> list[dict[str, str]]:
