@@ -149,6 +149,41 @@ def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
     assert json.loads(stdout)["summary"]["final_eval_loss"] == study.best_value
 
 
+def test_sigterm_to_the_sweep_stops_its_workers_and_exits_143_leaving_the_trials_to_run_again(tmp_path):
+    """A job scheduler's SIGTERM to the sweep (not to its process group): the sweep passes it on, each
+    worker checkpoints its trial and marks it interrupted, the sweep exits 128 + SIGTERM, and the
+    interrupted trials wait in the study for a resume."""
+    from optuna.trial import TrialState
+
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    sweep_dir = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "sweep", "--config", str(tmp_path / "sweep.toml"),
+                             "--sweep-dir", str(sweep_dir)], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:  # SIGTERM with a trial running
+            if proc.poll() is not None:
+                pytest.fail(f"the sweep ended before the signal: {proc.stderr.read()[-2000:]}")
+            if (sweep_dir / "study.db").exists() and TrialState.RUNNING in [t.state for t in _trials(sweep_dir)]:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("no trial started in 240 s")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-2000:]
+    assert "sweep stopped; the running trials will run again when you resume it" in err
+    trials = _trials(sweep_dir)
+    assert TrialState.RUNNING not in [t.state for t in trials]  # every worker marked its trial before exiting
+    assert any(t.state == TrialState.FAIL and "error" not in t.user_attrs for t in trials), \
+        [(t.number, t.state, t.user_attrs) for t in trials]
+
+
 # ---------------------------------------------------------------- from Python, resumed with a larger budget, refusals
 
 

@@ -126,13 +126,13 @@ def run_worker(sweep_dir: Path, index: int) -> int:
                 return 0
             trial = study.ask(distributions)
         run_dir = studies.trial_dir(sweep_dir, trial.number)
-        top, tables = trial_tree(rc, settings, trial.params)
-        write_text(run_dir / CONFIG_FILE, dumps(top, tables, header=[
-            f"trial {trial.number} of the sweep in {sweep_dir}: its parameters over the sweep's run config"]))
-        with lock():
-            trial.set_user_attr("run_dir", str(run_dir.relative_to(sweep_dir)))
         reporter = TrialReporter(trial, settings.metric, lock)
-        try:
+        try:  # from the ask on: a stop signal before the run starts marks the trial too
+            top, tables = trial_tree(rc, settings, trial.params)
+            write_text(run_dir / CONFIG_FILE, dumps(top, tables, header=[
+                f"trial {trial.number} of the sweep in {sweep_dir}: its parameters over the sweep's run config"]))
+            with lock():
+                trial.set_user_attr("run_dir", str(run_dir.relative_to(sweep_dir)))
             train_trial(run_dir, reporter)
         except (StopRequested, KeyboardInterrupt) as exc:  # interrupted: failed now, queued again on resume
             with lock():
