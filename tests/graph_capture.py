@@ -38,6 +38,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gputrain.diagnostics.syncs import host_read
+from gputrain.runtime import torch_compat
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write, also through a view), or None."""
+    return torch_compat.tensor_version(t) if torch_compat.tensor_version is not None else None
 
 # Output tensors of these ops hold no defined values: nothing to copy on replay.
 _UNDEFINED = frozenset(op for op in (getattr(torch.ops.aten, n, None) for n in (
@@ -93,7 +99,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[_Op] = []
         self.made: set[int] = set()  # ids of tensors the capture made (alive: the ops hold them)
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor from before, its contents then)
+        # (tensor from before, its contents then, its version counter then)
+        self.saved: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
         self._saved_ids: set[int] = set()
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
 
@@ -107,7 +114,7 @@ class _Recorder(TorchDispatchMode):
         for t in _tensors((args, kwargs)):
             if id(t) not in self.made and id(t) not in self._saved_ids:
                 self._saved_ids.add(id(t))
-                self.saved.append((t, t.detach().clone()))
+                self.saved.append((t, t.detach().clone(), _version(t)))
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and id(gen) not in self.generators:
             self.generators[id(gen)] = (gen, gen.get_state())
@@ -125,7 +132,9 @@ class _Recorder(TorchDispatchMode):
         that the earliest copy of memory seen through several views wins), and the generators
         their state: CUDA's capture launches nothing."""
         with torch.no_grad():
-            for t, before in reversed(self.saved):
+            for t, before, version in reversed(self.saved):
+                if version is not None and _version(t) == version and torch.equal(t, before):
+                    continue  # not written: left as it is, its version counter too (graphs.py reads it)
                 if t.is_contiguous() or t.stride().count(0) == 0:  # an expanded view cannot be written
                     t.copy_(before)
         for gen, state in self.generators.values():

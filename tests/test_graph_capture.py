@@ -46,6 +46,19 @@ def test_capture_launches_nothing_and_replay_runs_the_recorded_ops():
     assert torch.equal(w, torch.full((4,), -1.0))
 
 
+def test_capture_leaves_the_tensors_it_only_reads_untouched_version_counters_included():
+    """A tensor the step only reads keeps its version counter through capture, as on CUDA:
+    train/graphs.py compares the batch buffers' counters to see whether the step writes its own
+    inputs (then it copies every batch in); one the step writes gets its contents back."""
+    from graph_capture import _version
+
+    w, x = torch.ones(4), torch.full((4,), 2.0)
+    read_before, written_before = _version(x), _version(w)
+    _capture(lambda: w.mul_(x))
+    assert _version(x) == read_before and torch.equal(x, torch.full((4,), 2.0))
+    assert _version(w) != written_before and torch.equal(w, torch.ones(4))
+
+
 def test_python_numbers_and_python_branches_are_frozen_at_capture():
     w = torch.zeros(3)
     state = {"lr": 1.0, "steps": 0}

@@ -26,6 +26,7 @@ from torch import nn
 import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.data.splits import DataSplits
+from torch.utils.data import DataLoader, Dataset
 from gputrain.diagnostics.syncs import watch_host_reads
 from gputrain.train.trainer import Trainer
 
@@ -68,6 +69,19 @@ class DictNet(nn.Module):
 
     def forward(self, features, labels):
         return {"loss": F.cross_entropy(self.net(features), labels)}
+
+
+class Rows(Dataset):
+    """Samples one by one (no columns gputrain could keep on the device): batches arrive from the host."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
 
 
 def _images():
@@ -123,6 +137,8 @@ CELLS = {
     "dropout and batch norm": ({"model": BatchNormNet}, "on"),
     "resident images, assembled and augmented in the graph": (
         {"model": _convnet, "data": _images, "loss_fn": nn.CrossEntropyLoss()}, "on"),
+    "a user's DataLoader, batches copied into the graph's buffers": (
+        {"data": lambda: DataLoader(Rows(*data(256)), batch_size=16, shuffle=True)}, "on"),
     "dict batches, the model's own loss": (
         {"model": DictNet, "data": lambda: dict(zip(("features", "labels"), data())), "loss_fn": None}, "on"),
     "dict batches with a text leaf": (

@@ -55,10 +55,13 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             perm = torch.arange(self.n)
         if self.world_size > 1:
             perm = perm[self.rank :: self.world_size][: self.per_rank]
+        # Read once per epoch (a view of the host tensor, no copy), then sliced as numpy: a batch's
+        # indices cost no torch op per step (and no host read for the sentinel of diagnostics/syncs.py).
+        order = perm.numpy()
         B = self.batch_size
         stop = len(self) * B if self.drop_last else self.per_rank
         for lo in range(self.start_batch * B, stop, B):
-            yield perm[lo : min(lo + B, stop)].tolist()
+            yield order[lo : min(lo + B, stop)].tolist()
 
 
 class ColumnsByIndex(Dataset):
