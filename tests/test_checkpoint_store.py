@@ -494,3 +494,20 @@ def test_a_write_removes_only_the_temp_files_of_writers_that_are_gone(tmp_path):
     finally:
         live.kill()
     assert left == {"x.npz", names["live"], names["other host"], names["unowned"]}
+
+
+def test_two_files_of_one_step_count_once_the_canonical_name_or_the_one_latest_names(tmp_path):
+    """step-5.pt beside step-000005.pt (written by hand, or by another tool): one checkpoint of step 5,
+    the canonical name, unless `latest` names the other; a file and a folder of one step: the one
+    `latest` names."""
+    store = CheckpointStore(tmp_path)
+    canonical = store.save(_state(5), 5)
+    odd = store.folder / "step-5.pt"
+    odd.write_bytes(canonical.read_bytes())
+    assert store.list() == [canonical]
+    (store.folder / "latest").write_text(odd.name)
+    assert store.list() == [odd]
+    folder = store.folder / "step-000005.dcp"
+    folder.mkdir()
+    (store.folder / "latest").write_text(folder.name)
+    assert store.list() == [folder]

@@ -198,3 +198,18 @@ def test_the_readmes_streaming_example_runs_and_is_the_one_in_the_readme(capsys)
     printed = capsys.readouterr().out
     assert "steps 60" in printed  # 25 steps, stopped, then resumed to 60
     assert float(re.search(r"next-token accuracy ([0-9.]+)", printed).group(1)) >= 0.9, printed
+
+
+def test_hf_rows_read_one_row_or_a_batch_of_rows_by_any_integer_index():
+    """HFRows, the Dataset a collate_fn run reads: one row by a tensor or numpy index (a sampler's,
+    which a datasets.Dataset refuses as such), and a batch of rows in one read, the same rows."""
+    import numpy as np
+
+    from gputrain.data.hf import HFRows
+
+    ds = datasets.Dataset.from_dict({"ids": [[1, 2], [3], [4, 5, 6]], "label": [0, 1, 0]})
+    rows = HFRows(ds)
+    assert len(rows) == 3
+    assert rows[torch.tensor(2)] == rows[np.int64(2)] == {"ids": [4, 5, 6], "label": 0}
+    assert rows.__getitems__([torch.tensor(1), 0]) == [rows[1], rows[0]] == [{"ids": [3], "label": 1},
+                                                                            {"ids": [1, 2], "label": 0}]

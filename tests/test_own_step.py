@@ -326,3 +326,35 @@ def test_the_readme_shows_the_examples_gan_step():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert inspect.getsource(examples.gan_step).strip() in readme
+
+
+def test_zero_grad_clears_the_named_optimizers_gradients_only():
+    """step.zero_grad(name) drops what earlier backwards left on that optimizer's parameters: a step
+    that backwards a throw-away loss, clears, then backwards the real one trains exactly as a step
+    of the real loss alone; the other optimizer's gradients are kept."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+    def run(clear: bool):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 1), "b": nn.Linear(4, 1)})
+        kept = {}
+
+        def step_fn(step, batch):
+            (xb,) = batch
+            if clear:
+                step.backward(step.model["a"](xb).pow(3).mean() + step.model["b"](xb).mean())  # thrown away for "a"
+                step.zero_grad("a")
+                kept["b"] = step.model["b"].weight.grad is not None
+            loss = step.model["a"](xb).pow(2).mean()
+            step.backward(loss)
+            step.step("a")
+            return loss
+
+        optimizers = {"a": lambda m: torch.optim.SGD(m["a"].parameters(), lr=0.1),
+                      "b": lambda m: torch.optim.SGD(m["b"].parameters(), lr=0.1)}
+        fit(model, (x,), step_fn=step_fn, optimizer=optimizers, config=TrainConfig(**{**CFG, "steps": 3}))
+        return params(model["a"]), kept
+
+    cleared, kept = run(True)
+    alone, _ = run(False)
+    assert torch.equal(cleared, alone) and kept == {"b": True}

@@ -363,3 +363,23 @@ def test_readme_examples_run_and_are_the_ones_in_the_readme(name, section, tmp_p
     printed = capsys.readouterr().out
     accuracy = float(re.search(r"eval accuracy ([0-9.]+)", printed).group(1))
     assert accuracy >= 0.9, printed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="needs onnx (pip install 'gputrain[export]')")
+@pytest.mark.parametrize("example, says", [
+    ((torch.zeros(4, 3), torch.ones(4, dtype=torch.long)), "(4, 3) float32, (4,) int64"),
+    ({"features": torch.zeros(2, 5)}, "features (2, 5)"),
+])
+def test_a_model_that_raises_before_the_onnx_export_keeps_its_error_and_names_the_inputs(example, says, tmp_path):
+    """The model's own forward failing on the example inputs is the model's error, kept as raised, with
+    a note of the inputs it was given; nothing is written."""
+    from gputrain.io.export import export_onnx
+
+    class Fails(nn.Module):
+        def forward(self, *args, **kwargs):
+            raise ValueError("the model's own bug")
+
+    with pytest.raises(ValueError, match="the model's own bug") as info:
+        export_onnx(Fails(), example, tmp_path / "model.onnx")
+    assert f"from its workload's data ({says}), before the ONNX export" in "\n".join(info.value.__notes__)
+    assert list(tmp_path.iterdir()) == []

@@ -482,8 +482,5 @@ class Trainer:
 
     # ------------------------------------------------------------ reporting (train/run_summary.py)
 
-    def decisions(self) -> list[dict[str, str]]:
-        return run_summary.decisions(self)
-
     def graph_status(self) -> str:
         return run_summary.graph_status(self.graphed, self.speed)
