@@ -242,16 +242,17 @@ class RaisesAt(nn.Module):
 
 def test_a_worker_that_dies_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path):
     """torch reports the death as the SIGCHLD handler's RuntimeError, or, when the main process was
-    reading the batch the worker had queued, as a reset connection first and the handler's error
-    later, inside gputrain's checkpoint after the error (seen on a loaded machine): either way the
-    error says the worker exited, names the batch, and the last step is checkpointed."""
+    reading the batch the worker had queued, as a reset connection (seen on a loaded machine; the
+    handler's own report then comes wherever the main process is, or not at all): either way the
+    error names the batch, and the last step is checkpointed."""
     loader = DataLoader(Breaks(bad=50, how="exit"), batch_size=8, num_workers=2)
     run_dir = tmp_path / "run"
     with pytest.raises((RuntimeError, ConnectionResetError)) as info:
         fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20,
                                                                            run_dir=str(run_dir)))
     notes = "\n".join(info.value.__notes__)
-    assert "exited unexpectedly" in f"{info.value}\n{notes}"
+    if isinstance(info.value, RuntimeError):
+        assert "exited unexpectedly" in str(info.value)
     assert "loading batch" in notes and "of epoch 0" in notes and "a checkpoint of step" in notes
     assert CheckpointStore(run_dir).latest_path() is not None
 
