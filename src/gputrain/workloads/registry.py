@@ -111,33 +111,25 @@ def mnist1d_gru() -> Workload:
 
 
 def linear_regression(n: int = 1000) -> Workload:
-    n = _as_int("n", n)
-    n_test = max(1, n // 5)
-    return Workload(
-        name="linear-regression",
-        description="Linear(10, 1) on y = x @ w + b + noise (MSE; the noise floor is 0.01)",
-        make_data=partial(datasets.make_linear_regression, n=n, n_test=n_test),
-        make_model=models.LinearRegression,
-        loss_fn=nn.MSELoss(),
-        task="regression",
-        defaults={"batch_size": 32, "epochs": 20, "lr": 3e-2, "schedule": "cosine", "log_every": 50},
-        data_summary=_summary("synthetic, seeded", n, n_test, (10,), "float32"),
-    )
+    return _synthetic("linear-regression", "Linear(10, 1) on y = x @ w + b + noise (MSE; the noise floor is 0.01)",
+                      datasets.make_linear_regression, n, (10,), models.LinearRegression, nn.MSELoss(), "regression",
+                      {"batch_size": 32, "epochs": 20, "lr": 3e-2, "schedule": "cosine", "log_every": 50})
 
 
 def mlp_binary(n: int = 10000) -> Workload:
+    return _synthetic("mlp-binary", "MLP 20-64-32-1 on y = (x.sum(1) > 0), BCEWithLogitsLoss", datasets.make_binary,
+                      n, (20,), models.BinaryMLP, nn.BCEWithLogitsLoss(), "binary",
+                      {"batch_size": 64, "epochs": 5, "lr": 1e-3, "log_every": 50})
+
+
+def _synthetic(name: str, description: str, make: Callable[..., Any], n: Any, features: tuple[int, ...],
+               make_model: Callable[[], nn.Module], loss_fn: nn.Module, task: str, defaults: dict[str, Any]) -> Workload:
+    """A seeded synthetic data set of n float32 samples (a fifth as many for testing) and its model."""
     n = _as_int("n", n)
     n_test = max(1, n // 5)
-    return Workload(
-        name="mlp-binary",
-        description="MLP 20-64-32-1 on y = (x.sum(1) > 0), BCEWithLogitsLoss",
-        make_data=partial(datasets.make_binary, n=n, n_test=n_test),
-        make_model=models.BinaryMLP,
-        loss_fn=nn.BCEWithLogitsLoss(),
-        task="binary",
-        defaults={"batch_size": 64, "epochs": 5, "lr": 1e-3, "log_every": 50},
-        data_summary=_summary("synthetic, seeded", n, n_test, (20,), "float32"),
-    )
+    return Workload(name=name, description=description, make_data=partial(make, n=n, n_test=n_test),
+                    make_model=make_model, loss_fn=loss_fn, task=task, defaults=defaults,
+                    data_summary=_summary("synthetic, seeded", n, n_test, features, "float32"))
 
 
 _CIFAR_DEFAULTS = {"batch_size": 64, "epochs": 10, "lr": 1e-3, "weight_decay": 0.01, "schedule": "cosine",
