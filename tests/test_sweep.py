@@ -149,6 +149,7 @@ def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
     assert json.loads(stdout)["summary"]["final_eval_loss"] == study.best_value
 
 
+@needs_optuna
 def test_sigterm_to_the_sweep_stops_its_workers_and_exits_143_leaving_the_trials_to_run_again(tmp_path):
     """A job scheduler's SIGTERM to the sweep (not to its process group): the sweep passes it on, each
     worker checkpoints its trial and marks it interrupted, the sweep exits 128 + SIGTERM, and the
