@@ -10,7 +10,8 @@ from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.runtime import host_memory
-from gputrain.runtime.host_memory import ADVISE_FROM_SHARE, TUNABLES, allocator_advice, faults_per_step
+from gputrain.runtime.host_memory import (ADVISE_FROM_SHARE, MEASURE_FROM_STEPS, TERMINAL_FROM_SHARE, TUNABLES,
+                                          allocator_advice, faults_per_step, steps_measured)
 
 
 def _records(counts, every=5):
@@ -27,6 +28,9 @@ def test_faults_a_step_are_the_steps_own_the_first_interval_left_out_when_there_
     assert faults_per_step(recs) == 10.0  # (20 + 40) / (2 + 4)
     # A resumed run: only the log points after its start, the first interval from the resume step.
     assert faults_per_step(recs, start_step=4) == 10.0 and faults_per_step(recs, start_step=6) == 10.0
+    # The steps that measured it: those after the first interval; none when there was one interval.
+    assert steps_measured(recs) == 6 and steps_measured(recs, start_step=6) == 0
+    assert steps_measured(_records([500])) == 0 and steps_measured(_records([9_000, 100, 300])) == 10
 
 
 @pytest.fixture
@@ -40,27 +44,35 @@ def glibc(monkeypatch):
 
 def test_the_advice_needs_faults_that_matter_for_the_step_and_says_this_runs_figures(glibc, monkeypatch):
     # 1,000 faults a step at 1 us each: 1 ms of a 10 ms step (10%): said, with the figures.
-    advice = allocator_advice(1000.0, 0.010, 1e-6)
-    assert advice is not None and advice.startswith("the training steps took 1,000 minor page faults each")
+    advice = allocator_advice(1000.0, 0.010, 40, 1e-6)
+    assert advice is not None and not advice.in_terminal  # 10% of a step: report.html only
+    advice = advice.text
+    assert advice.startswith("the training steps took 1,000 minor page faults each")
     assert "1.00 us" in advice and "1.00 ms of each 10.00 ms step (10%)" in advice and TUNABLES in advice
     assert "1.08x" not in advice and "text model" not in advice  # another run's measurement is not quoted
     assert "trims its heap" not in advice and "can give a step's freed memory back" in advice  # not stated as fact
     # The same faults in a 1 s step (0.1%), or too few to measure: nothing to say.
-    assert allocator_advice(1000.0, 1.0, 1e-6) is None
+    assert allocator_advice(1000.0, 1.0, 40, 1e-6) is None
     share_just_below = ADVISE_FROM_SHARE * 0.99
-    assert allocator_advice(1000.0, 1000.0 * 1e-6 / share_just_below, 1e-6) is None
-    assert allocator_advice(1000.0, 1000.0 * 1e-6 / (ADVISE_FROM_SHARE * 1.01), 1e-6) is not None
-    assert allocator_advice(8.0, 1e-6, 1e-6) is None and allocator_advice(None, 0.01) is None
-    assert allocator_advice(1000.0, None, 1e-6) is None
+    assert allocator_advice(1000.0, 1000.0 * 1e-6 / share_just_below, 40, 1e-6) is None
+    assert allocator_advice(1000.0, 1000.0 * 1e-6 / (ADVISE_FROM_SHARE * 1.01), 40, 1e-6) is not None
+    assert allocator_advice(8.0, 1e-6, 40, 1e-6) is None and allocator_advice(None, 0.01, 40) is None
+    assert allocator_advice(1000.0, None, 40, 1e-6) is None
+    # Counted over too few steps (the first log interval alone, or a short run): no measurement.
+    assert allocator_advice(1000.0, 0.010, MEASURE_FROM_STEPS - 1, 1e-6) is None
+    assert allocator_advice(1000.0, 0.010, MEASURE_FROM_STEPS, 1e-6) is not None
+    # Faulting a quarter of each step or more: the terminal as well.
+    assert allocator_advice(1000.0, 1000 * 1e-6 / TERMINAL_FROM_SHARE, 40, 1e-6).in_terminal
+    assert not allocator_advice(1000.0, 1000 * 1e-6 / (TERMINAL_FROM_SHARE * 0.99), 40, 1e-6).in_terminal
     # The allocator set already: another libc, the thresholds fixed, a preloaded allocator.
     monkeypatch.setenv("GLIBC_TUNABLES", TUNABLES)
-    assert allocator_advice(1000.0, 0.010, 1e-6) is None
+    assert allocator_advice(1000.0, 0.010, 40, 1e-6) is None
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert allocator_advice(1000.0, 0.010, 1e-6) is None
+    assert allocator_advice(1000.0, 0.010, 40, 1e-6) is None
     monkeypatch.delenv("LD_PRELOAD")
     monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("", ""))  # musl, or not Linux
-    assert allocator_advice(1000.0, 0.010, 1e-6) is None
+    assert allocator_advice(1000.0, 0.010, 40, 1e-6) is None
 
 
 def test_a_fault_is_measured_on_this_machine():
@@ -127,14 +139,14 @@ def test_evaluations_checkpoints_and_tracker_writes_stay_out_of_the_steps_faults
     assert all(r["step_page_faults"] == 7 * (r["step"] - prev)
                for prev, r in zip([0] + [r["step"] for r in h.records], h.records))
     assert h.summary["host_page_faults_per_step"] == 7.0
-    assert not [w for w in h.summary["warnings"] if "page faults" in w]
+    assert not [w for w in h.summary["warnings"] + h.summary["advice"] if "page faults" in w]
 
 
 def test_steps_that_do_not_fault_get_no_advice_however_much_the_evaluations_fault(monkeypatch, glibc):
     monkeypatch.setattr(host_memory, "fault_seconds", lambda *a, **k: 1e-3)  # a slow fault: any count would matter
     h = _fit_counted(monkeypatch, _Faults(per_step=0, per_eval=5_000_000))
     assert h.summary["host_page_faults_per_step"] == 0.0
-    assert not [w for w in h.summary["warnings"] if "page faults" in w]
+    assert not [w for w in h.summary["warnings"] + h.summary["advice"] if "page faults" in w]
 
 
 def test_steps_that_fault_enough_for_their_length_get_the_advice_once_with_this_runs_figures(monkeypatch, glibc,
@@ -144,14 +156,16 @@ def test_steps_that_fault_enough_for_their_length_get_the_advice_once_with_this_
     s = h.summary
     assert s["host_page_faults_per_step"] == 2000.0
     step_s = s["samples"] / s["steps"] / s["samples_per_s"]
-    advice = allocator_advice(2000.0, step_s, 1e-3)
-    assert advice is not None and [w for w in s["warnings"] if "page faults" in w] == [advice]
-    assert "2,000 minor page faults each" in advice and "1000.00 us" in advice
+    advice = allocator_advice(2000.0, step_s, 20, 1e-3)
+    assert advice is not None and advice.in_terminal  # 2 s of faulting a step
+    advice = advice.text
+    assert s["advice"] == [advice] and not [w for w in s["warnings"] if "page faults" in w]
+    assert "2,000 minor page faults each" in advice and "1000.00 us" in advice and "20 steps counted" in advice
     assert [r.getMessage() for r in caplog.records if "page faults" in r.getMessage()] == [advice]
     # The same run with a fault as cheap as 1 ps: faulting is no share of the step, nothing said.
     monkeypatch.setattr(host_memory, "fault_seconds", lambda *a, **k: 1e-12)
     h = _fit_counted(monkeypatch, _Faults(per_step=2_000, per_eval=0))
-    assert not [w for w in h.summary["warnings"] if "page faults" in w]
+    assert not [w for w in h.summary["warnings"] + h.summary["advice"] if "page faults" in w]
 
 
 def test_a_run_counts_real_faults_at_log_points():
@@ -178,4 +192,33 @@ def test_a_resumed_run_counts_only_its_own_log_points(tmp_path, monkeypatch):
     # Each read 100 apart; a log point reads twice (its count, then the mark after its work): the
     # steps of each interval after the first saw 100 faults, over 5 steps.
     assert h.summary["host_page_faults_per_step"] == 20.0
-    assert not [w for w in h.summary["warnings"] if "page faults" in w]
+    assert not [w for w in h.summary["warnings"] + h.summary["advice"] if "page faults" in w]
+
+
+def test_a_run_too_short_to_measure_gets_no_advice_however_it_faults(monkeypatch, glibc, caplog):
+    """A one-step toy fit, and a run of one log interval: the faults counted hold the run's first
+    allocations, a measurement that cannot carry advice; nothing in the summary, report or terminal."""
+    monkeypatch.setattr(host_memory, "fault_seconds", lambda *a, **k: 1e-3)
+    for steps, every in ((1, 1), (24, 24)):
+        h = _fit_counted(monkeypatch, _Faults(per_step=50_000, per_eval=0), steps=steps, log_every=every)
+        assert h.summary["host_page_faults_per_step"] == 50_000.0
+        assert h.summary["advice"] == [] and not [w for w in h.summary["warnings"] if "page faults" in w]
+    assert not [r for r in caplog.records if "page faults" in r.getMessage()]
+
+
+def test_advice_not_measured_to_pay_goes_to_the_report_only(monkeypatch, glibc, caplog, tmp_path):
+    """Faulting at 5% of a step: the advice is in the summary's "advice" and report.html, and not
+    printed; at 50% it is printed as well."""
+    from gputrain.report.html import write_report
+    from gputrain.runtime.host_memory import AllocatorAdvice
+    from gputrain.train import run_summary
+
+    for share, printed in ((0.05, False), (0.5, True)):
+        caplog.clear()
+        text = f"the training steps took many minor page faults each ({share:.0%})"
+        monkeypatch.setattr(run_summary, "allocator_advice", lambda *a, **k: AllocatorAdvice(text, share))
+        run_dir = tmp_path / f"run{share}"
+        h = _fit_counted(monkeypatch, _Faults(per_step=0, per_eval=0), run_dir=str(run_dir))
+        assert h.summary["advice"] == [text] and text not in h.summary["warnings"]
+        assert ("advice: " + text) in write_report(run_dir).read_text()
+        assert [r.getMessage() for r in caplog.records if text in r.getMessage()] == ([text] if printed else [])

@@ -225,7 +225,9 @@ def test_one_optimizer_may_be_the_default_and_the_loss_a_tensor():
 
     history = fit(model, examples.digits(), step_fn=step_fn, config=TrainConfig(**CFG, steps=40))
     assert history.records[0]["loss"] > history.records[-1]["loss"]
-    assert "optimizer: AdamW" in history.summary["optimizer"] and "step_fn=step_fn" in history.summary["loss"]
+    assert history.summary["optimizer"] == "AdamW (fused), stepped by step_fn" and "step_fn=step_fn" in history.summary["loss"]
+    reason = next(d["reason"] for d in history.summary["decisions"] if d["name"] == "optimizer")
+    assert reason == "the default: AdamW, stepped by your step_fn"
 
 
 def test_a_callback_changes_every_optimizers_learning_rate():

@@ -15,6 +15,8 @@ its name; `RunCheckpoint` composes them, in load order:
   data        the data position (data/stream.py); each rank's own, also saved as `data_ranks`
   history     the log records so far
   callbacks   each callback's own state (EMA weights, ...)
+  carried     what steps carry from one to the next (train/carried_state.py: fit's state=, step.state);
+              each rank's own, also saved as `carried_ranks`
 
 plus, for readers of the file, the run's `step`, `epoch`, `batch_in_epoch`, `samples_seen`,
 `global_batch`, `world_size` and `config`. Taking the state has no side effect: the loss still on
@@ -283,6 +285,8 @@ class PartsSource(Protocol):
     @property
     def control(self) -> Any: ...
     @property
+    def carried(self) -> Stateful: ...  # per rank (its `per_rank`), as the data position
+    @property
     def batch_size(self) -> int | None: ...  # the data's own, per process
     @property
     def checkpointer(self) -> DcpCheckpointer: ...  # its format: whether the weights are saved in shares
@@ -303,6 +307,7 @@ def run_checkpoint(run: PartsSource) -> RunCheckpoint:
         "data": DataPart(run.stream),
         "history": HistoryPart(run.history),
         "callbacks": CallbacksPart(run.callbacks, run.control),
+        "carried": run.carried,
     }
     return RunCheckpoint(parts, dist, lambda: {"global_batch": global_batch(cfg, run.batch_size, dist.world_size),
                                                "world_size": dist.world_size, "config": cfg.to_dict(),

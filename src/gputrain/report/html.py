@@ -28,7 +28,7 @@ from gputrain.io.atomic import write_text
 from gputrain.report.format import format_bytes, format_duration
 from gputrain.report.page import escape as _e, page, with_code
 from gputrain.report.plots import breakdown_plot, line_plot
-from gputrain.report.summary import parameters_text, summary_rows
+from gputrain.report.summary import counted, parameters_text, summary_rows
 
 REPORT_NAME = "report.html"
 PROFILE_NAME = "profile_summary.json"
@@ -135,7 +135,7 @@ def render_report(records: list[dict[str, Any]], summary: dict[str, Any] | None 
     body += _section("Config", _details("the run's settings (TrainConfig)",
                                         _table([(k, _json(config[k])) for k in sorted(config)]))
                      if config else "<p>No config recorded.</p>", "config")
-    body += _section("Log points", _details(f"{len(records)} records (metrics.jsonl)", _records_table(records))
+    body += _section("Log points", _details(f"{counted(len(records), 'record')} (metrics.jsonl)", _records_table(records))
                      if records else "<p>No log points.</p>", "records")
     from gputrain.version import __version__
 
@@ -259,6 +259,8 @@ def _warnings(records: list[dict[str, Any]], s: dict[str, Any]) -> str:
     items: list[tuple[str, str]] = []  # (css class, text)
     for w in s.get("warnings") or []:
         items.append(("warn", str(w)))
+    for a in s.get("advice") or []:  # measured on this run, not printed in the terminal (train/run_summary.py)
+        items.append(("note", f"advice: {a}"))
     splits = s.get("oom_splits") or 1
     if isinstance(splits, (int, float)) and splits > 1:
         items.append(("warn", f"out of memory: micro-batches were split {splits:g}x (accumulation raised to match; "
@@ -302,7 +304,8 @@ def _profile(p: dict[str, Any] | None) -> str:
         head.append(f"batch {p['batch_size']:,}")
     line = ", ".join(str(x) for x in head if x)
     if p.get("step_ms") is not None:
-        line += f": step {_ms(p['step_ms'])} (median of {p.get('timed_steps', '?')} steps)"
+        timed = p.get("timed_steps")
+        line += f": step {_ms(p['step_ms'])} (median of {counted(timed, 'step') if isinstance(timed, int) else '? steps'})"
     if p.get("samples_per_s") is not None:
         line += f", {p['samples_per_s']:,.0f} samples/s"
     out.append(f"<p>{_e(line)}" + (f" <span class='sub'>(profiled {_e(p['date'])})</span>" if p.get("date") else "")
@@ -334,15 +337,15 @@ def _profile(p: dict[str, Any] | None) -> str:
     if ops:
         on_gpu = str(p.get("device", "")).startswith("cuda")
         key = "self_device_ms_per_step" if on_gpu else "self_cpu_ms_per_step"
-        steps = f", {p['top_ops_steps']} training steps" if p.get("top_ops_steps") else ""
-        out.append(_details(f"top {len(ops)} ops by {p.get('top_ops_by', 'time')} (per training step{steps})", _table(
+        steps = f", {counted(p['top_ops_steps'], 'training step')}" if p.get("top_ops_steps") else ""
+        out.append(_details(f"top {counted(len(ops), 'op')} by {p.get('top_ops_by', 'time')} (per training step{steps})", _table(
             [(o.get("name", "?")[:80], f"{o.get('calls_per_step', 0):g}", _ms(o.get(key)), _pct(o.get("share")))
              for o in ops], header=("op", "calls/step", "self time/step", "share"), numeric=(1, 2, 3))))
         other = [o for o in p.get("other_ops") or [] if isinstance(o, dict)]
         if other:
             key = key.replace("_per_step", "")
             out.append(_details(f"the profiled window's other work (log points: the loss read, evaluation): "
-                                f"top {len(other)} ops, totals over the window, not per step", _table(
+                                f"top {counted(len(other), 'op')}, totals over the window, not per step", _table(
                 [(o.get("name", "?")[:80], f"{o.get('calls', 0):g}", _ms(o.get(key)), _pct(o.get("share")))
                  for o in other], header=("op", "calls", "self time", "share"), numeric=(1, 2, 3))))
     return "\n".join(out)

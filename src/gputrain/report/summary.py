@@ -67,7 +67,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if summary.get("checkpoint_saves"):
         blocked, written = summary.get("checkpoint_blocked_s_per_save"), summary.get("checkpoint_write_s_per_save")
         how = f"{summary.get('checkpoint_format')}{', async' if summary.get('checkpoint_async') else ''}"
-        text = f"{summary['checkpoint_saves']} saves ({how}): training blocked {_short(blocked)} per save (median)"
+        text = f"{counted(summary['checkpoint_saves'], 'save')} ({how}): training blocked {_short(blocked)} per save" \
+            + (" (median)" if summary["checkpoint_saves"] > 1 else "")
         if written is not None and summary.get("checkpoint_async"):
             text += f"; writing took {_short(written)}"
         add("checkpoints", text)
@@ -78,6 +79,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         add("OOM recovery", f"micro-batches split {summary['oom_splits']}x")
     add("run directory", summary.get("run_dir"))
     return rows
+
+
+def counted(n: int | float, word: str, plural: str | None = None) -> str:
+    """"1 save", "2 saves", "0 saves": a count with its noun in the number it takes."""
+    return f"{n:g} {word if n == 1 else plural or word + 's'}" if isinstance(n, float) else \
+        f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
 def parameters_text(trainable: int, frozen: int) -> str:

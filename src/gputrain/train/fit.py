@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
         optimizer=None, config: TrainConfig | None = None, eval_data=None, task: str | None = None,
         metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
         callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
-        step_fn: Callable | None = None) -> History:
+        step_fn: Callable | None = None, state: MutableMapping[str, Any] | None = None) -> History:
     """Train `model` and return its History.
 
     train_data / eval_data: tensor columns ((inputs, targets), or a dict of equal-length tensors such
@@ -43,13 +43,18 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
         step.step(name) itself and returns its loss or {name: loss}; then optimizer may be
         {name: optimizer or callable model -> optimizer} and scheduler {name: callable optimizer ->
         scheduler}. Evaluation, when eval_data is given, still uses compute_loss or loss_fn.
+    state: what your steps carry from one step to the next (an RNN's hidden state, a counter, a
+        memory bank; train/carried_state.py), by name: objects with state_dict() / load_state_dict(),
+        or tensors, numbers and containers of them. The run keeps this very dict: your compute_loss
+        or loss_fn reads and assigns its entries (a step of your own also as `step.state`); the
+        checkpoints save it and a resume puts it back.
     config: TrainConfig; None means the defaults. Raises ConfigError / DeviceError / DataError /
     CheckpointError with a message saying what to change.
     """
     return _train(lambda: Trainer(model, train_data, loss_fn=loss_fn, compute_loss=compute_loss, optimizer=optimizer,
                                   config=config, eval_data=eval_data, task=task, metrics=metrics,
                                   num_items=num_items, callbacks=callbacks, scheduler=scheduler,
-                                  collate_fn=collate_fn, step_fn=step_fn))
+                                  collate_fn=collate_fn, step_fn=step_fn, state=state))
 
 
 def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | None = None) -> History:

@@ -259,6 +259,12 @@ class GraphedStep:
         self._capture(key, batch)
 
     def _capture(self, key: tuple, batch: Any) -> None:
+        blocker = self.step.capture_blocker()  # seen in the eager steps before (a step of your own's)
+        if blocker is not None:
+            self.failed = blocker
+            log.warning("CUDA graphs: %s; training continues eagerly", blocker)
+            self._eager([batch])
+            return
         if isinstance(batch, DeferredBatch):
             # The graph reads the deferred batch's inputs (its start position) and assembles it.
             static = batch.new_inputs()

@@ -49,8 +49,9 @@ from torch import nn
 
 from gputrain import batch as batches
 from gputrain.errors import ConfigError, DataError
-from gputrain.runtime import distributed
+from gputrain.runtime import distributed, torch_compat
 from gputrain.runtime.precision import RunPrecision
+from gputrain.train.carried_state import CarriedState
 from gputrain.train.loss import LossRule
 from gputrain.train.optimizer_calls import optimizer_stepper
 from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
@@ -60,15 +61,27 @@ from gputrain.train.step import TrainStep
 class StepContext:
     """What your step_fn gets (see the module docstring)."""
 
-    def __init__(self, owner: "OwnStep", model: nn.Module):
+    def __init__(self, owner: "OwnStep", model: nn.Module, state: CarriedState):
         self._owner = owner
         self.model = model  # the plain module (not DDP-wrapped): call its parts as you named them
         self.optimizers: dict[str, torch.optim.Optimizer] = owner.optimizer.optimizers
         self.schedulers: dict[str, Any] = owner.schedulers.schedulers if owner.schedulers is not None else {}
+        # What the step carries to the next one, by name (train/carried_state.py): in the checkpoints.
+        self.state = state
         self.is_last = True  # the step's last micro-batch: step() acts only then
+        self.micro_index = 0  # this micro-batch's place in the step: 0 .. pieces - 1
         self.weight: float = 1.0  # this micro-batch's share of the step's samples
         self.backwards = 0
         self.steps = 0
+        self.index_read = False  # step_fn read step.index: a CUDA graph would freeze its branch
+
+    @property
+    def index(self) -> int:
+        """The run's optimizer steps done before this one: 0 at the first step, and after a resume
+        the step the run stopped after. A Python int (the run's own count): branching on it reads
+        nothing on the host. A step that reads it is not captured by a CUDA graph."""
+        self.index_read = True
+        return self._owner.index()
 
     def _name(self, name: str | None) -> str:
         if name is None:
@@ -110,7 +123,8 @@ class OwnStep(TrainStep):
                  optimizers: OptimizerSet, schedulers: SchedulerSet | None, precision: RunPrecision, *,
                  device: torch.device, max_grad_norm: float | None = None,
                  dist: distributed.DistInfo | None = None, oom_recovery: bool = True,
-                 after_step: Sequence[Callable[[], None]] = (), loss_list: bool | None = None):
+                 after_step: Sequence[Callable[[], None]] = (), loss_list: bool | None = None,
+                 index: Callable[[], int] | None = None, state: CarriedState | None = None):
         super().__init__(model, LossRule(), cast(torch.optim.Optimizer, optimizers), precision, device=device, max_grad_norm=max_grad_norm,
                          dist=dist, oom_recovery=oom_recovery, params=list(module.parameters()),
                          after_step=after_step, loss_list=loss_list)
@@ -120,14 +134,21 @@ class OwnStep(TrainStep):
         self.params_of = {name: [p for g in opt.param_groups for p in g["params"]]
                           for name, opt in optimizers.optimizers.items()}
         self._stepper = {name: optimizer_stepper(opt) for name, opt in optimizers.optimizers.items()}
-        self.context = StepContext(self, module)
+        # The run's step count (the trainer's RunState: right after a resume too); by default the steps run here.
+        self.steps_run = 0
+        self.index: Callable[[], int] = index if index is not None else (lambda: self.steps_run)
+        self.context = StepContext(self, module, state if state is not None else CarriedState(None, device))
         # FSDP2 (shard=True): the model's own hooks reduce-scatter the gradients in backward.
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
-        # The named losses since the last read, each a device scalar made at the first step (an eager
-        # one: a captured graph keeps their addresses).
+        # The named losses since the last read and the steps that returned each, device scalars made at
+        # the first step that returns the name (an eager one: a captured graph keeps their addresses).
         self.named: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
         self.names: tuple[str, ...] = ()
+        self._one = torch.ones((), device=device, dtype=torch.float32)
+        self.varied = False  # some step returned other names than another (a Python branch: not captured)
         self.named_totals: dict[str, float] = {}  # read by the last read_totals, not yet in the run state
+        self.named_steps: dict[str, float] = {}  # the steps that returned each, read with named_totals
 
     def _no_autocast(self):
         if self._autocast is None:
@@ -166,7 +187,7 @@ class OwnStep(TrainStep):
         ctx.backwards = ctx.steps = 0
         step_losses: dict[str, torch.Tensor] = {}
         for i, piece in enumerate(pieces):
-            ctx.weight, ctx.is_last = counts[i] / total, i == last
+            ctx.weight, ctx.is_last, ctx.micro_index = counts[i] / total, i == last, i
             with distributed.no_sync(self.model, sync=ctx.is_last or not self.sharded):
                 if self._autocast is None:
                     out = self.step_fn(ctx, piece)
@@ -189,6 +210,7 @@ class OwnStep(TrainStep):
         for update in self.after_step:
             update()
         self._keep_named(step_losses)
+        self.steps_run += 1
         self.clock.mark("optimizer")
 
     def _losses(self, out: Any) -> dict[str, torch.Tensor]:
@@ -201,24 +223,44 @@ class OwnStep(TrainStep):
         return dict(out)
 
     def _keep_named(self, losses: dict[str, torch.Tensor]) -> None:
-        if not self.names:
-            self.names = tuple(losses)
-            self.named = {k: torch.zeros((), device=self.device, dtype=torch.float32) for k in self.names}
-        elif tuple(losses) != self.names:
-            raise DataError(f"step_fn returned the losses {sorted(losses)} after {sorted(self.names)}: return "
-                            "the same names every step")
-        for key, value in losses.items():
-            self.named[key].add_(value)
-        total = losses[self.names[0]] if len(losses) == 1 else torch.stack(list(losses.values())).sum()
-        self.keep_loss(total)
+        """Each returned loss into its device sum and its step count (one foreach add for all), the
+        step's total into the loss sum. A name may be returned on some steps only (a generator's
+        loss one step in five): its mean is then over the steps that returned it."""
+        earlier = bool(self.names)
+        for key in losses:
+            if key not in self.named:
+                self.varied = self.varied or earlier  # a name that earlier steps did not return
+                self.names += (key,)
+                self.named[key] = torch.zeros((), device=self.device, dtype=torch.float32)
+                self.counts[key] = torch.zeros((), device=self.device, dtype=torch.float32)
+        if len(losses) != len(self.names):
+            self.varied = True
+        present = list(losses)
+        torch_compat.foreach_add_([self.named[k] for k in present] + [self.counts[k] for k in present],
+                                  list(losses.values()) + [self._one] * len(present))
+        values = list(losses.values())
+        self.keep_loss(values[0] if len(values) == 1 else torch.stack(values).sum())
+
+    def capture_blocker(self) -> str | None:
+        """Why a CUDA graph must not capture this step, seen in the eager steps before the capture:
+        Python that runs once at capture and would decide every replay."""
+        name = getattr(self.step_fn, "__name__", "step_fn")
+        if self.context.index_read:
+            return (f"your step_fn ({name}) reads step.index, and a captured step runs its Python once, at "
+                    "capture: a branch on the index would be frozen there")
+        if self.varied:
+            return (f"your step_fn ({name}) returns some losses on some steps only ({', '.join(self.names)}), a "
+                    "Python branch that a captured step would take as it did at capture")
+        return None
 
     def take_totals(self) -> torch.Tensor:
-        """TrainStep's three totals, then each named loss's sum since the last read; resets them."""
+        """TrainStep's three totals, then each named loss's sum and then the steps that returned it,
+        since the last read; resets them."""
         totals = super().take_totals()
         if not self.named:
             return totals
-        named = torch.stack([self.named[k] for k in self.names])
-        for v in self.named.values():
+        named = torch.stack([self.named[k] for k in self.names] + [self.counts[k] for k in self.names])
+        for v in (*self.named.values(), *self.counts.values()):
             v.zero_()
         return torch.cat([totals, named])
 
@@ -226,22 +268,33 @@ class OwnStep(TrainStep):
         totals = distributed.all_reduce_mean(self.take_totals(), self.dist) if self.dist is not None \
             else self.take_totals()
         values = totals.tolist()  # the log point's one host read
-        self.named_totals = dict(zip(self.names, values[3:]))
+        n = len(self.names)
+        self.named_totals = dict(zip(self.names, values[3:3 + n]))
+        self.named_steps = dict(zip(self.names, values[3 + n:]))
         return self._judge(values[0], values[1], values[2])
 
     def fold_read(self, state: Any) -> None:
-        """The named losses of the last read into the run state's sums since the last log point."""
+        """The named losses of the last read, and the steps that returned each, into the run
+        state's sums since the last log point."""
         for key, value in self.named_totals.items():
             state.named_since_log[key] = state.named_since_log.get(key, 0.0) + value
-        self.named_totals = {}
+            state.named_steps_since_log[key] = state.named_steps_since_log.get(key, 0.0) + self.named_steps[key]
+        self.named_totals, self.named_steps = {}, {}
 
     def log_values(self, state: Any, steps: int) -> dict[str, float]:
         """What a log point adds: each named loss's mean over the steps since the last log point
-        (unless the one loss is "loss" itself), each optimizer's learning rate; resets the sums."""
+        that returned it (unless the one loss is "loss" itself), `<name>_steps` (how many did) for a
+        name that not every step returned, each optimizer's learning rate; resets the sums."""
         out: dict[str, float] = {}
         named, state.named_since_log = state.named_since_log, {}
+        counted, state.named_steps_since_log = state.named_steps_since_log, {}
         if not (len(named) == 1 and "loss" in named):
-            out.update({k: v / max(steps, 1) for k, v in named.items()})
+            for key, total in named.items():
+                returned = int(round(counted.get(key, steps)))
+                if returned:
+                    out[key] = total / returned
+                if returned != steps:
+                    out[f"{key}_steps"] = returned
         if self.schedulers is not None and len(self.schedulers.schedulers) > 1:
             out.update({f"lr_{k}": v for k, v in self.schedulers.last_lrs().items()})
         return out
@@ -266,10 +319,12 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
                           "parts inside your step instead (torch.compile(model.generator)) and leave compile off")
     if isinstance(spec, Mapping):
         optimizers = OptimizerSet.build(spec, module)
-    else:
-        one, _ = make_optimizer(spec, module.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                device=device, fused=config.fused_optimizer, capturable=capturable)
+        described = f"{optimizers.describe()} (yours, stepped by step_fn)"
+    else:  # one optimizer, named "optimizer": as make_optimizer describes it ("Adam (given)", the default AdamW)
+        one, made = make_optimizer(spec, module.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                   device=device, fused=config.fused_optimizer, capturable=capturable)
         optimizers = OptimizerSet({"optimizer": one})
+        described = f"{made}, stepped by step_fn"
     if scheduler_spec is not None and not isinstance(scheduler_spec, Mapping):
         if len(optimizers) != 1:
             raise ConfigError(f"scheduler= names no optimizer, but this run has {sorted(optimizers.optimizers)}: "
@@ -278,5 +333,5 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
     schedulers = SchedulerSet.build(scheduler_spec, optimizers, built_in[0])
     given = sorted(scheduler_spec or {})
     # The set stands where the trainer keeps its optimizer, and acts as one there (typed as one).
-    return (cast(torch.optim.Optimizer, optimizers), schedulers, f"{optimizers.describe()} (yours, stepped by step_fn)",
+    return (cast(torch.optim.Optimizer, optimizers), schedulers, described,
             ", ".join(f"{n}: {'given' if n in given else built_in[1]}" for n in optimizers.optimizers))

@@ -18,9 +18,9 @@ import torch
 from gputrain.config import TrainConfig
 from gputrain.data.sources import unused_batch_size_note
 from gputrain.metric_direction import metric_figures
-from gputrain.report.summary import parameters_text
+from gputrain.report.summary import counted, parameters_text
 from gputrain.runtime.devices import device_label
-from gputrain.runtime.host_memory import allocator_advice, faults_per_step
+from gputrain.runtime.host_memory import allocator_advice, faults_per_step, steps_measured
 
 if TYPE_CHECKING:
     from gputrain.data.placement import Placement
@@ -110,8 +110,7 @@ def decisions(t: Decided) -> list[dict[str, str]]:
             {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
                                                                 "the model's own loss that applies"},
             {"name": "evaluation", "value": when, "reason": why},
-            {"name": "optimizer", "value": t.optimizer_desc, "reason": "given" if "given" in
-             t.optimizer_desc or "factory" in t.optimizer_desc else "the default: AdamW"},
+            {"name": "optimizer", "value": t.optimizer_desc, "reason": optimizer_reason(t.optimizer_desc)},
             {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
              _schedule(t) else "TrainConfig.schedule and warmup_steps"}]
     rows += t.speed.decisions()
@@ -120,6 +119,16 @@ def decisions(t: Decided) -> list[dict[str, str]]:
         rows.append({"name": "callbacks", "value": callbacks.describe(),
                      "reason": callbacks.cost() or "hooks at log points: no extra host reads, CUDA graphs unchanged"})
     return rows
+
+
+def optimizer_reason(description: str) -> str:
+    """Why the run has its optimizer(s), from their description (train/optim.py's, or a step of
+    your own's, train/own_step.py): yours by name, one given, or the default AdamW."""
+    if "(yours, stepped by step_fn)" in description:
+        return "yours (optimizer={name: ...}), each stepped by your step_fn with step.step(name)"
+    given = "given" in description or "factory" in description
+    return ("given" if given else "the default: AdamW") + (
+        ", stepped by your step_fn" if description.endswith("stepped by step_fn") else "")
 
 
 def _schedule(t: Decided) -> str:
@@ -179,7 +188,7 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
     if splits > 1:
         t.warnings.append(f"out of memory: micro-batches were cut in {splits} (same effective batch)")
     if st.nonfinite_steps:
-        t.warnings.append(f"{st.nonfinite_steps} step(s) had a non-finite loss or gradient"
+        t.warnings.append(f"{counted(st.nonfinite_steps, 'step')} had a non-finite loss or gradient"
                              + (" and were skipped" if t.config.on_nan == "skip" else ""))
     if t.recompiles is not None:
         report = t.recompiles.report()
@@ -192,10 +201,11 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
     page_faults = faults_per_step(recs, start_step)  # this process's training steps only
     samples_per_s = steady_rate(recs, st.samples_seen, elapsed)
     step_s = st.samples_seen / st.step / samples_per_s if st.step and samples_per_s else None
-    if (advice := allocator_advice(page_faults, step_s)) is not None:
-        t.warnings.append(advice)
-        if t.is_main:  # in the terminal too: the advice is about how Python is started next time
-            log.warning("%s", advice)
+    advice: list[str] = []  # report.html's; the terminal's only where measured to matter (runtime/host_memory.py)
+    if (allocator := allocator_advice(page_faults, step_s, steps_measured(recs, start_step))) is not None:
+        advice.append(allocator.text)
+        if t.is_main and allocator.in_terminal:
+            log.warning("%s", allocator.text)
     batch_size, mean_batch = t.batch_size, None
     if batch_size is None and st.step:  # the data's own batches: their mean size, as they came
         mean_batch = st.samples_seen / (st.step * t.config.accumulate * t.dist.world_size)
@@ -245,8 +255,9 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         "recompilations": summary_recompiles,
         "recompute": t.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
-        "decisions": decisions(t),
+        "decisions": _as_ran(decisions(t), t),
         "warnings": list(t.warnings),
+        "advice": advice,
     }
     if (frozen := _frozen(t.checkpoint)) is not None:  # parameters that train, and what a checkpoint holds of the rest
         summary.update({"parameters": frozen.trainable + frozen.frozen, "trainable_parameters": frozen.trainable,
@@ -254,12 +265,23 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
     if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
         summary.update(t.checkpointer.summary())
     names = getattr(t.train_step, "names", ())  # a step of your own (train/own_step.py): its losses and rates
-    if names and recs:
-        summary["step_losses"] = {k: recs[-1][k] for k in names if k in recs[-1]}
+    if names and recs:  # each loss's last logged mean (a loss returned on some steps only: where it was)
+        summary["step_losses"] = {k: next(r[k] for r in reversed(recs) if k in r) for k in names
+                                  if any(k in r for r in recs)}
         summary["learning_rates"] = {k[3:]: v for k, v in recs[-1].items() if k.startswith("lr_")} or None
     summary.update(metric_figures(recs, t.control.metric_direction))
     summary["evaluation"] = t.eval_points.describe()[0]
     t.history.summary = summary
+
+
+def _as_ran(rows: list[dict[str, str]], t: Finished) -> list[dict[str, str]]:
+    """The decisions as the run went: CUDA graphs decided on but then not captured (a step of your
+    own that reads step.index, a failed capture) are off, with why."""
+    status = graph_status(t.graphed, t.speed)
+    if t.graphed is None or not status.startswith("off: "):
+        return rows
+    return [{**row, "value": "off", "reason": status[len("off: "):]} if row["name"] == "cuda_graphs" else row
+            for row in rows]
 
 
 # samples/s in the summary: the log points' figures (each the samples of its interval over the

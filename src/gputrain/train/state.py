@@ -17,7 +17,8 @@ class RunState:
     run logs the same loss as an uninterrupted one; nonfinite_steps: steps with a non-finite loss or
     gradient so far; stopped_by: why a callback ended the run early ("" when none did): a resumed
     run that was stopped so trains no further; named_since_log: a step of your own's named losses
-    summed since the last log point (train/own_step.py), saved for the same reason.
+    summed since the last log point (train/own_step.py), saved for the same reason, and
+    named_steps_since_log: how many of those steps returned each (a loss returned on some steps only).
     """
 
     step: int = 0
@@ -27,6 +28,7 @@ class RunState:
     nonfinite_steps: int = 0
     stopped_by: str = ""
     named_since_log: dict[str, float] = dataclasses.field(default_factory=dict)
+    named_steps_since_log: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -45,5 +47,5 @@ class RunState:
         values: dict[str, Any] = {}
         for k, v in state.items():
             if k in names:
-                values[k] = dict(v) if k == "named_since_log" else type(getattr(cls, k))(v)
+                values[k] = dict(v) if k in ("named_since_log", "named_steps_since_log") else type(getattr(cls, k))(v)
         return cls(**values)

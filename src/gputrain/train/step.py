@@ -358,6 +358,11 @@ class TrainStep:
             return loss_total, 0
         return loss_total, 1
 
+    def capture_blocker(self) -> str | None:
+        """Why a CUDA graph must not capture this step, as seen in its eager steps so far; None: it
+        may be captured (a step of your own that reads step.index may not, train/own_step.py)."""
+        return None
+
     def fold_read(self, state: Any) -> None:
         """Add what the last `read_totals` read besides the loss to the run state (a step of your
         own: its named losses, train/own_step.py)."""

@@ -49,6 +49,7 @@ from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
 from gputrain.train.loss import LossRule
 from gputrain.train.callbacks import CallbackList, RunControl
+from gputrain.train.carried_state import CarriedState
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
 from gputrain.train.own_step import OwnStep, own_optimizers
@@ -73,7 +74,7 @@ class Trainer:
                  eval_data=None, task: str | None = None, transform: BatchTransform | None = None,
                  metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
                  callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
-                 step_fn: Callable | None = None):
+                 step_fn: Callable | None = None, state: Any = None):
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
@@ -90,6 +91,8 @@ class Trainer:
         self._setup_model(model, optimizer)
         self._setup_data(train_data, eval_data, transform, collate_fn)
         self._setup_optimizer(optimizer, scheduler)
+        # What steps carry from one to the next (fit's state=, step.state): train/carried_state.py
+        self.carried = CarriedState(state, self.device)
         self._setup_step(num_items)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
@@ -190,7 +193,8 @@ class Trainer:
             if self.own_step is None else OwnStep(
                 self.own_step, self.model, self.module, cast(OptimizerSet, self.optimizer), cast(SchedulerSet, self.scheduler),
                 self.precision, device=self.device, max_grad_norm=cfg.max_grad_norm, dist=self.dist,
-                oom_recovery=cfg.oom_recovery, after_step=self.callbacks.step_updates(self.module))
+                oom_recovery=cfg.oom_recovery, after_step=self.callbacks.step_updates(self.module),
+                index=lambda: self.state.step, state=self.carried)
         self.nonfinite = NonFiniteGuard(cfg.on_nan)
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
