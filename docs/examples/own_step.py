@@ -1,5 +1,6 @@
-"""A step of your own: a GAN on the digits data set, distillation from a frozen teacher, and a
-WGAN-style gradient penalty, each through `gputrain.fit(..., step_fn=...)`.
+"""A step of your own: a GAN on the digits data set, distillation from a frozen teacher, a
+WGAN-style gradient penalty, and WGAN-GP with n_critic (branching on step.index), each through
+`gputrain.fit(..., step_fn=...)`.
 
 Your step gets the batch and a context that owns what gputrain must: `step.backward(loss)` (precision,
 accumulation), `step.step(name)` (gradient averaging over processes, clipping, the optimizer and its
@@ -101,6 +102,33 @@ def penalty_step(step, batch, weight: float = 10.0):
     return {"critic": critic, "penalty": penalty, "g_loss": g_loss}
 
 
+N_CRITIC = 5  # critic steps per generator step (WGAN's n_critic)
+
+
+def wgan_gp_step(step, batch, weight: float = 10.0):
+    """WGAN-GP with n_critic: the critic steps every step, the generator on one step in N_CRITIC.
+
+    The branch reads step.index, the run's step count (a Python int: no host read, right after a
+    resume too). The generator's loss is returned on its steps only: it is logged as the mean over
+    those steps, with `g_loss_steps` saying how many there were."""
+    real, _ = batch
+    model = step.model
+    fake = model.generator(torch.randn(real.shape[0], NOISE, device=real.device)).detach()
+    mix = torch.rand(real.shape[0], 1, device=real.device)
+    between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+    grad, = torch.autograd.grad(model.discriminator(between).sum(), between, create_graph=True)
+    penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
+    critic = model.discriminator(fake).mean() - model.discriminator(real).mean()
+    step.backward(critic + weight * penalty)
+    step.step("discriminator")
+    if step.index % N_CRITIC != N_CRITIC - 1:
+        return {"critic": critic, "penalty": penalty}
+    g_loss = -model.discriminator(model.generator(torch.randn(real.shape[0], NOISE, device=real.device))).mean()
+    step.backward(g_loss)
+    step.step("generator")
+    return {"critic": critic, "penalty": penalty, "g_loss": g_loss}
+
+
 if __name__ == "__main__":
     config = gputrain.TrainConfig(epochs=20, batch_size=64, log_every=50)
     gan = GAN()
@@ -118,3 +146,8 @@ if __name__ == "__main__":
     wgan = GAN()
     history = gputrain.fit(wgan, digits(), step_fn=penalty_step, optimizer=gan_optimizers(wgan), config=config)
     print("WGAN-GP:", {k: round(history.final(k), 3) for k in ("critic", "penalty", "g_loss")})
+
+    wgan = GAN()
+    history = gputrain.fit(wgan, digits(), step_fn=wgan_gp_step, optimizer=gan_optimizers(wgan), config=config)
+    print(f"WGAN-GP, n_critic={N_CRITIC}:", {k: round(history.final(k), 3) for k in ("critic", "g_loss")},
+          f"(g_loss over {history.final('g_loss_steps')} of the last {config.log_every} steps)")

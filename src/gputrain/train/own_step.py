@@ -22,14 +22,21 @@ through a gradient), conditional updates.
   optimizer's parameters averaged over the processes (several processes), unscaled (fp16) and
   clipped (max_grad_norm), the optimizer's step, its scheduler's step, its gradients cleared;
 - `step.zero_grad(name)`, `step.optimizers`, `step.schedulers`, `step.model` (the model as you gave
-  it), `step.is_last`.
+  it), `step.is_last`;
+- `step.index` (the run's optimizer steps done before this one, right after a resume too) and
+  `step.micro_index` (the micro-batch's place in the step): Python ints, no host read;
+- `step.state`: what the step carries to the next one, by name, saved in the checkpoints
+  (train/carried_state.py).
 It returns the loss, or a dict of named losses (each logged as its name, detached and summed on the
-device: no host read per step; the run's "loss" is their sum). Every gradient is cleared at the end
-of the step, and the GradScaler updated once (fp16).
+device: no host read per step; the run's "loss" is their sum). A name returned on some steps only is
+logged as the mean over the steps that returned it, counted on the device, and `<name>_steps` says
+how many did. Every gradient is cleared at the end of the step, and the GradScaler updated once (fp16).
 
 The body is `OwnStep.run`, a `TrainStep`: OOM recovery, the device-side sums, the EMA update and
 the CUDA-graph wrapper treat it like the built-in step. A graph captures it only when asked
-(`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture.
+(`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture, so a
+step that read `step.index` or returned other losses on some steps (in the eager steps before the
+capture) is not captured (`capture_blocker`), and the run's decisions say why.
 Checkpoints hold every optimizer and scheduler by name (train/optimizer_set.py).
 
 Several processes: without sharding the model is not DDP-wrapped (your step calls its parts, which
