@@ -123,10 +123,11 @@ def test_a_step_of_your_own_reads_nothing_on_the_host_per_step():
         trainer.close()
 
 
-def _capturable_gan():
+def _capturable_gan(step_fn=examples.gan_step):
+    """A GAN with capturable optimizers (their lr a tensor), and `step_fn`."""
     model = examples.GAN()
     make = lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(2e-3), betas=(0.5, 0.999), fused=True, capturable=True)  # noqa: E731
-    return model, {"step_fn": examples.gan_step,
+    return model, {"step_fn": step_fn,
                    "optimizer": {"generator": make(model.generator.parameters()),
                                  "discriminator": make(model.discriminator.parameters())}}
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"
 import own_step as examples  # noqa: E402
 
 from helpers import params  # noqa: E402
+from test_own_step import _capturable_gan  # noqa: E402
 
 CFG = dict(device="cpu", batch_size=64, log_every=8, loggers=("csv",), seed=5)
 STEPS = 30
@@ -138,14 +139,6 @@ def test_a_step_that_reads_step_index_reads_nothing_on_the_host_per_step():
         trainer.close()
 
 
-def _capturable_wgan():
-    model = examples.GAN()
-    make = lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(2e-3), betas=(0.5, 0.999), fused=True, capturable=True)  # noqa: E731
-    return model, {"step_fn": examples.wgan_gp_step,
-                   "optimizer": {"generator": make(model.generator.parameters()),
-                                 "discriminator": make(model.discriminator.parameters())}}
-
-
 def test_cuda_graphs_do_not_capture_a_step_that_reads_step_index_and_say_why(capture_graphs):
     """Asked for graphs (cuda_graphs=True), the n_critic step is not captured: a replay would take the
     branch as it went at capture. It trains as the eager reference does, and the summary's graph
@@ -153,7 +146,7 @@ def test_cuda_graphs_do_not_capture_a_step_that_reads_step_index_and_say_why(cap
     from graph_capture import CaptureGraphs, EagerGraphs
 
     def run():
-        model, kw = _capturable_wgan()
+        model, kw = _capturable_gan(examples.wgan_gp_step)
         history = fit(model, examples.digits(), config=TrainConfig(**{**CFG, "steps": 16, "cuda_graphs": True}), **kw)
         return params(model), history.summary
 

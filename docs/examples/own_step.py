@@ -84,9 +84,9 @@ def distill_step(step, batch, temperature: float = 2.0):
     return {"kd_loss": kd, "ce_loss": ce}
 
 
-def penalty_step(step, batch, weight: float = 10.0):
-    """A WGAN-GP critic step: the gradient penalty is a backward through a gradient (create_graph)."""
-    real, _ = batch
+def critic_step(step, real: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A WGAN-GP critic step: the gradient penalty is a backward through a gradient (create_graph).
+    Returns the critic's loss and the penalty."""
     model = step.model
     fake = model.generator(torch.randn(real.shape[0], NOISE, device=real.device)).detach()
     mix = torch.rand(real.shape[0], 1, device=real.device)
@@ -96,6 +96,14 @@ def penalty_step(step, batch, weight: float = 10.0):
     critic = model.discriminator(fake).mean() - model.discriminator(real).mean()
     step.backward(critic + weight * penalty)
     step.step("discriminator")
+    return critic, penalty
+
+
+def penalty_step(step, batch, weight: float = 10.0):
+    """WGAN-GP: a critic step, then a generator step."""
+    real, _ = batch
+    model = step.model
+    critic, penalty = critic_step(step, real, weight)
     g_loss = -model.discriminator(model.generator(torch.randn(real.shape[0], NOISE, device=real.device))).mean()
     step.backward(g_loss)
     step.step("generator")
@@ -113,14 +121,7 @@ def wgan_gp_step(step, batch, weight: float = 10.0):
     those steps, with `g_loss_steps` saying how many there were."""
     real, _ = batch
     model = step.model
-    fake = model.generator(torch.randn(real.shape[0], NOISE, device=real.device)).detach()
-    mix = torch.rand(real.shape[0], 1, device=real.device)
-    between = (mix * real + (1 - mix) * fake).requires_grad_(True)
-    grad, = torch.autograd.grad(model.discriminator(between).sum(), between, create_graph=True)
-    penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
-    critic = model.discriminator(fake).mean() - model.discriminator(real).mean()
-    step.backward(critic + weight * penalty)
-    step.step("discriminator")
+    critic, penalty = critic_step(step, real, weight)
     if step.index % N_CRITIC != N_CRITIC - 1:
         return {"critic": critic, "penalty": penalty}
     g_loss = -model.discriminator(model.generator(torch.randn(real.shape[0], NOISE, device=real.device))).mean()
