@@ -139,6 +139,7 @@ def test_bad_state_is_one_clear_line(tmp_path):
     from gputrain.train.carried_state import CarriedState
 
     carried = CarriedState({"hidden": torch.zeros(2)}, torch.device("cpu"))
+    assert list(carried) == ["hidden"] and [v.shape for v in carried.values()] == [(2,)]  # a mapping
     with pytest.raises(CheckpointError, match="saved by another number of processes"):
         carried.load_shared(carried.state_dict())
     carried.load_shared({"values": {}, "objects": {}})  # nothing carried: any process count resumes

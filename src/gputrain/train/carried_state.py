@@ -57,28 +57,28 @@ class CarriedState(MutableMapping):
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"state= names must be non-empty strings (they name checkpoint entries), "
                                   f"got {name!r}")
-        self.values: MutableMapping[str, Any] = values if values is not None else {}
+        self.held: MutableMapping[str, Any] = values if values is not None else {}
         self.device = device
         self._pending: dict[str, Any] = {}  # saved states of objects not registered yet (a resume came first)
 
     # ------------------------------------------------------------ the mapping (what a step reads and writes)
 
     def __getitem__(self, name: str) -> Any:
-        return self.values[name]
+        return self.held[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
         if name in self._pending and is_stateful(value):
             value.load_state_dict(self._pending.pop(name))  # registered after the resume: its saved state now
-        self.values[name] = value
+        self.held[name] = value
 
     def __delitem__(self, name: str) -> None:
-        del self.values[name]
+        del self.held[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
+        return iter(self.held)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.held)
 
     # ------------------------------------------------------------ the checkpoint's part
 
@@ -87,7 +87,7 @@ class CarriedState(MutableMapping):
         states loaded from a checkpoint whose object was never registered are kept."""
         objects = dict(self._pending)
         values: dict[str, Any] = {}
-        for name, value in self.values.items():
+        for name, value in self.held.items():
             if is_stateful(value):
                 objects[name] = _to_host(value.state_dict())
             else:
@@ -98,10 +98,10 @@ class CarriedState(MutableMapping):
         """Put the saved values back (on the run's device) and load each object's state into the
         object registered under its name (later, for one registered later)."""
         for name, value in (state.get("values") or {}).items():
-            self.values[name] = move(value, self.device)
+            self.held[name] = move(value, self.device)
         for name, saved in (state.get("objects") or {}).items():
-            if is_stateful(self.values.get(name)):
-                self.values[name].load_state_dict(saved)
+            if is_stateful(self.held.get(name)):
+                self.held[name].load_state_dict(saved)
             else:
                 self._pending[name] = saved
 
@@ -109,7 +109,7 @@ class CarriedState(MutableMapping):
         """Another process count's checkpoint: each rank's carried state was its own, and no rank of
         this run has one saved; an empty one resumes."""
         if state.get("values") or state.get("objects"):
-            names = sorted({*(state.get("values") or {}), *(state.get("objects") or {})})
+            names = sorted(str(n) for n in (*(state.get("values") or {}), *(state.get("objects") or {})))
             raise CheckpointError(f"the checkpoint holds each process's carried state ({', '.join(names)}), saved "
                                   "by another number of processes than this run has: resume with the same number "
                                   "of processes")
