@@ -5,7 +5,8 @@ usage: own_step_ddp.py RUN_DIR BATCH STEPS [STOP_AT]
 Two optimizers by name (a student and a "head" trained on the student's features), a fixed random
 teacher, no randomness in the step: the gradients of two processes averaged by the step context
 equal one process's on the same global batch. Rank 0 writes RUN_DIR/result.json (the parameters,
-the logged records, the checkpoint format).
+the logged records, the checkpoint format). Each rank carries a counter and its rank in step.state
+and checks them every step (a resume must give each rank its own back).
 """
 
 import json
@@ -39,6 +40,10 @@ class Pair(nn.Module):
 def step_fn(step, batch):
     xb, yb = batch
     m = step.model
+    # Carried state (step.state), each rank its own: after a resume each rank has its own back.
+    if step.state.get("count", 0) != step.index or step.state.get("rank", rank) != rank:
+        raise RuntimeError(f"rank {rank}: carried state {dict(step.state)} at step {step.index}")
+    step.state["count"], step.state["rank"] = step.index + 1, rank
     kd = F.mse_loss(m.head(m.student(xb)), m.teacher(xb))
     step.backward(kd)
     step.step("student")
