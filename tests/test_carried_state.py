@@ -143,3 +143,32 @@ def test_bad_state_is_one_clear_line(tmp_path):
     with pytest.raises(CheckpointError, match="saved by another number of processes"):
         carried.load_shared(carried.state_dict())
     carried.load_shared({"values": {}, "objects": {}})  # nothing carried: any process count resumes
+
+
+def test_cuda_graphs_do_not_capture_steps_that_carry_state_and_say_why(capture_graphs):
+    """A captured step runs its Python once: the hidden state would not be carried. Asked for graphs,
+    the run with fit(state=...) and the one writing step.state capture nothing, train as the eager
+    reference does, and their decisions say why."""
+    from graph_capture import CaptureGraphs, EagerGraphs
+
+    def run(how):
+        model = word_lm.make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True, capturable=True)
+        cfg = TrainConfig(**CFG, cuda_graphs=True)
+        if how == "own":
+            history = fit(model, word_lm.corpus_batches(STEPS), step_fn=word_lm.lm_step, optimizer=opt, config=cfg)
+        else:
+            carry = {"hidden": None}
+            history = fit(model, word_lm.corpus_batches(STEPS), compute_loss=word_lm.lm_loss(carry), optimizer=opt,
+                          config=cfg, state=carry)
+        return params(model), history.summary
+
+    for how, why in (("rule", "fit(state=...) was given"), ("own", "your step_fn writes step.state")):
+        capture_graphs(CaptureGraphs)
+        weights, summary = run(how)
+        assert not [g for b in CaptureGraphs.instances for g in b.graphs], how
+        assert summary["cuda_graphs"].startswith(f"off: {why}")
+        row = next(d for d in summary["decisions"] if d["name"] == "cuda_graphs")
+        assert row["value"] == "off" and row["reason"].startswith(why)
+        capture_graphs(EagerGraphs)
+        assert torch.equal(weights, run(how)[0])

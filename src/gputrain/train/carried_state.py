@@ -15,7 +15,8 @@ and the mapping given as `fit(..., state=...)` (which the built-in loss rule's `
   host, and put back under its name on resume, its tensors on the run's device.
 
 A value replaced every step (the detached hidden state) is simply assigned again; nothing is read
-on the host per step. Several processes: each rank's carried state is its own, and a resume gives
+on the host per step. That is Python run every step, which a CUDA graph would run once, at capture:
+a run with carried state is not captured (`graph_blocker`), and its decisions say why. Several processes: each rank's carried state is its own, and a resume gives
 each rank its own back (a resume with another process count cannot, and says so).
 """
 
@@ -60,6 +61,20 @@ class CarriedState(MutableMapping):
         self.held: MutableMapping[str, Any] = values if values is not None else {}
         self.device = device
         self._pending: dict[str, Any] = {}  # saved states of objects not registered yet (a resume came first)
+        self.given = values is not None  # fit's state=: the loss rule's Python carries it
+        self.written = False  # a step assigned an entry (step.state[name] = ...)
+
+    def graph_blocker(self) -> str | None:
+        """Why a CUDA graph must not capture the run's steps: their Python carries this state from
+        step to step, and a captured step runs its Python once, at capture (a replay would read the
+        state the capture read, and assign nothing). None while nothing is carried."""
+        if self.given:
+            return ("fit(state=...) was given: your loss carries that state from step to step in Python, which a "
+                    "captured step runs once, at capture")
+        if self.written:
+            return ("your step_fn writes step.state, state carried from step to step in Python, which a captured "
+                    "step runs once, at capture")
+        return None
 
     # ------------------------------------------------------------ the mapping (what a step reads and writes)
 
@@ -67,6 +82,7 @@ class CarriedState(MutableMapping):
         return self.held[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
+        self.written = True
         if name in self._pending and is_stateful(value):
             value.load_state_dict(self._pending.pop(name))  # registered after the resume: its saved state now
         self.held[name] = value

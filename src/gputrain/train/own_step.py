@@ -255,6 +255,9 @@ class OwnStep(TrainStep):
         if self.context.index_read:
             return (f"your step_fn ({name}) reads step.index, and a captured step runs its Python once, at "
                     "capture: a branch on the index would be frozen there")
+        carried = self.context.state.graph_blocker()
+        if carried is not None:
+            return carried
         if self.varied:
             return (f"your step_fn ({name}) returns some losses on some steps only ({', '.join(self.names)}), a "
                     "Python branch that a captured step would take as it did at capture")

@@ -93,6 +93,7 @@ class Trainer:
         self._setup_optimizer(optimizer, scheduler)
         # What steps carry from one to the next (fit's state=, step.state): train/carried_state.py
         self.carried = CarriedState(state, self.device)
+        self.speed.refuse_graphs(self.carried.graph_blocker())  # state=: Python that a graph would run once
         self._setup_step(num_items)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
