@@ -172,3 +172,18 @@ def test_cuda_graphs_do_not_capture_steps_that_carry_state_and_say_why(capture_g
         assert row["value"] == "off" and row["reason"].startswith(why)
         capture_graphs(EagerGraphs)
         assert torch.equal(weights, run(how)[0])
+
+
+def test_a_checkpoint_written_before_carried_state_resumes_with_the_state_as_it_is():
+    """An older checkpoint has no "carried" part: the run's carried state keeps its value."""
+    from gputrain.checkpoint.parts import RunCheckpoint
+    from gputrain.runtime.distributed import DistInfo
+    from gputrain.train.carried_state import CarriedState
+
+    carried = CarriedState({"hidden": torch.ones(2)}, torch.device("cpu"))
+    RunCheckpoint({"carried": carried}, DistInfo(enabled=False), dict).load_state_dict({"step": 3})
+    assert torch.equal(carried["hidden"], torch.ones(2))
+    saved = carried.state_dict()
+    carried["hidden"] = torch.zeros(2)
+    RunCheckpoint({"carried": carried}, DistInfo(enabled=False), dict).load_state_dict({"carried": saved})
+    assert torch.equal(carried["hidden"], torch.ones(2))

@@ -246,7 +246,9 @@ class RunCheckpoint:
         ranks = state.get(f"{name}_ranks")
         if ranks and len(ranks) == self.dist.world_size:
             part.load_state_dict(ranks[self.dist.rank])
-        elif name in state and (self.dist.world_size > 1 or int(state.get("world_size", 1)) != self.dist.world_size):
+        elif name not in state:
+            return  # a part an older checkpoint does not hold keeps its value (written before "carried")
+        elif self.dist.world_size > 1 or int(state.get("world_size", 1)) != self.dist.world_size:
             part.load_shared(state[name])
         else:
             part.load_state_dict(state[name])

@@ -16,8 +16,9 @@ and the mapping given as `fit(..., state=...)` (which the built-in loss rule's `
 
 A value replaced every step (the detached hidden state) is simply assigned again; nothing is read
 on the host per step. That is Python run every step, which a CUDA graph would run once, at capture:
-a run with carried state is not captured (`graph_blocker`), and its decisions say why. Several processes: each rank's carried state is its own, and a resume gives
-each rank its own back (a resume with another process count cannot, and says so).
+a run with carried state is not captured (`graph_blocker`), and its decisions say why. Several
+processes: each rank's carried state is its own, and a resume gives each rank its own back (a
+resume with another process count cannot, and says so).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import MutableMapping
 from typing import Any, Iterator, Mapping
 
 import torch
+
 from gputrain.batch import map_tensors, move
 from gputrain.errors import CheckpointError, ConfigError
 
