@@ -1,6 +1,6 @@
-"""pytorch/examples' word language model at a tiny size: its RNNModel as its authors wrote it
-(origin: https://github.com/pytorch/examples, word_language_model/model.py, the RNN part; and
-main.py's batchify, get_batch and repackage_hidden), over a made-up corpus. The hidden state is
+"""pytorch/examples' word language model at a tiny size (origin: https://github.com/pytorch/examples,
+word_language_model/model.py's RNNModel and main.py's batchify, get_batch and repackage_hidden;
+the same model and training step, written here), over a made-up corpus. The hidden state is
 carried from batch to batch (truncated backpropagation through time), detached at each batch."""
 
 from __future__ import annotations
@@ -13,70 +13,44 @@ NTOKEN, NINP, NHID, NLAYERS, BSZ, BPTT = 24, 16, 16, 2, 4, 6
 
 
 class RNNModel(nn.Module):
-    """Container module with an encoder, a recurrent module, and a decoder."""
+    """The example's model: embedding, dropout, a stacked LSTM or GRU, dropout, a linear decoder to
+    log-probabilities over the vocabulary; its initialization and its zero hidden state."""
 
-    def __init__(self, rnn_type, ntoken, ninp, nhid, nlayers, dropout=0.5, tie_weights=False):
-        super(RNNModel, self).__init__()
-        self.ntoken = ntoken
+    def __init__(self, rnn_type: str, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.5):
+        super().__init__()
+        self.ntoken, self.rnn_type, self.nhid, self.nlayers = ntoken, rnn_type, nhid, nlayers
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
-        if rnn_type in ['LSTM', 'GRU']:
-            self.rnn = getattr(nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
-        else:
-            try:
-                nonlinearity = {'RNN_TANH': 'tanh', 'RNN_RELU': 'relu'}[rnn_type]
-            except KeyError as e:
-                raise ValueError("""An invalid option for `--model` was supplied,
-                                 options are ['LSTM', 'GRU', 'RNN_TANH' or 'RNN_RELU']""") from e
-            self.rnn = nn.RNN(ninp, nhid, nlayers, nonlinearity=nonlinearity, dropout=dropout)
+        self.rnn = {"LSTM": nn.LSTM, "GRU": nn.GRU}[rnn_type](ninp, nhid, nlayers, dropout=dropout)
         self.decoder = nn.Linear(nhid, ntoken)
-        if tie_weights:
-            if nhid != ninp:
-                raise ValueError('When using the tied flag, nhid must be equal to emsize')
-            self.decoder.weight = self.encoder.weight
-        self.init_weights()
-        self.rnn_type = rnn_type
-        self.nhid = nhid
-        self.nlayers = nlayers
-
-    def init_weights(self):
-        initrange = 0.1
-        nn.init.uniform_(self.encoder.weight, -initrange, initrange)
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
         nn.init.zeros_(self.decoder.bias)
-        nn.init.uniform_(self.decoder.weight, -initrange, initrange)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
-    def forward(self, input, hidden):
-        emb = self.drop(self.encoder(input))
-        output, hidden = self.rnn(emb, hidden)
-        output = self.drop(output)
-        decoded = self.decoder(output)
-        decoded = decoded.view(-1, self.ntoken)
-        return F.log_softmax(decoded, dim=1), hidden
+    def forward(self, tokens, hidden):  # tokens (T, B): time first, as the example's batches
+        output, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        logits = self.decoder(self.drop(output)).view(-1, self.ntoken)  # (T * B, ntoken)
+        return F.log_softmax(logits, dim=1), hidden
 
-    def init_hidden(self, bsz):
-        weight = next(self.parameters())
-        if self.rnn_type == 'LSTM':
-            return (weight.new_zeros(self.nlayers, bsz, self.nhid),
-                    weight.new_zeros(self.nlayers, bsz, self.nhid))
-        else:
-            return weight.new_zeros(self.nlayers, bsz, self.nhid)
+    def init_hidden(self, bsz: int):
+        zeros = next(self.parameters()).new_zeros(self.nlayers, bsz, self.nhid)
+        return (zeros, zeros.clone()) if self.rnn_type == "LSTM" else zeros
 
 
 def repackage_hidden(h):
-    """Wraps hidden states in new Tensors, to detach them from their history."""
-    if isinstance(h, torch.Tensor):
-        return h.detach()
-    else:
-        return tuple(repackage_hidden(v) for v in h)
+    """The hidden state detached from the batch that made it (a tensor, or a tuple of them)."""
+    return h.detach() if isinstance(h, torch.Tensor) else tuple(repackage_hidden(v) for v in h)
 
 
 def batchify(data, bsz):
+    """The corpus as BSZ columns, each a contiguous stretch: (nbatch, bsz)."""
     nbatch = data.size(0) // bsz
     data = data.narrow(0, 0, nbatch * bsz)
     return data.view(bsz, -1).t().contiguous()  # (nbatch, bsz): each column a stretch of the corpus
 
 
 def get_batch(source, i):
+    """BPTT rows from row i, and the tokens that follow them, flattened."""
     seq_len = min(BPTT, len(source) - 1 - i)
     data = source[i:i + seq_len]
     target = source[i + 1:i + 1 + seq_len].view(-1)
