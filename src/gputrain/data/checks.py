@@ -160,7 +160,7 @@ def layers_run(model: nn.Module, run: Callable[[], Any]) -> tuple[list[tuple[str
             order.append((names[module], module))
 
     handles = [m.register_forward_pre_hook(note) for m in names]
-    was_training, failed = model.training, False
+    modes, failed = [(m, m.training) for m in model.modules()], False  # each module's own mode, given back
     try:
         model.eval()
         with torch.no_grad():
@@ -170,7 +170,8 @@ def layers_run(model: nn.Module, run: Callable[[], Any]) -> tuple[list[tuple[str
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     return order, failed
 
 

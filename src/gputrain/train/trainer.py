@@ -48,6 +48,7 @@ from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
 from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
 from gputrain.train.loss import LossRule
+from gputrain.train.modes import UserModes
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
@@ -110,6 +111,10 @@ class Trainer:
 
     def _setup_model(self, model: nn.Module, optimizer) -> None:
         cfg, device = self.config, self.device
+        self.modes = UserModes(model)  # the modes the user set: kept while training, given back by close()
+        kept = self.modes.describe()
+        if kept and self.is_main:
+            log.info("kept in eval mode as you set it: %s", kept)
         self.speed: SpeedSwitches = decide_speed(cfg, model, device, world_size=self.dist.world_size,
                                                  use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
                                                  step_hooks=self.callbacks.per_step, own_step=self.own_step)
@@ -270,7 +275,7 @@ class Trainer:
         loop = LoopPass.open(self.run_dir, cfg, main=self.is_main, total_steps=self.total_steps,
                              description=f"{self.device} {self.precision.name}", callbacks=self.callbacks,
                              world=self.dist.world_size, state=st)
-        self.model.train()
+        self.modes.train(self.model)  # train mode, eval mode kept where the user set it (train/modes.py)
         sync = synchronizer(self.device)
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         finished = False
@@ -371,7 +376,7 @@ class Trainer:
             self._bare_loop = LoopPass.bare(self.config, self.total_steps, self.callbacks, self.dist.world_size,
                                             self.state)
         if not self.model.training:  # train() walks every module: not once per call
-            self.model.train()
+            self.modes.train(self.model)
         done = self.state.step
         while self.state.step < done + n:
             self._iterate(self._bare_loop, self.total_steps, most=done + n - self.state.step)
@@ -456,6 +461,7 @@ class Trainer:
         """Give back the process-wide settings the run changed (cudnn.benchmark, TF32); stop watching compiles."""
         self.speed.restore()
         self.precision.restore()
+        self.modes.restore()  # every module in the mode the user gave it
         self.checkpointer.close()  # a save still in flight (an error left the loop) completes first
         if self.recompiles is not None:
             self.recompiles.stop()
