@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -190,12 +190,17 @@ def model_ends(model: nn.Module, run: Callable[[], Any] | None = None) -> str | 
     return (first if len(layers) == 1 else first + "; last layer " + _layer(*layers[-1])) + f" ({order})"
 
 
-def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None) -> str:
-    """The note for an error in the first training step: the batch's leaves, its label range, the
-    model's first and last layers (in the order `call(model, batch)` runs them, when given)."""
+def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None,
+                    choices: Sequence[str] = ()) -> str:
+    """The note for an error in the first training step: first the choices gputrain made that change
+    the step (layout, dtype, graphs; `choices`, each with its switch), then the batch's leaves, its
+    label range, the model's first and last layers (in the order `call(model, batch)` runs them)."""
     from gputrain.data.deferred import materialize
 
     parts = []
+    if choices:
+        parts.append("it ran under choices gputrain made for you, which may be the cause: "
+                     + "; ".join(choices) + " (turn each off to see)")
     try:
         batch = materialize(batch)
         parts.append(f"the batch: {describe_leaves(batch)}")

@@ -16,9 +16,12 @@ every child to one mode.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 from torch import nn
+
+log = logging.getLogger("gputrain")
 
 
 def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
@@ -78,6 +81,13 @@ class UserModes:
     def restore(self) -> None:
         """Every module back in the mode it was in when fit started."""
         set_modes(self.found)
+
+    def said(self, main: bool = True) -> "UserModes":
+        """Log what is kept in eval mode (one line, on the main process); returns self."""
+        kept = self.describe()
+        if kept and main:
+            log.info("kept in eval mode as you set it: %s", kept)
+        return self
 
     def describe(self) -> str | None:
         """'teacher (4 modules), backbone.bn1 (1 module)', or None when nothing is kept in eval mode."""

@@ -47,6 +47,7 @@ from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
 from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
+from gputrain.train.layout import MemoryFormats, gate_step, run_optimizers
 from gputrain.train.loss import LossRule
 from gputrain.train.modes import UserModes
 from gputrain.train.callbacks import CallbackList, RunControl
@@ -92,6 +93,7 @@ class Trainer:
         self._setup_data(train_data, eval_data, transform, collate_fn)
         self._setup_optimizer(optimizer, scheduler)
         self._setup_step(num_items)
+        self.step_fn = gate_step(self)  # channels_last decided on the first batch (train/layout.py)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
         self.stream = BatchStream(self.train_loader)
@@ -111,13 +113,12 @@ class Trainer:
 
     def _setup_model(self, model: nn.Module, optimizer) -> None:
         cfg, device = self.config, self.device
-        self.modes = UserModes(model)  # the modes the user set: kept while training, given back by close()
-        kept = self.modes.describe()
-        if kept and self.is_main:
-            log.info("kept in eval mode as you set it: %s", kept)
+        self.modes = UserModes(model).said(self.is_main)  # kept while training, given back by close()
         self.speed: SpeedSwitches = decide_speed(cfg, model, device, world_size=self.dist.world_size,
                                                  use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
-                                                 step_hooks=self.callbacks.per_step, own_step=self.own_step)
+                                                 step_hooks=self.callbacks.per_step, own_step=self.own_step,
+                                                 probe_layout=True)
+        self.memory_formats = MemoryFormats(model)  # the user's layouts: given back by close() (train/layout.py)
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
@@ -462,6 +463,7 @@ class Trainer:
         self.speed.restore()
         self.precision.restore()
         self.modes.restore()  # every module in the mode the user gave it
+        self.memory_formats.restore(run_optimizers(self.optimizer))  # and its parameters in the layout it gave them
         self.checkpointer.close()  # a save still in flight (an error left the loop) completes first
         if self.recompiles is not None:
             self.recompiles.stop()
