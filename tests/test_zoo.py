@@ -88,7 +88,15 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
 
     torch.manual_seed(SEED)  # fit seeds its run the same way (TrainConfig.seed)
     np.random.seed(SEED)
-    case.hand(hand_model, data, _amp(device))
+    try:
+        case.hand(hand_model, data, _amp(device))
+    except RuntimeError as exc:
+        if "unsafe to autocast" not in str(exc):
+            raise
+        # The author's code under bf16 autocast (what fit picks by default on this GPU) is refused by
+        # torch itself (nn.BCELoss, F.binary_cross_entropy): fit's default cannot train it either.
+        pytest.fail(f"fit's default precision (bf16 autocast) cannot run this case's code: {str(exc)[:160]}; "
+                    "it trains with precision='fp32'")
 
     np.random.seed(SEED)
     history = gputrain.fit(model, data, config=gputrain.TrainConfig(steps=len(data), device=DEVICE, seed=SEED,

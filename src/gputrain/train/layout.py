@@ -110,8 +110,8 @@ class MemoryFormats:
                 if t.grad is not None and not in_format(t.grad, fmt):
                     t.grad = t.grad.clone(memory_format=fmt)
                 for opt in optimizers:
-                    state = opt.state.get(t)
-                    for key, value in (state or {}).items():
+                    state = opt.state.get(t) or {}
+                    for key, value in list(state.items()):
                         if isinstance(value, torch.Tensor) and value.shape == t.shape and not in_format(value, fmt):
                             state[key] = value.clone(memory_format=fmt)
 
@@ -179,6 +179,9 @@ class LayoutGate:
             opt.zero_grad(set_to_none=True)
         self.formats.restore(self.optimizers)
         self._inputs(False)
+        graphs = getattr(self.step_fn, "graphs", None)  # a GraphedStep's captures (train/graphs.py)
+        if graphs:
+            graphs.clear()  # they hold the NHWC tensors' memory: captured again on the new tensors
         log.warning("a step failed in channels_last (NHWC) and runs again in your layout: %s", why)
 
     def apply(self) -> None:
@@ -225,13 +228,13 @@ class LayoutGate:
         loss.backward()
         return _losses(loss)
 
-    def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], ...]:
+    def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
         out = []
         for model, b in zip(models, (batch, nhwc)):
             model.eval()
             with torch.no_grad(), self.precision.autocast():
                 out.append(_losses(self.loss(model, b)[0]))
-        return tuple(out)
+        return out[0], out[1]
 
     def _probe(self, batch: Any, timed: bool) -> tuple[bool, str]:
         rng = torch.get_rng_state()
