@@ -202,3 +202,34 @@ def test_autotune_never_picks_a_channels_last_set_whose_step_fell_back():
     assert run_trial(Workload(), config, {"channels_last": False}, steps=1, warmup=1)["status"] == "ok"
     row = run_trial(Workload(), config, {"channels_last": True}, steps=1, warmup=1)
     assert row["status"].startswith("error: channels_last refused: switched off during the run") and VIEW_LINE in row["status"]
+
+
+class PartialBatchView(ViewNet):
+    """NHWC runs until the last partial batch (4 samples) takes a `.view`: a data-dependent failure."""
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 3)
+        x = x.view(4, -1) if x.shape[0] == 4 else x.reshape(x.shape[0], -1)
+        return self.fc(x)
+
+
+def test_a_fall_back_after_graphs_were_captured_trains_on_the_new_tensors(capture_graphs, caplog):
+    """The captured graphs hold the NHWC tensors' memory: after the fall-back they are captured again,
+    so the run ends bit-equal to the same run stepped eagerly (a stale graph would update old memory)."""
+    from graph_capture import EagerGraphs
+
+    def run():
+        torch.manual_seed(0)
+        model = PartialBatchView()
+        history = gputrain.fit(model, _data(36), loss_fn=nn.CrossEntropyLoss(),
+                               config=gputrain.TrainConfig(steps=10, batch_size=8, channels_last=True, log_every=5))
+        return model, history
+
+    with caplog.at_level(logging.WARNING, logger="gputrain"):
+        graphed, history = run()
+    assert history.summary["cuda_graphs"].startswith("on"), history.summary["cuda_graphs"]
+    assert sum("runs again in your layout" in r.getMessage() for r in caplog.records) == 1
+    capture_graphs(EagerGraphs)
+    eager, _ = run()
+    for a, b in zip(graphed.state_dict().values(), eager.state_dict().values()):
+        assert torch.equal(a, b)
