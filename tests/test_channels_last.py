@@ -83,7 +83,7 @@ def test_view_after_conv_refuses_nhwc_naming_the_line_and_trains_as_without_the_
     probed_model = ViewNet(p=0.3)
     history = _fit(probed_model)
     d = _decision(history)
-    assert d["value"] == "off"
+    assert d["value"] == "off" and d["reason"].startswith("NHWC refused by your code: "), d  # by the probe
     assert f"`{VIEW_LINE}` at {__file__}:" in d["reason"] and "view size is not compatible" in d["reason"]
     torch.manual_seed(0)
     plain = ViewNet(p=0.3)
