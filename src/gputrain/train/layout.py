@@ -196,8 +196,9 @@ class LayoutGate:
     def decide(self, batch: Any) -> None:
         mode, self.speed.layout_probe = self.speed.layout_probe, None
         if mode == "time" and self.total_steps < CPU_TIMED_MIN_STEPS:
+            run = f"a run of {self.total_steps} steps" if self.total_steps else "the step alone, not a run"
             self.speed.reasons["channels_last"] = (
-                f"not probed: a run of {self.total_steps} steps on the CPU (the probe's {2 + 2 * TIMED_REPEATS} "
+                f"not probed: {run} on the CPU (the probe's {2 + 2 * TIMED_REPEATS} "
                 f"forward+backward passes pay only from {CPU_TIMED_MIN_STEPS} steps); NHWC is kept on the CPU only "
                 "where the first step measures it at least as fast")
             self._said()
