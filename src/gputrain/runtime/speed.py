@@ -184,8 +184,8 @@ def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layo
     A forced value stands. "auto": off without 2-D convolutions; on CUDA the first step checks that NHWC
     runs and gives the same loss, and cuDNN's NHWC kernels decide the rest (the CUDA rule; with several
     processes every rank takes the rule unprobed, so the ranks cannot disagree); on the CPU the first
-    step checks and times it (train/layout.py). Without a first step to probe (probe_layout False: the
-    memory tools), the CUDA rule on CUDA and NCHW elsewhere."""
+    step checks and times it (train/layout.py). A caller that runs no first step through a LayoutGate
+    (probe_layout False) gets the CUDA rule on CUDA and NCHW elsewhere."""
     if value != "auto":
         reasons["channels_last"] = "requested"
         return bool(value), None
