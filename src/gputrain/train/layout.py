@@ -4,8 +4,8 @@
 probe ("check" on CUDA, "time" on the CPU). `LayoutGate` wraps the run's step; on the first step it
 runs forward + loss + backward of the first batch on two copies of the model, one in the layout the
 user gave (NCHW) and one in NHWC (weights and 4-D float inputs), in the modes fit trains in, under
-the run's precision, from the same RNG state (the user's RNG stream is left as it was). NHWC is
-kept only when
+the run's precision, from the same RNG state (the user's RNG stream is left as it was; Python state
+that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is kept only when
 - it runs (no error: a `.view` of a convolution's output, `grad.view(n, -1)` in a gradient penalty,
   refuse NHWC; the reason names the error and the `file:line` of the user's code that raised it),
 - it gives the same loss within `loss_tolerance` (dropout's random draws follow the memory layout,
