@@ -239,7 +239,9 @@ def test_speed_switches_on_an_h100_and_a_v100(fake_cuda):
     prec = resolve_precision("auto", device)
     s = decide_speed(TrainConfig(), _conv_net(), device, use_scaler=prec.use_scaler)
     assert (s.cuda_graphs, s.channels_last, s.cudnn_benchmark) == (True, True, True)
-    assert s.reasons == {"channels_last": "2D convolutions run faster in NHWC on cuda",
+    # Without a first step to probe (probe_layout=False: the memory tools), the CUDA rule; fit's own
+    # first step checks NHWC first (tests/test_channels_last.py).
+    assert s.reasons == {"channels_last": "2D convolutions on CUDA: cuDNN's NHWC kernels (the CUDA rule)",
                          "cudnn_benchmark": "fixed input shapes: cuDNN picks the fastest algorithm once",
                          "compile": "not requested",
                          "cuda_graphs": "one graph launch per step instead of one launch per kernel"}

@@ -29,6 +29,7 @@ from gputrain.errors import CheckpointError, StopRequested, user_frame
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.runtime.distributed import DistInfo
+from gputrain.runtime.speed import choices_made
 
 log = logging.getLogger("gputrain")
 
@@ -329,7 +330,11 @@ def _checkpoint_after_error(t: Stopping, exc: BaseException) -> None:
     t.stream.name_a_lost_worker(exc)
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
     if st.step == 0 and t.stream.load_error is not exc and t.stream.last_batch is not None:
-        exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss))  # data/checks.py
+        speed, precision = getattr(t, "speed", None), getattr(t, "precision", None)  # the Trainer's choices
+        choices = choices_made(speed, precision.name, precision.precision.autocast_dtype,
+                               getattr(getattr(t, "config", None), "precision", "auto")) \
+            if speed is not None and precision is not None else []
+        exc.add_note(first_step_note(t.stream.last_batch, t.module, t.loss, choices))  # data/checks.py
 
 
 def _lost_worker(exc: BaseException) -> bool:

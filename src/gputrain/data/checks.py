@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ def layers_run(model: nn.Module, run: Callable[[], Any]) -> tuple[list[tuple[str
             order.append((names[module], module))
 
     handles = [m.register_forward_pre_hook(note) for m in names]
-    was_training, failed = model.training, False
+    modes, failed = [(m, m.training) for m in model.modules()], False  # each module's own mode, given back
     try:
         model.eval()
         with torch.no_grad():
@@ -170,7 +170,8 @@ def layers_run(model: nn.Module, run: Callable[[], Any]) -> tuple[list[tuple[str
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     return order, failed
 
 
@@ -189,12 +190,17 @@ def model_ends(model: nn.Module, run: Callable[[], Any] | None = None) -> str | 
     return (first if len(layers) == 1 else first + "; last layer " + _layer(*layers[-1])) + f" ({order})"
 
 
-def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None) -> str:
-    """The note for an error in the first training step: the batch's leaves, its label range, the
-    model's first and last layers (in the order `call(model, batch)` runs them, when given)."""
+def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None,
+                    choices: Sequence[str] = ()) -> str:
+    """The note for an error in the first training step: first the choices gputrain made that change
+    the step (layout, dtype, graphs; `choices`, each with its switch), then the batch's leaves, its
+    label range, the model's first and last layers (in the order `call(model, batch)` runs them)."""
     from gputrain.data.deferred import materialize
 
     parts = []
+    if choices:
+        parts.append("it ran under choices gputrain made for you, which may be the cause: "
+                     + "; ".join(choices) + " (turn each off to see)")
     try:
         batch = materialize(batch)
         parts.append(f"the batch: {describe_leaves(batch)}")

@@ -47,7 +47,9 @@ def candidates(config, device: torch.device, model: nn.Module, include_compile: 
 
     CUDA: cuda_graphs on/off x precision (bf16, or fp16 without bf16; and fp32), plus channels_last
     with the low precision for conv nets: at most 6 sets, and 1 compiled set after them (<= 7).
-    CPU/MPS: precision fp32/bf16 x channels_last on/off for conv nets (<= 4).
+    CPU/MPS: precision fp32/bf16 x channels_last on/off for conv nets (<= 4): the measurement that fit's
+    own first step makes for long runs (train/layout.py). A channels_last set whose step failed in NHWC
+    (and ran again in the user's layout) is an error row, never the winner.
     `include_compile` is used by `autotune` (default: on CUDA only).
     """
     conv = _is_conv_net(model)
@@ -107,6 +109,9 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         row["samples_per_s"] = cfg.batch_size * cfg.accumulate * steps / max(elapsed, 1e-9)
         if device.type == "cuda":
             row["peak_memory"] = int(torch.cuda.max_memory_allocated(device))
+        if overrides.get("channels_last") and not trainer.speed.channels_last:
+            # A step failed in NHWC and ran again in the user's layout (train/layout.py): this set is not NHWC.
+            row["status"] = f"error: channels_last refused: {trainer.speed.reasons['channels_last']}"[:300]
         try:
             row["graphs"] = trainer.graph_status()
         except Exception:  # noqa: BLE001 - reporting only

@@ -5,7 +5,9 @@
 own parts, in the Trainer's order:
 - precision: `resolve_precision` in one `RunPrecision` (TF32 set; `close()` gives it back);
 - the speed switches: `decide_speed` (channels_last, cudnn.benchmark, compile, CUDA graphs),
-  applied as the Trainer applies them;
+  applied as the Trainer applies them; channels_last "auto" on a conv net is decided on the first
+  batch the probe steps, by fit's rule (train/layout.py: on the CPU only for runs of
+  `CPU_TIMED_MIN_STEPS` steps or more, so a memory probe of a short run keeps the user's layout);
 - recompute where the config asks for it, then torch.compile where it does;
 - the optimizer from `make_optimizer` with lr 0 (the weights do not change; its state takes its
   memory): the Trainer's fused AdamW, graph-capturable when graphs are on. Other optimizers
@@ -36,6 +38,7 @@ from gputrain.outputs import loss_of
 from gputrain.runtime.precision import Precision, RunPrecision, resolve_precision
 from gputrain.runtime.speed import decide_speed
 from gputrain.train.graphs import WARMUP_STEPS, GraphedStep
+from gputrain.train.layout import LayoutGate, MemoryFormats
 from gputrain.train.loss import LossRule, call_model, is_pair
 from gputrain.train.optim import make_optimizer
 from gputrain.train.step import TrainStep
@@ -104,8 +107,10 @@ class StepProbe:
             precision = resolve_precision(precision or cfg.precision, device)
         self.precision = RunPrecision(precision, device).apply()
         factory = OPTIMIZER_FACTORIES.get(name)  # None: the Trainer's own AdamW
-        self.speed = decide_speed(cfg, model, device, use_scaler=precision.use_scaler, optimizer=factory)
+        self.speed = decide_speed(cfg, model, device, use_scaler=precision.use_scaler, optimizer=factory,
+                                  probe_layout=True)
         self.module = model
+        formats = MemoryFormats(model)
         if self.speed.channels_last:
             # In place, as the Trainer does (Module.to takes memory_format; its stub does not say so).
             model.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
@@ -127,6 +132,10 @@ class StepProbe:
                                     max_grad_norm=cfg.max_grad_norm, oom_recovery=False,
                                     params=list(self.module.parameters()), skip_nonfinite=cfg.on_nan == "skip")
         self._graphed: GraphedStep | None = None
+        # channels_last "auto" on a conv net: decided on the first batch, as fit decides it (train/layout.py).
+        self.layout = LayoutGate(self.train_step, module=model, speed=self.speed, loss=loss, precision=self.precision,
+                                 device=device, total_steps=cfg.steps or 0, optimizers=[self.optimizer],
+                                 formats=formats)
 
     def __enter__(self) -> "StepProbe":
         return self
@@ -149,6 +158,8 @@ class StepProbe:
 
     def _steady(self, batch: Any) -> Callable[[list], None]:
         self._graphed = None  # another batch shape's graph, and its memory pool, goes first
+        if self.speed.layout_probe is not None:
+            self.layout.decide(batch)
         if not self.speed.cuda_graphs:
             self.train_step([batch])
             return self.train_step

@@ -18,6 +18,7 @@ from torch import nn
 from gputrain.runtime.precision import Precision
 from gputrain.train.recompute import RecomputeUnit
 from gputrain.train.loss import LossRule
+from gputrain.train.modes import UserModes
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -102,16 +103,17 @@ class SavedTensorMeter:
 @contextlib.contextmanager
 def side_effect_free(model: nn.Module, device: torch.device):
     """Measure without changing the model: its buffers (BatchNorm running stats), train/eval mode
-    and the RNG (dropout) are put back afterwards. The model is in training mode inside."""
+    and the RNG (dropout) are put back afterwards. The model is in training mode inside, as fit
+    trains it: submodules the user put in eval mode stay so (train/modes.py)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    was_training = model.training
+    modes = UserModes(model)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         try:
-            model.train()
+            modes.train()
             yield
         finally:
-            model.train(was_training)
+            modes.restore()
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     if name in buffers:

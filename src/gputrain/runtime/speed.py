@@ -102,6 +102,7 @@ class SpeedSwitches:
     cuda_graphs: bool
     compile: bool
     reasons: dict[str, str] = field(default_factory=dict)
+    layout_probe: str | None = None  # "check" / "time": channels_last decided on the first batch (train/layout.py)
     _benchmark_before: bool | None = None
 
     def apply(self, device: torch.device) -> None:
@@ -128,9 +129,12 @@ class SpeedSwitches:
 
 
 def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: int = 1, use_scaler: bool = False,
-                 optimizer=None, step_hooks: Sequence[str] = (), own_step=None) -> SpeedSwitches:
+                 optimizer=None, step_hooks: Sequence[str] = (), own_step=None,
+                 probe_layout: bool = False) -> SpeedSwitches:
     """Decide every switch once from the config ("auto" or a forced value), the model and the device.
-    own_step: your step_fn (train/own_step.py), captured only when cuda_graphs=True asks for it."""
+    own_step: your step_fn (train/own_step.py), captured only when cuda_graphs=True asks for it.
+    probe_layout: the caller runs the first step through train/layout.py's LayoutGate, which decides
+    channels_last there ("auto" on a conv net); else the rule without a probe (`_layout`)."""
     cuda = device.type == "cuda"
     conv = has_conv(model)
     reasons: dict[str, str] = {}
@@ -142,12 +146,7 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
         reasons[name] = "requested"
         return bool(value)
 
-    # NHWC suits both cuDNN's tensor-core kernels and oneDNN on the CPU: on 2 CPU cores the
-    # digits CNN step went from 9.6-10.2 ms to 7.8-8.2 ms.
-    nhwc = conv and device.type in ("cuda", "cpu")
-    channels_last = pick("channels_last", config.channels_last, nhwc,
-                         f"2D convolutions run faster in NHWC on {device.type}" if nhwc
-                         else "no 2D convolutions" if not conv else f"not measured on {device.type}")
+    channels_last, probe = _layout(config.channels_last, conv, device, world_size, probe_layout, reasons)
     benchmark = pick("cudnn_benchmark", config.cudnn_benchmark, cuda and conv,
                      "fixed input shapes: cuDNN picks the fastest algorithm once" if cuda and conv
                      else "not a CUDA conv net")
@@ -175,4 +174,52 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
     else:
         graphs = False
         reasons["cuda_graphs"] = "switched off (cuda_graphs=False)"
-    return SpeedSwitches(channels_last, benchmark, graphs, bool(config.compile), reasons)
+    return SpeedSwitches(channels_last, benchmark, graphs, bool(config.compile), reasons, layout_probe=probe)
+
+
+def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layout: bool,
+            reasons: dict[str, str]) -> tuple[bool, str | None]:
+    """(channels_last now, the first-step probe still to run: "check", "time" or None), its reason in `reasons`.
+
+    A forced value stands. "auto": off without 2-D convolutions; on CUDA the first step checks that NHWC
+    runs and gives the same loss, and cuDNN's NHWC kernels decide the rest (the CUDA rule; with several
+    processes every rank takes the rule unprobed, so the ranks cannot disagree); on the CPU the first
+    step checks and times it (train/layout.py). A caller that runs no first step through a LayoutGate
+    (probe_layout False) gets the CUDA rule on CUDA and NCHW elsewhere."""
+    if value != "auto":
+        reasons["channels_last"] = "requested"
+        return bool(value), None
+    if not conv:
+        reasons["channels_last"] = "no 2D convolutions"
+        return False, None
+    if device.type == "cuda" and (not probe_layout or world_size > 1):
+        reasons["channels_last"] = ("2D convolutions on CUDA: cuDNN's NHWC kernels (the CUDA rule"
+                                    + (", not probed with several processes)" if world_size > 1 else ")"))
+        return True, None
+    if device.type == "cuda":
+        reasons["channels_last"] = "decided on the first batch: NHWC kept where it runs and gives the same loss"
+        return False, "check"
+    if device.type == "cpu" and world_size > 1:  # each rank would time its own: the ranks could disagree
+        reasons["channels_last"] = "not probed with several processes on the CPU (channels_last=True forces it)"
+        return False, None
+    if device.type == "cpu" and probe_layout:
+        reasons["channels_last"] = ("decided on the first batch: NHWC kept where it runs, gives the same loss "
+                                    "and is at least as fast")
+        return False, "time"
+    reasons["channels_last"] = (f"not measured on {device.type}" if device.type != "cpu"
+                                else "on the CPU NHWC is kept only where fit's first step measures it faster")
+    return False, None
+
+
+def choices_made(speed: SpeedSwitches, precision_name: str, autocast_dtype: torch.dtype | None,
+                 precision_asked: str = "auto") -> list[str]:
+    """The choices gputrain made on its own that change the layout, dtype or kernels of the step, each
+    with the switch that turns it off (for the note after a failed first step); forced ones are the user's."""
+    out = []
+    if speed.channels_last and speed.reasons.get("channels_last") != "requested":
+        out.append("channels_last (NHWC weights and inputs; off: channels_last=False, --channels-last off)")
+    if autocast_dtype is not None and precision_asked == "auto":
+        out.append(f"{precision_name} autocast (off: precision='fp32', --precision fp32)")
+    if speed.cuda_graphs and speed.reasons.get("cuda_graphs") != "requested":
+        out.append("CUDA graphs (off: cuda_graphs=False, --cuda-graphs off)")
+    return out

@@ -24,6 +24,7 @@ from gputrain.outputs import logits_of
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
 from gputrain.train.loss import LossRule
+from gputrain.train.modes import eval_mode
 
 
 def infer_task(loss_fn: Callable | None) -> str | None:
@@ -77,8 +78,11 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, loader) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
+        with eval_mode(model):  # every module's own mode (a mixed one too) back afterwards (train/modes.py)
+            sums, loss_sum, correct, count = self._run(model, loader)
+        return self._reduce(sums, loss_sum, correct, count)
+
+    def _run(self, model: nn.Module, loader) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {}  # callable metrics: value * samples, summed
@@ -109,8 +113,10 @@ class Evaluator:
                         label = name if key == name else f"{name}_{key}"
                         value = torch.as_tensor(value, device=self.device).float() * n
                         sums[label] = sums[label] + value if label in sums else value
-        model.train(was_training)
+        return sums, loss_sum, correct, count
 
+    def _reduce(self, sums: dict[str, torch.Tensor], loss_sum: torch.Tensor, correct: torch.Tensor,
+                count: int) -> dict[str, float]:
         labels = ["eval_loss", "correct"] + [f"eval_{k}" for k in sums]
         totals = distributed.all_reduce_sum(torch.stack([loss_sum, correct.float(), *sums.values()]), self.dist)
         computed = {f"eval_{name}": m.compute() for name, m in self.metrics.items() if is_torchmetric(m)}

@@ -28,6 +28,7 @@ from gputrain.runtime.devices import pick_device
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.train.evaluate import Evaluator, infer_task
 from gputrain.train.loss import LossRule, call_model, is_pair
+from gputrain.train.modes import module_modes, set_modes
 
 
 def _setup(model: nn.Module, data: Any, device: str | torch.device, precision: str, batch_size: int,
@@ -87,7 +88,7 @@ def predict(model: nn.Module, data: Any, *, loss_fn: Callable | None = None, com
     """
     model, dev, run_precision, loader = _setup(model, data, device, precision, batch_size, transform)
     rule = LossRule(loss_fn, compute_loss)
-    was_training = model.training
+    modes = module_modes(model)  # each module's own mode, given back below (train/modes.py)
     model.eval()
     run_precision.apply()
     pieces: list[Any] = []
@@ -104,7 +105,7 @@ def predict(model: nn.Module, data: Any, *, loss_fn: Callable | None = None, com
                     outputs = call_model(model, batch)
             pieces.append(batches.map_tensors(lambda t: t.detach().to("cpu"), logits_of(outputs)))
     finally:
-        model.train(was_training)
+        set_modes(modes)
         run_precision.restore()
     result = _concatenate(pieces)
     if out is not None:

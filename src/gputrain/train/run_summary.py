@@ -114,6 +114,8 @@ def decisions(t: Decided) -> list[dict[str, str]]:
             {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
              _schedule(t) else "TrainConfig.schedule and warmup_steps"}]
     rows += t.speed.decisions()
+    if (modes := getattr(t, "modes", None)) is not None:  # train/modes.py: eval mode kept where the user set it
+        rows.append(modes.decision())
     callbacks = _callbacks(t.callbacks)
     if callbacks is not None:
         rows.append({"name": "callbacks", "value": callbacks.describe(),

@@ -47,7 +47,9 @@ from gputrain.train.graphs import GraphedStep
 from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
 from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
+from gputrain.train.layout import MemoryFormats, gate_step, run_optimizers
 from gputrain.train.loss import LossRule
+from gputrain.train.modes import UserModes
 from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.carried_state import CarriedState
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
@@ -95,6 +97,7 @@ class Trainer:
         self.carried = CarriedState(state, self.device)
         self.speed.refuse_graphs(self.carried.graph_blocker())  # state=: Python that a graph would run once
         self._setup_step(num_items)
+        self.step_fn = gate_step(self)  # channels_last decided on the first batch (train/layout.py)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
         self.stream = BatchStream(self.train_loader)
@@ -114,9 +117,12 @@ class Trainer:
 
     def _setup_model(self, model: nn.Module, optimizer) -> None:
         cfg, device = self.config, self.device
+        self.modes = UserModes(model).said(self.is_main)  # kept while training, given back by close()
         self.speed: SpeedSwitches = decide_speed(cfg, model, device, world_size=self.dist.world_size,
                                                  use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
-                                                 step_hooks=self.callbacks.per_step, own_step=self.own_step)
+                                                 step_hooks=self.callbacks.per_step, own_step=self.own_step,
+                                                 probe_layout=True)
+        self.memory_formats = MemoryFormats(model)  # the user's layouts: given back by close() (train/layout.py)
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
@@ -275,7 +281,7 @@ class Trainer:
         loop = LoopPass.open(self.run_dir, cfg, main=self.is_main, total_steps=self.total_steps,
                              description=f"{self.device} {self.precision.name}", callbacks=self.callbacks,
                              world=self.dist.world_size, state=st)
-        self.model.train()
+        self.modes.train(self.model)  # train mode, eval mode kept where the user set it (train/modes.py)
         sync = synchronizer(self.device)
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         finished = False
@@ -376,7 +382,7 @@ class Trainer:
             self._bare_loop = LoopPass.bare(self.config, self.total_steps, self.callbacks, self.dist.world_size,
                                             self.state)
         if not self.model.training:  # train() walks every module: not once per call
-            self.model.train()
+            self.modes.train(self.model)
         done = self.state.step
         while self.state.step < done + n:
             self._iterate(self._bare_loop, self.total_steps, most=done + n - self.state.step)
@@ -461,6 +467,8 @@ class Trainer:
         """Give back the process-wide settings the run changed (cudnn.benchmark, TF32); stop watching compiles."""
         self.speed.restore()
         self.precision.restore()
+        self.modes.restore()  # every module in the mode the user gave it
+        self.memory_formats.restore(run_optimizers(self.optimizer))  # and its parameters in the layout it gave them
         self.checkpointer.close()  # a save still in flight (an error left the loop) completes first
         if self.recompiles is not None:
             self.recompiles.stop()

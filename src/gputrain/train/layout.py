@@ -1,0 +1,303 @@
+"""channels_last where it is safe and pays, decided from the model's own first step.
+
+`decide_speed` (runtime/speed.py) leaves channels_last pending for a 2-D conv net that fit may
+probe ("check" on CUDA, "time" on the CPU). `LayoutGate` wraps the run's step; on the first step it
+runs forward + loss + backward of the first batch on two copies of the model, one in the layout the
+user gave (NCHW) and one in NHWC (weights and 4-D float inputs), in the modes fit trains in, under
+the run's precision, from the same RNG state (the user's RNG stream is left as it was; Python state
+that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is kept only when
+- it runs (no error: a `.view` of a convolution's output, `grad.view(n, -1)` in a gradient penalty,
+  refuse NHWC; the reason names the error and the `file:line` of the user's code that raised it),
+- it gives the same loss within `loss_tolerance` (dropout's random draws follow the memory layout,
+  so where the train-mode losses differ, the built-in loss is compared again in eval mode), and
+- it is at least as fast: on the CPU the median of `TIMED_REPEATS` timed passes each; a run shorter
+  than `CPU_TIMED_MIN_STEPS` steps is not probed (the probe's passes would cost more than NHWC can
+  win back) and trains in NCHW. On CUDA the first passes include cuDNN's algorithm search, so they
+  are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
+A later step that fails in NHWC (a data-dependent path) is retried once in the user's layout, with
+one log line. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from gputrain import batch as batches
+from gputrain.data.deferred import materialize
+from gputrain.runtime.oom import is_oom
+from gputrain.runtime.precision import RunPrecision
+from gputrain.runtime.speed import SpeedSwitches
+from gputrain.train.loss import LossRule
+
+log = logging.getLogger("gputrain")
+
+CPU_TIMED_MIN_STEPS = 200  # the probe's 2 + 2 * TIMED_REPEATS passes are <= 4% of such a run
+TIMED_REPEATS = 3
+
+
+def loss_tolerance(precision: RunPrecision) -> float:
+    """Relative tolerance between the two layouts' losses: NHWC kernels sum in another order.
+    fp32 1e-4; TF32 matmuls 1e-3; bf16/fp16 autocast 1e-2 (8 / 11 bits of mantissa)."""
+    p = precision.precision
+    if p.autocast_dtype is not None:
+        return 1e-2
+    return 1e-3 if p.name == "tf32" else 1e-4
+
+
+def to_nhwc(batch: Any) -> Any:
+    """The batch with its 4-D floating tensors in channels_last, as fit's transform makes them."""
+    return batches.map_tensors(lambda t: t.contiguous(memory_format=torch.channels_last)
+                               if t.dim() == 4 and t.is_floating_point() else t, batch)
+
+
+def in_format(t: torch.Tensor, fmt: torch.memory_format) -> bool:
+    """Whether `t` has exactly the strides of `fmt`. `is_contiguous(memory_format=...)` ignores the
+    strides of size-1 dimensions, so a 1-channel NHWC tensor passes as contiguous, yet convolutions
+    read its strides and keep producing NHWC."""
+    return t.stride() == torch.empty(t.shape, memory_format=fmt, device="meta").stride()
+
+
+def to_nchw(batch: Any) -> Any:
+    """The batch with its 4-D tensors in the default (contiguous) layout."""
+    return batches.map_tensors(lambda t: t.clone(memory_format=torch.contiguous_format)
+                               if t.dim() == 4 and not in_format(t, torch.contiguous_format) else t,
+                               materialize(batch))
+
+
+def refusal(exc: BaseException) -> str:
+    """'`x = x.view(-1, 400)` at model.py:42 (forward) raised RuntimeError: view size is not ...':
+    the innermost frame outside torch and gputrain (the user's code that refused the layout)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((fr for fr in reversed(frames) if "/torch/" not in fr.filename.replace("\\", "/")
+                  and "/gputrain/" not in fr.filename.replace("\\", "/")), None)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    said = f"{type(exc).__name__}: {first[:200]}"
+    hint = "; .reshape works in both layouts" if "view size" in first and "reshape" not in first else ""
+    if where is None:
+        return f"NHWC raised {said}{hint}"
+    return f"`{(where.line or '').strip()}` at {where.filename}:{where.lineno} ({where.name}) raised {said}{hint}"
+
+
+class MemoryFormats:
+    """The memory format of each 4-D parameter and buffer as the user gave it, by owner and name (moving
+    a module replaces its buffers); `restore` puts it back in place through `.data` (the optimizer, EMA
+    and graphs keep the same tensor objects), with the gradients and the matching optimizer state."""
+
+    def __init__(self, module: nn.Module):
+        self.formats = [(owner, name, torch.channels_last if in_format(t, torch.channels_last)
+                         and not in_format(t, torch.contiguous_format) else torch.contiguous_format)
+                        for owner in module.modules()
+                        for name, t in [*owner._parameters.items(), *owner._buffers.items()]
+                        if t is not None and t.dim() == 4]
+
+    def restore(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        with torch.no_grad():
+            for owner, name, fmt in self.formats:
+                t = owner._parameters.get(name)
+                t = owner._buffers.get(name) if t is None else t
+                if t is None:
+                    continue
+                if not in_format(t, fmt):
+                    t.data = t.data.clone(memory_format=fmt)
+                if t.grad is not None and not in_format(t.grad, fmt):
+                    t.grad = t.grad.clone(memory_format=fmt)
+                for opt in optimizers:
+                    state = opt.state.get(t) or {}
+                    for key, value in list(state.items()):
+                        if isinstance(value, torch.Tensor) and value.shape == t.shape and not in_format(value, fmt):
+                            state[key] = value.clone(memory_format=fmt)
+
+
+class _ProbeStep:
+    """What a step of your own gets in the probe: backward is a plain backward on the copy, step()
+    and zero_grad() leave the weights alone (both layouts compute from the same weights)."""
+
+    def __init__(self, model: nn.Module, optimizers: dict[str, Any], schedulers: dict[str, Any]):
+        self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
+        self.is_last, self.weight = True, 1.0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
+        loss.backward(retain_graph=retain_graph, create_graph=create_graph)
+
+    def step(self, name: str | None = None) -> None:
+        pass
+
+    def zero_grad(self, name: str | None = None) -> None:
+        pass
+
+
+def _losses(out: Any) -> list[float]:
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        out = out[0]  # compute_loss's (loss, outputs)
+    values = out.values() if isinstance(out, dict) else [out]
+    return [float(v.detach().float()) for v in values if isinstance(v, torch.Tensor)]
+
+
+class LayoutGate:
+    """The run's step with channels_last decided on its first batch and a later NHWC failure retried
+    once in the user's layout (see the module docstring). Calls `step_fn(micro_batches)`."""
+
+    def __init__(self, step_fn: Callable[[list], Any], *, module: nn.Module, speed: SpeedSwitches, loss: LossRule,
+                 precision: RunPrecision, device: torch.device, total_steps: int,
+                 optimizers: list[torch.optim.Optimizer], formats: MemoryFormats, loaders: Sequence[Any] = (),
+                 own_step: Callable | None = None, own_context: tuple[dict[str, Any], dict[str, Any]] | None = None):
+        self.step_fn, self.module, self.speed, self.loss = step_fn, module, speed, loss
+        self.precision, self.device, self.total_steps = precision, device, total_steps
+        self.optimizers, self.own_step, self.own_context = optimizers, own_step, own_context or ({}, {})
+        self.formats = formats  # the user's layouts, recorded before fit changed any
+        # The loaders' transforms put 4-D inputs in NHWC when channels_last is on (data/transforms.py).
+        self.transforms = [t for t in (getattr(ld, "transform", None) for ld in loaders) if t is not None]
+        self.retried = False
+
+    def __call__(self, micro_batches: list) -> Any:
+        if self.speed.layout_probe is not None:
+            self.decide(micro_batches[0])
+        if not self.speed.channels_last or self.retried:
+            return self.step_fn(micro_batches)
+        try:
+            return self.step_fn(micro_batches)
+        except RuntimeError as exc:
+            if is_oom(exc):
+                raise
+            self.fall_back(refusal(exc))
+            return self.step_fn([to_nchw(b) for b in micro_batches])
+
+    def fall_back(self, why: str) -> None:
+        """NHWC off for the rest of the run: the user's layout back, the step's gradients cleared."""
+        self.retried = True
+        self.speed.channels_last = False
+        self.speed.reasons["channels_last"] = f"switched off during the run: {why}"
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.formats.restore(self.optimizers)
+        self._inputs(False)
+        graphs = getattr(self.step_fn, "graphs", None)  # a GraphedStep's captures (train/graphs.py)
+        if graphs:
+            graphs.clear()  # they hold the NHWC tensors' memory: captured again on the new tensors
+        log.warning("a step failed in channels_last (NHWC) and runs again in your layout: %s", why)
+
+    def apply(self) -> None:
+        """NHWC weights and inputs for the run."""
+        self.module.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
+        self._inputs(True)
+
+    def _inputs(self, nhwc: bool) -> None:
+        for t in self.transforms:
+            t.channels_last = nhwc
+
+    def decide(self, batch: Any) -> None:
+        mode, self.speed.layout_probe = self.speed.layout_probe, None
+        if mode == "time" and self.total_steps < CPU_TIMED_MIN_STEPS:
+            run = f"a run of {self.total_steps} steps" if self.total_steps else "the step alone, not a run"
+            self.speed.reasons["channels_last"] = (
+                f"not probed: {run} on the CPU (the probe's {2 + 2 * TIMED_REPEATS} "
+                f"forward+backward passes pay only from {CPU_TIMED_MIN_STEPS} steps); NHWC is kept on the CPU only "
+                "where the first step measures it at least as fast")
+            self._said()
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            keep, why = self._probe(materialize(batch), timed=mode == "time")
+        self.speed.channels_last = keep
+        self.speed.reasons["channels_last"] = why
+        if keep:
+            self.apply()
+        self._said()
+
+    def _said(self) -> None:
+        log.info("channels_last: %s (%s)", "on" if self.speed.channels_last else "off",
+                 self.speed.reasons["channels_last"])
+
+    def _pass(self, model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor]) -> list[float]:
+        """Forward, loss and backward of `batch` on `model` from the RNG state given; its losses."""
+        torch.set_rng_state(rng)
+        if cuda_rng:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with self.precision.autocast():
+            if self.own_step is not None:
+                out = self.own_step(_ProbeStep(model, *self.own_context), batch)
+                return _losses(out)
+            loss, _ = self.loss(model, batch)
+        loss.backward()
+        return _losses(loss)
+
+    def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
+        out = []
+        for model, b in zip(models, (batch, nhwc)):
+            model.eval()
+            with torch.no_grad(), self.precision.autocast():
+                out.append(_losses(self.loss(model, b)[0]))
+        return out[0], out[1]
+
+    def _probe(self, batch: Any, timed: bool) -> tuple[bool, str]:
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []
+        nchw_model = copy.deepcopy(self.module)
+        nhwc_model = copy.deepcopy(self.module).to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
+        nhwc = to_nhwc(batch)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        try:
+            plain = self._pass(nchw_model, batch, rng, cuda_rng)
+        except Exception as exc:  # noqa: BLE001 - the user's layout fails too: the step itself will say why
+            return False, f"not probed: the first batch fails in your layout as well ({type(exc).__name__})"
+        try:
+            other = self._pass(nhwc_model, nhwc, rng, cuda_rng)
+        except Exception as exc:  # noqa: BLE001 - the reason for the decision
+            return False, f"NHWC refused by your code: {refusal(exc)}"
+        tol = loss_tolerance(self.precision)
+        if not _agree(plain, other, tol) and self.own_step is None:
+            # Dropout draws its mask in memory order; without random draws the layouts must agree.
+            evals = self._eval_losses((nchw_model, nhwc_model), batch, nhwc)
+            if not _agree(*evals, tol):
+                return False, f"NHWC changed the loss beyond the relative tolerance {tol:g}: {evals[0]} vs {evals[1]}"
+            plain, other = evals
+        elif not _agree(plain, other, tol):
+            return False, f"NHWC changed the loss beyond the relative tolerance {tol:g}: {plain} vs {other}"
+        same = f"the first batch's loss agrees within {tol:g}"
+        if not timed:
+            return True, (f"{same}; on CUDA the first passes include cuDNN's algorithm search and are not timed, "
+                          "so the CUDA rule keeps NHWC (cuDNN's tensor-core convolutions)")
+        times: dict[str, list[float]] = {"nchw": [], "nhwc": []}
+        for _ in range(TIMED_REPEATS):  # interleaved: a slower moment of the machine hits both
+            for name, model, b in (("nchw", nchw_model, batch), ("nhwc", nhwc_model, nhwc)):
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                self._pass(model, b, rng, cuda_rng)
+                sync()
+                times[name].append(1000 * (time.perf_counter() - t0))
+        a, b = statistics.median(times["nchw"]), statistics.median(times["nhwc"])
+        passes = 2 + 2 * TIMED_REPEATS
+        measured = (f"forward+backward of the first batch {b:.3g} ms in NHWC vs {a:.3g} ms in NCHW (median of "
+                    f"{TIMED_REPEATS}; the probe: {passes} passes, {passes / max(1, self.total_steps):.1%} of the "
+                    f"run's steps); {same}")
+        return (True, f"at least as fast: {measured}") if b <= a else (False, f"slower: {measured}")
+
+
+def _agree(a: list[float], b: list[float], rtol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12) + 1e-7 for x, y in zip(a, b))
+
+
+def run_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The run's optimizers: one, or a step of your own's {name: optimizer} (train/optimizer_set.py)."""
+    named = getattr(optimizer, "optimizers", None)
+    return list(named.values()) if isinstance(named, dict) else [optimizer]
+
+
+def gate_step(t: Any) -> Callable[[list], Any]:
+    """The Trainer's step behind a LayoutGate where NHWC may run (decided on the first batch, or on);
+    else the step itself. `t`: the Trainer, its model, data, optimizer and step set up."""
+    if t.speed.layout_probe is None and not t.speed.channels_last:
+        return t.step_fn
+    own = (t.optimizer.optimizers, t.scheduler.schedulers if t.scheduler is not None else {}) \
+        if t.own_step is not None else None
+    return LayoutGate(t.step_fn, module=t.module, speed=t.speed, loss=t.loss, precision=t.precision, device=t.device,
+                      total_steps=t.total_steps, optimizers=run_optimizers(t.optimizer), formats=t.memory_formats,
+                      loaders=(t.train_loader, t.eval_loader), own_step=t.own_step, own_context=own)

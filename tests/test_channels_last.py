@@ -1,0 +1,235 @@
+"""channels_last decided from the model's own first step (train/layout.py): refused with the op and the
+file:line that refused it, kept only where it runs, agrees and (on the CPU) is measured at least as fast,
+a later NHWC failure retried once in the user's layout, and the user's memory format given back."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gputrain
+from gputrain.data.checks import first_step_note
+from gputrain.runtime import speed as speed_mod
+from gputrain.runtime.speed import SpeedSwitches, choices_made
+from gputrain.train import layout
+
+VIEW_LINE = "x = x.view(-1, 4 * 2 * 2)"
+
+
+class ViewNet(nn.Module):
+    """The blitz tutorial's shape: `.view` of a convolution's output (fails in NHWC)."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.drop = nn.Dropout(p)
+        self.fc = nn.Linear(4 * 2 * 2, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 3)
+        x = x.view(-1, 4 * 2 * 2)
+        return self.fc(self.drop(x))
+
+
+class ReshapeNet(ViewNet):
+    def forward(self, x):
+        x = self.drop(F.max_pool2d(F.relu(self.conv(x)), 3))  # dropout on the NHWC activations
+        return self.fc(x.reshape(x.shape[0], -1))
+
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _fit(model, eval_data=None, **cfg):
+    cfg = {"steps": 4, "batch_size": 8, **cfg}
+    return gputrain.fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), eval_data=eval_data,
+                        config=gputrain.TrainConfig(**cfg))
+
+
+def _decision(history, name="channels_last"):
+    return {d["name"]: d for d in history.summary["decisions"]}[name]
+
+
+@pytest.fixture
+def probed(monkeypatch):
+    """Runs of any length are probed and timed on the CPU (the rule's minimum is 200 steps)."""
+    monkeypatch.setattr(layout, "CPU_TIMED_MIN_STEPS", 1)
+
+
+@pytest.fixture
+def cuda_rule(monkeypatch):
+    """The CUDA rule on the CPU: the first step checks NHWC (no error, same loss) without timing it."""
+    real = speed_mod._layout
+
+    def check(value, conv, device, world_size, probe_layout, reasons):
+        on, probe = real(value, conv, device, world_size, probe_layout, reasons)
+        return (on, "check") if probe == "time" else (on, probe)
+
+    monkeypatch.setattr(speed_mod, "_layout", check)
+
+
+def test_short_cpu_run_is_not_probed_and_stays_in_the_users_layout():
+    history = _fit(ReshapeNet())
+    d = _decision(history)
+    assert d["value"] == "off" and "not probed: a run of 4 steps on the CPU" in d["reason"]
+
+
+def test_view_after_conv_refuses_nhwc_naming_the_line_and_trains_as_without_the_probe(probed):
+    torch.manual_seed(0)
+    probed_model = ViewNet(p=0.3)
+    history = _fit(probed_model)
+    d = _decision(history)
+    assert d["value"] == "off" and d["reason"].startswith("NHWC refused by your code: "), d  # by the probe
+    assert f"`{VIEW_LINE}` at {__file__}:" in d["reason"] and "view size is not compatible" in d["reason"]
+    torch.manual_seed(0)
+    plain = ViewNet(p=0.3)
+    _fit(plain, channels_last=False)
+    # The probe ran on copies from a forked RNG: the run is bit-equal to one that never probed.
+    for a, b in zip(probed_model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_nhwc_that_runs_is_timed_on_the_cpu_and_weights_come_back_in_the_users_layout(probed):
+    model = ReshapeNet(p=0.3)
+    history = _fit(model)
+    reason = _decision(history)["reason"]
+    assert reason.startswith(("at least as fast: ", "slower: ")), reason
+    assert "ms in NHWC vs" in reason and "median of 3" in reason and "the probe: 8 passes" in reason
+    assert model.conv.weight.is_contiguous()
+
+
+def test_cuda_rule_keeps_nhwc_that_agrees_and_refuses_a_view(cuda_rule, caplog):
+    model = ReshapeNet(p=0.3)  # dropout on NHWC draws other masks: compared again in eval mode
+    history = _fit(model)
+    d = _decision(history)
+    assert d["value"] == "on" and "CUDA rule keeps NHWC" in d["reason"], d
+    assert model.conv.weight.is_contiguous()  # back in the user's layout after fit
+    assert _decision(_fit(ViewNet()))["value"] == "off"
+
+
+def test_a_later_nhwc_failure_is_retried_once_in_the_users_layout(caplog):
+    model = ViewNet()
+    with caplog.at_level(logging.WARNING, logger="gputrain"):
+        history = _fit(model, channels_last=True, eval_data=_data(16))  # forced: no probe
+    lines = [r.getMessage() for r in caplog.records if "runs again in your layout" in r.getMessage()]
+    assert len(lines) == 1 and VIEW_LINE in lines[0]
+    assert history.summary["final_eval_loss"] == history.summary["final_eval_loss"]  # evaluation ran (NCHW inputs)
+    d = _decision(history)
+    assert d["value"] == "off" and d["reason"].startswith("switched off during the run")
+    assert model.conv.weight.is_contiguous()
+
+
+def test_user_memory_format_is_given_back_after_fit_evaluate_and_predict():
+    model = ReshapeNet().to(memory_format=torch.channels_last)
+    _fit(model, channels_last=False)
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    plain = ReshapeNet()
+    _fit(plain, channels_last=True)
+    assert plain.conv.weight.is_contiguous()
+    x, y = _data(8)
+    gputrain.evaluate(plain, (x, y), loss_fn=nn.CrossEntropyLoss())
+    gputrain.predict(plain, x)
+    assert plain.conv.weight.is_contiguous()
+
+
+def test_wgan_gp_grad_view_in_a_step_of_your_own_refuses_nhwc(cuda_rule):
+    model = nn.ModuleDict({"critic": nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 1))})
+
+    def step_fn(step, batch):
+        real, _ = batch
+        real = real.requires_grad_(True)
+        out = step.model["critic"](real)
+        grad = torch.autograd.grad(out.sum(), real, create_graph=True)[0]
+        grad = grad.view(grad.size(0), -1)
+        penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        loss = -out.mean() + 10 * penalty
+        step.backward(loss)
+        step.step("critic")
+        return loss
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    history = gputrain.fit(model, _data(), step_fn=step_fn, optimizer={"critic": opt},
+                           config=gputrain.TrainConfig(steps=2, batch_size=8))
+    reason = _decision(history)["reason"]
+    assert "`grad = grad.view(grad.size(0), -1)` at" in reason and __file__ in reason
+
+
+def test_first_step_note_names_gputrains_choices_before_the_shapes(monkeypatch):
+    def unprobed_rule(value, conv, device, world_size, probe_layout, reasons):  # as with several CUDA processes
+        reasons["channels_last"] = "the CUDA rule, not probed"
+        return True, None
+
+    monkeypatch.setattr(speed_mod, "_layout", unprobed_rule)
+    model = ReshapeNet()
+    x, _ = _data()
+    with pytest.raises(IndexError) as info:  # labels out of range: a failure of the user's data
+        gputrain.fit(model, (x, torch.full((32,), 7)), loss_fn=nn.CrossEntropyLoss(),
+                     config=gputrain.TrainConfig(steps=2, batch_size=8))
+    note = [n for n in info.value.__notes__ if "first training step failed" in n][0]
+    assert "choices gputrain made for you" in note and "channels_last=False" in note
+    assert note.index("channels_last") < note.index("the batch:")
+
+
+def test_choices_made_lists_only_what_gputrain_chose():
+    s = SpeedSwitches(True, False, True, False, {"channels_last": "probed", "cuda_graphs": "requested"})
+    made = choices_made(s, "bf16", torch.bfloat16)
+    assert made[0].startswith("channels_last") and "precision='fp32'" in made[1] and len(made) == 2
+    assert choices_made(s, "bf16", torch.bfloat16, precision_asked="bf16") == made[:1]
+    note = first_step_note((torch.zeros(2, 3), torch.zeros(2)), nn.Linear(3, 1), choices=made)
+    assert note.index("channels_last") < note.index("the batch:")
+
+
+def test_autotune_never_picks_a_channels_last_set_whose_step_fell_back():
+    from gputrain.diagnostics.autotune import run_trial
+
+    class Workload:
+        task = "classification"
+
+        def make_model(self):
+            return ViewNet()
+
+        def make_data(self):
+            return _data()
+
+        def loss_kwargs(self):
+            return {"loss_fn": nn.CrossEntropyLoss()}
+
+    config = gputrain.TrainConfig(batch_size=8, device="cpu")
+    assert run_trial(Workload(), config, {"channels_last": False}, steps=1, warmup=1)["status"] == "ok"
+    row = run_trial(Workload(), config, {"channels_last": True}, steps=1, warmup=1)
+    assert row["status"].startswith("error: channels_last refused: switched off during the run") and VIEW_LINE in row["status"]
+
+
+class PartialBatchView(ViewNet):
+    """NHWC runs until the last partial batch (4 samples) takes a `.view`: a data-dependent failure."""
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv(x)), 3)
+        x = x.view(4, -1) if x.shape[0] == 4 else x.reshape(x.shape[0], -1)
+        return self.fc(x)
+
+
+def test_a_fall_back_after_graphs_were_captured_trains_on_the_new_tensors(capture_graphs, caplog):
+    """The captured graphs hold the NHWC tensors' memory: after the fall-back they are captured again,
+    so the run ends bit-equal to the same run stepped eagerly (a stale graph would update old memory)."""
+    from graph_capture import EagerGraphs
+
+    def run():
+        torch.manual_seed(0)
+        model = PartialBatchView()
+        history = gputrain.fit(model, _data(36), loss_fn=nn.CrossEntropyLoss(),
+                               config=gputrain.TrainConfig(steps=10, batch_size=8, channels_last=True, log_every=5))
+        return model, history
+
+    with caplog.at_level(logging.WARNING, logger="gputrain"):
+        graphed, history = run()
+    assert history.summary["cuda_graphs"].startswith("on"), history.summary["cuda_graphs"]
+    assert sum("runs again in your layout" in r.getMessage() for r in caplog.records) == 1
+    capture_graphs(EagerGraphs)
+    eager, _ = run()
+    for a, b in zip(graphed.state_dict().values(), eager.state_dict().values()):
+        assert torch.equal(a, b)

@@ -1,0 +1,109 @@
+"""The conformance zoo (tests/zoo/): public models and their authors' own steps, each trained through
+`gputrain.fit` with default settings beside the author's hand loop on the same batches (same seeds).
+
+Asserted for every case: no crash; after fit every module is in the mode the user gave it; the
+parameters and buffers equal the hand loop's: bit for bit where no numeric choice of fit applies (the
+CPU: fp32, the user's layout, the author's optimizer), within the README's bf16 tolerance where one
+does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs), the hand loop then running its forward
+under the same `torch.autocast` (the AMP recipe).
+
+The device comes from GPUTRAIN_ZOO_DEVICE ("cpu" by default; "cuda" on a GPU machine:
+`GPUTRAIN_ZOO_DEVICE=cuda python -m pytest -q tests/test_zoo.py`).
+"""
+
+import contextlib
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+from zoo import Case, cases
+
+import gputrain
+from gputrain.batch import move
+from gputrain.runtime.precision import resolve_precision
+
+DEVICE = os.environ.get("GPUTRAIN_ZOO_DEVICE", "cpu")
+SEED = 0
+# bf16 autocast (README, "What fit decides for you"): per floating tensor, the update fit made
+# (final - initial) differs from the hand loop's by at most BF16_UPDATE_RTOL of the hand loop's update
+# (L2 norms) plus BF16_ATOL per element; BatchNorm statistics and other buffers within BF16_ATOL
+# relative. bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 0.4%), and each kernel choice
+# (NHWC, TF32, fused ops) rounds in its own order.
+BF16_UPDATE_RTOL = 0.1
+BF16_ATOL = 1e-3
+
+CASES = cases()
+
+
+def _device() -> torch.device:
+    device = torch.device(DEVICE)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("GPUTRAIN_ZOO_DEVICE=cuda, but this PyTorch sees no CUDA device")
+    return device
+
+
+def _amp(device: torch.device):
+    """The hand loop's autocast: the precision fit picks by default on `device` (none on the CPU)."""
+    precision = resolve_precision("auto", device)
+    if precision.autocast_dtype is None:
+        return contextlib.nullcontext
+    if precision.use_scaler:
+        pytest.skip("fp16 on this GPU: the author's loop would need its own GradScaler")
+    return lambda: torch.autocast(device.type, dtype=precision.autocast_dtype)
+
+
+def _modes(model: torch.nn.Module) -> dict[str, bool]:
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def _differences(fit_state: dict, hand_state: dict, initial: dict, exact: bool) -> list[str]:
+    out = []
+    for name, ours in fit_state.items():
+        theirs, start = hand_state[name], initial[name]
+        if exact or not ours.is_floating_point():
+            if not torch.equal(ours, theirs):
+                diff = (ours.double() - theirs.double()).abs().max().item()
+                out.append(f"{name}: max |difference| {diff:.3g}")
+            continue
+        ours, theirs, start = ours.double(), theirs.double(), start.double()
+        gap = (ours - theirs).norm().item()
+        bound = BF16_UPDATE_RTOL * (theirs - start).norm().item() + BF16_ATOL * ours.numel() ** 0.5 \
+            * max(1.0, theirs.abs().max().item())
+        if gap > bound:
+            out.append(f"{name}: |fit - hand| {gap:.3g} > {bound:.3g}")
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
+    device = _device()
+    torch.manual_seed(SEED)
+    model = case.make().to(device)
+    hand_model = copy.deepcopy(model)  # the same initial weights and modes
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    given = _modes(model)
+    data = [move(b, device) for b in case.batches()]
+
+    torch.manual_seed(SEED)  # fit seeds its run the same way (TrainConfig.seed)
+    np.random.seed(SEED)
+    try:
+        case.hand(hand_model, data, _amp(device))
+    except RuntimeError as exc:
+        if "unsafe to autocast" not in str(exc):
+            raise
+        # The author's code under bf16 autocast (what fit picks by default on this GPU) is refused by
+        # torch itself (nn.BCELoss, F.binary_cross_entropy): fit's default cannot train it either.
+        pytest.fail(f"fit's default precision (bf16 autocast) cannot run this case's code: {str(exc)[:160]}; "
+                    "it trains with precision='fp32'")
+
+    np.random.seed(SEED)
+    history = gputrain.fit(model, data, config=gputrain.TrainConfig(steps=len(data), device=DEVICE, seed=SEED,
+                                                                    **case.config), **case.fit(model))
+    assert history.records and history.records[-1]["step"] == len(data)
+    assert _modes(model) == given, "fit left modules in other modes than the user gave"
+    exact = device.type == "cpu"
+    problems = _differences(model.state_dict(), hand_model.state_dict(), initial, exact)
+    assert not problems, (f"{len(problems)} of {len(initial)} tensors differ from the author's loop "
+                          f"({'bit-equal expected' if exact else 'bf16 tolerance'}): " + "; ".join(problems[:6]))
