@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -309,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
     work = (args.work or out.parent / f"{out.name}-work").resolve()
     shutil.rmtree(work, ignore_errors=True)
-    (work / "logs").mkdir(parents=True)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        (work / "logs").mkdir(parents=True)
+    except OSError:  # the folder above --out is not ours to write: a temporary folder instead
+        work = Path(tempfile.mkdtemp(prefix="gpu_day-"))
+        (work / "logs").mkdir()
     env = environment(args)
     slug = device_slug(env, args.device)
     day: dict[str, Any] = {
