@@ -309,6 +309,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
+    env = environment(args)
+    if not args.cpu and not any(d.get("device", "").startswith("cuda") for d in env.get("devices", [])):
+        print(f"gpu_day: torch sees no CUDA device here ({env.get('torch') or env.get('error', '?')}): run it on "
+              "the GPU machine, or with --device cpu to check the code at tiny sizes", file=sys.stderr)
+        return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = (args.work or out.parent / f"{out.name}-work").resolve()
@@ -318,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:  # the folder above --out is not ours to write: a temporary folder instead
         work = Path(tempfile.mkdtemp(prefix="gpu_day-"))
         (work / "logs").mkdir()
-    env = environment(args)
     slug = device_slug(env, args.device)
     day: dict[str, Any] = {
         "benchmark": "gpu_day", "command": shlex.join(["benchmarks/gpu_day.py", *(argv if argv is not None else sys.argv[1:])]),

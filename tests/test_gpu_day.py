@@ -93,6 +93,17 @@ def test_the_goals_are_read_from_the_measured_figures():
     assert met["steady host syncs, DataLoader input"] == (2, False)
 
 
+def test_a_cuda_day_without_a_gpu_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_day.main(["--out", str(tmp_path / "out"), "--python", sys.executable]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device here" in err[0] and "--device cpu" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("part", ["z", "a,q"])
 def test_an_unknown_part_is_one_clear_line(part, capsys):
     with pytest.raises(SystemExit) as exc:
