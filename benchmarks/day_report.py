@@ -142,7 +142,8 @@ def write_markdown(day: dict[str, Any], path: Path) -> None:
            f"Python {env.get('python')}; {_f(day.get('wall_s'))} s of a {day['config']['budget_s']:.0f} s budget. "
            f"A GPU day's JSON goes to `{day['results_path']}`.", ""]
     out += _table(["part", "status", "s", "budget s", "what"],
-                  [[f"({k}) {p['name']}", p["status"], p.get("seconds"), p.get("budget_s"), p["title"]]
+                  [[f"({k}) {p['name']}", p["status"], f"{p.get('seconds') or 0:.0f}", f"{p.get('budget_s') or 0:.0f}",
+                    p["title"]]
                    for k, p in day["parts"].items()])
     out += ["", "## Goals (issue 42; reported against, not tuned toward)", ""]
     if day["device_slug"] == "cpu":
