@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup fit test test-torch test-gpu coverage info doctor
+.PHONY: setup fit test test-torch test-gpu gpu-day-cpu coverage info doctor
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,12 @@ test-torch:
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# The GPU day's command (benchmarks/gpu_day.py) on the CPU at tiny sizes, under torch $(TORCH) in its venv:
+# every part's code runs (about 3 minutes on 2 cores); it fails when a part crashes. .ci/run runs it.
+gpu-day-cpu:
+	@GPUTRAIN_VENV=.venv-torch$(TORCH) GPUTRAIN_TORCH=$(TORCH) bash scripts/setup.sh
+	OUT=$${OUT:-gpu-out/day-cpu} PYTHON=.venv-torch$(TORCH)/bin/python bash benchmarks/gpu_session.sh day --device cpu
 
 # Line and branch coverage of src/gputrain under the CPU suite (subprocesses included), the functions it
 # never runs and the branches it never takes: coverage-out/ (report.txt, coverage.json, html/,

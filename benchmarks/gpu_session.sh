@@ -2,12 +2,15 @@
 # Everything a session with the GPU machine runs, results under $OUT (or ./gpu-out). One device
 # command may run 10 minutes, so the work is split: `gpu_session.sh smoke|tests|speed|iris|bench`
 # (also speed-compile|probe|real-resnet|real-gpt; each fits one command; `all` runs them in a row where there is no such limit).
-# Start with `smoke` (< 9 min on an H100): every `gpu` test plus each CLI command on cuda
-# (benchmarks/gpu_smoke.py), one summary in $OUT/gpu_smoke.json and $OUT/gpu_smoke.md.
+# Start with `day` (< 9 min on an H100; benchmarks/gpu_day.py): (a) every `gpu` test and a smoke of
+# every CLI command, (b) the conformance zoo, (c) steady host syncs, (d) the speed table, (e) bf16 vs
+# float8 (torchao), each part with its own budget; $OUT/gpu_day.json, gpu_day.md, gpu_day_logs.tar.gz
+# and gpu_day.log (4 of the 8 files a device command returns). `day --device cpu` runs the same code
+# at tiny sizes without a GPU (CI does). Arguments after `day` go to gpu_day.py.
 # The GPU machine has torch with CUDA, Lightning, Accelerate and most dependencies but no network:
-# bring the mnist1d wheel (pure Python) in .whl/, e.g.
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl mnist1d
-# and carry .whl; this script installs it into /tmp/site.
+# bring the mnist1d wheel (pure Python) and, for part (e), torchao's, in .whl/:
+#   bash benchmarks/gpu_session.sh wheels      # here, with pip and the network; .whl/ is git-ignored
+# and carry .whl; this script installs them into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -19,6 +22,19 @@ export PYTHONPATH="$PWD/src:/tmp/site:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 part=${1:-all}
+if [[ $part == wheels ]]; then   # the wheels the GPU machine lacks (Python 3.12, x86-64), into .whl/
+  for w in mnist1d torchao; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "$w" || exit 1
+  done
+  ls .whl
+  exit 0
+fi
+if [[ $part == day ]]; then   # the GPU day: one command, < 9 min on an H100 (benchmarks/gpu_day.py)
+  shift
+  $PY benchmarks/gpu_day.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_day.log"
+  exit "${PIPESTATUS[0]}"
+fi
 if [[ $part == smoke || $part == all ]]; then   # the gpu tests and a smoke of every command: 480 s budget
   $PY benchmarks/gpu_smoke.py --out "$OUT" > "$OUT/gpu_smoke.log" 2>&1
   cp "$OUT/smoke/logs/gpu-tests.log" "$OUT/pytest_gpu.log" 2>/dev/null

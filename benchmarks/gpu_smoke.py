@@ -27,6 +27,9 @@ The lines (names are what docs/gpu_checklist.md cites, as `smoke:NAME`):
   memory-find-max      gputrain memory --find-max (the real batch search on the device)
   bench-quick          gputrain bench all --quick (matmul, transfer, crossover, precision, memory)
   report               gputrain report RUN_DIR of a CUDA run (with the profile in it)
+  eval, predict, export  a CUDA run's checkpoint evaluated, applied to data, exported (safetensors)
+  slurm                the sbatch script (printed)
+  sweep                an Optuna sweep of 2 trials on the device ("skipped" without optuna)
 
 Output, in --out (default $OUT, else gpu-out): gpu_smoke.json and gpu_smoke.md (pass/fail, seconds,
 the command and the tail of the output of each line), and smoke/ with the run directories and the
@@ -39,6 +42,7 @@ needs nothing beyond gputrain's own dependencies.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -104,6 +108,15 @@ def write_tiny_mnist(folder: Path, n: int = 1024, n_test: int = 256) -> Path:
         idx(folder / images, rng.integers(0, 256, (m, 28, 28)))
         idx(folder / labels, rng.integers(0, 10, m))
     return folder
+
+
+def write_sweep_config(path: Path, device: str, steps: int) -> Path:
+    """The `sweep` line's config: 2 trials of iris-mlp on the device, one worker."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'workload = "iris-mlp"\n\n[train]\ndevice = "{device}"\nsteps = {max(steps, 4)}\n'
+                    f'log_every = {max(steps // 2, 2)}\n\n[sweep]\ntrials = 2\nworkers = 1\nmetric = "eval_loss"\n\n'
+                    '[sweep.space]\nlr = {loguniform = [1e-4, 1e-1]}\n')
+    return path
 
 
 def builtin_workloads() -> list[str]:
@@ -183,6 +196,22 @@ def plan(args, work: Path) -> list[Line]:
              "matmul, transfer, crossover, precision, memory benchmarks and their index", exclusive=True),
         Line("report", [*g, "report", str(runs / "digits-cnn")], 60,
              "report.html of a CUDA run with its profile", exclusive=True, expect=r"report"),
+        # The commands that read a finished run (iris-mlp's, checkpointed at its last step) and the two
+        # that start no training of their own device's kind.
+        Line("eval", [*g, "eval", str(runs / "iris-mlp"), "--device", dev, "--json"], 90,
+             "eval of a CUDA run's last checkpoint on its test split", expect=r"accuracy", after="fit-iris-mlp"),
+        Line("predict", [*g, "predict", str(runs / "iris-mlp"), "--device", dev, "--data", "test",
+                         "--out", str(work / "predict.pt")], 90,
+             "predict: the trained model's outputs on the test split, to a file", after="fit-iris-mlp"),
+        Line("export", [*g, "export", str(runs / "iris-mlp"), "--format", "safetensors",
+                        "--out", str(work / "iris.safetensors")], 90,
+             "export of a CUDA run's weights as safetensors", after="fit-iris-mlp"),
+        Line("slurm", [*g, "slurm", "iris-mlp", "--nodes", "2", "--gpus-per-node", "4",
+                       "--run-dir", str(runs / "slurm")], 60,
+             "the sbatch script for 2 nodes x 4 GPUs (printed, not submitted)", expect=r"#SBATCH"),
+        Line("sweep", [*g, "sweep", "--config", str(work / "sweep.toml"), "--sweep-dir", str(work / "sweep"),
+                       "--quiet"], 240,
+             "an Optuna sweep of 2 iris-mlp trials on the device (one worker per GPU)", exclusive=True),
     ]
     # The slow lines (compile) and the run that a later line resumes start first; the lines that run
     # alone come last, the report after the profile it shows.
@@ -202,6 +231,10 @@ def plan(args, work: Path) -> list[Line]:
                              [*g, "fit", "iris-mlp", "--device", dev, "--steps", "5", "--lr", "1e30", "--no-save",
                               "--progress", "off"],
                              120, "a deliberate failure, to show how one reads (not a smoke line)"))
+    if importlib.util.find_spec("optuna") is None:
+        for ln in lines:
+            if ln.name == "sweep":
+                ln.status = "skipped: optuna not installed (pip install 'gputrain[sweep]')"
     if dev == "cpu":
         # CUDA-only switches are refused on a CPU; the --device cpu mode checks the driver, not CUDA.
         for ln in lines:
@@ -373,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {len(lines)} lines, budget {args.budget:.0f} s, {args.jobs} at a time")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    if any(ln.name == "sweep" for ln in lines):
+        write_sweep_config(work / "sweep.toml", args.device, args.steps)
     if any(ln.name in ("fit-cifar10-cnn", "fit-mnist-cnn") for ln in lines):
         write_tiny_cifar(work / "data" / "cifar-10-batches-py")
         write_tiny_mnist(work / "data" / "mnist")

@@ -1,0 +1,164 @@
+"""The GPU day's goals and its Markdown summary, read from the day's JSON (benchmarks/gpu_day.py).
+
+The goals are issue 42's, reported against (not tuned toward): iris whole run < 1.0 s; the seed CNN
+>= 10x the seed's GPU loop; ResNet-18 and GPT-mini >= 1.0x the hand eager loop and >= 1.3x Lightning
+and Accelerate; the graphed step's wall time <= 1.3x its replay; 0 steady host syncs in every row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _get(d: Any, *keys: Any) -> Any:
+    for k in keys:
+        if isinstance(d, dict):
+            d = d.get(k)
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def _goal(goal: str, value: float | None, need: float, at_most: bool = False, unit: str = "x") -> dict[str, Any]:
+    met = None if value is None else (value <= need if at_most else value >= need)
+    return {"goal": goal, "value": value, "bar": f"{'<=' if at_most else '>='} {need}{unit}", "met": met}
+
+
+def goals(day: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal with the measured value and met True/False, or None where it was not measured."""
+    speed = _get(day, "parts", "d", "result", "rows") or {}
+    out = [
+        _goal("iris-mlp 20000 epochs, gputrain whole run (s)",
+              _get(speed, "iris", "results", "gputrain-default", "median_s"), 1.0, at_most=True, unit=" s"),
+        _goal("seed CNN at batch 64, gputrain default vs the seed's GPU loop",
+              _get(speed, "seed-cnn", "results", "gputrain-default", "x_vs", "seed-gpu"), 10.0),
+        _goal("seed CNN at batch 64, gputrain fast vs the seed's GPU loop",
+              _get(speed, "seed-cnn", "results", "gputrain-fast", "x_vs", "seed-gpu"), 10.0),
+    ]
+    for key, label in (("resnet18", "ResNet-18"), ("gpt-mini", "GPT-mini")):
+        summary = {s["contender"]: s for s in _get(speed, key, "summary") or []}
+        ours = summary.get("gputrain", {})
+        out += [_goal(f"{label} bf16, gputrain vs the hand eager loop", ours.get("vs_hand-eager"), 1.0),
+                _goal(f"{label} bf16, gputrain vs Lightning bf16-mixed", ours.get("vs_lightning-bf16"), 1.3),
+                _goal(f"{label} bf16, gputrain vs Accelerate bf16", ours.get("vs_accelerate-bf16"), 1.3)]
+    for row in _get(speed, "graphed", "rows") or []:
+        out.append(_goal(f"graphed step wall / replay, {row['workload']}", row.get("wall_over_replay"), 1.3,
+                         at_most=True))
+    for row in _get(day, "parts", "c", "result", "rows") or []:
+        out.append(_goal(f"steady host syncs, {row['case']}", row.get("syncs"), 0, at_most=True, unit=""))
+    return out
+
+
+# ---------------------------------------------------------------- Markdown
+
+
+def _f(v: Any, fmt: str = ".3g") -> str:
+    return "-" if v is None else (format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v))
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(_f(c) for c in r) + " |" for r in rows]
+
+
+def _smoke(result: dict) -> list[str]:
+    out = [f"{result.get('passed')} passed, {result.get('failed')} failed, {result.get('skipped')} skipped "
+           f"in {_f(result.get('wall_s'))} s.", ""]
+    out += _table(["line", "status", "s"], [[f"`{ln['name']}`", ln["status"], ln["seconds"]]
+                                           for ln in result.get("lines", [])])
+    for ln in result.get("lines", []):
+        if ln["status"].startswith("fail"):
+            out += ["", f"`{ln['name']}`: `{ln['command']}`", "```", ln.get("tail", "").rstrip()[-1500:], "```"]
+    return out
+
+
+def _zoo(result: dict) -> list[str]:
+    out = [f"{result['passed']} passed, {result['failed']} failed, {result['error']} errors, "
+           f"{result['skipped']} skipped.", ""]
+    return out + _table(["case", "outcome", "s", "message"],
+                        [[c["name"], c["outcome"], c["seconds"], c["message"][:200].replace("\n", " ")]
+                         for c in result["cases"]])
+
+
+def _syncs(result: dict) -> list[str]:
+    out = [f"{result.get('method')}; {result.get('steps')} steps after {result.get('warmup_steps')}.", ""]
+    return out + _table(["case", "status", "syncs", "graphs", "where"],
+                        [[r["case"], r["status"], r.get("syncs"), (r.get("graph_status") or "")[:40],
+                          "; ".join(f"`{s['where']}` {s['what']} x{s['count']}" for s in r.get("sites", []))
+                          or r.get("error", "")] for r in result.get("rows", [])])
+
+
+def _speed(result: dict) -> list[str]:
+    out: list[str] = [f"compile: {result.get('compile')}; medians of {result.get('repeats')} rounds.", ""]
+    for key, row in result.get("rows", {}).items():
+        out += [f"**{key}** ({row.get('status')}, {_f(row.get('seconds'))} s)", ""]
+        if "results" in row:  # whole runs (train_speed.py)
+            out += [f"{row['case']}: batch {row['batch_size']}, {row['epochs']} epochs, {row['samples']} samples; "
+                    f"{row['timing']}.", ""]
+            names = [n for n, r in row["results"].items() if r["status"] == "ok"]
+            out += _table(["contender", "precision", "median s", "min s", "max s", "n", *[f"x {n}" for n in names]],
+                          [[n, r.get("precision"), r.get("median_s"), r.get("min_s"), r.get("max_s"), r.get("n"),
+                            *[r.get("x_vs", {}).get(o) for o in names]] if r["status"] == "ok" else [n, r["status"]]
+                           for n, r in row["results"].items()])
+        elif key == "graphed":
+            out += _table(["workload", "graphs", "wall us/step", "replay us", "wall/replay", "n"],
+                          [[r["workload"], (r.get("graphs") or "")[:40], _get(r, "wall_us_per_step", "median"),
+                            _get(r, "replay_us", "median"), r.get("wall_over_replay"), r.get("n")]
+                           for r in row.get("rows", [])])
+        elif "summary" in row:  # real_models.py
+            out += _table(["contender", "samples/s", "tokens/s", "step ms", "n", "MFU", "compile s", "x hand-eager",
+                           "x hand-compile", "x lightning", "x accelerate"],
+                          [[s["contender"], s.get("samples_per_s"), s.get("tokens_per_s"),
+                            (_get(s, "step_s", "median_s") or 0) * 1e3 if s["status"] == "ok" else s["status"],
+                            s.get("n"), s.get("mfu"), s.get("compile_s"), s.get("vs_hand-eager"),
+                            s.get("vs_hand-compile"), s.get("vs_lightning-bf16"), s.get("vs_accelerate-bf16")]
+                           for s in row["summary"]])
+        elif "error" in row:
+            out.append(f"error: {row['error']}")
+        out.append("")
+    return out
+
+
+def _float8(result: dict) -> list[str]:
+    if result.get("status") in ("not installed", "not applicable"):
+        return [f"{result['status']}: {result.get('reason')}"]
+    return _table(["precision", "status", "step ms", "tokens/s", "n"],
+                  [[k, r["status"], (_get(r, "step_s", "median") or 0) * 1e3, r.get("tokens_per_s"),
+                    _get(r, "step_s", "n")] for k, r in result.get("rows", {}).items()]) + \
+        ["", f"float8 / bf16 tokens/s: {_f(result.get('float8_over_bf16'))}"]
+
+
+RENDER = {"a": _smoke, "b": _zoo, "c": _syncs, "d": _speed, "e": _float8}
+
+
+def write_markdown(day: dict[str, Any], path: Path) -> None:
+    env = day.get("environment", {})
+    dev = ", ".join(f"{d['device']} ({d['name']})" for d in env.get("devices", [])) or env.get("error", "?")
+    out = [f"# GPU day, {env.get('date', '?')}: {day['device_slug']}", "",
+           f"`{day['command']}`: {dev}; torch {env.get('torch')}, CUDA {env.get('cuda')}, driver {env.get('driver')}, "
+           f"Python {env.get('python')}; {_f(day.get('wall_s'))} s of a {day['config']['budget_s']:.0f} s budget. "
+           f"A GPU day's JSON goes to `{day['results_path']}`.", ""]
+    out += _table(["part", "status", "s", "budget s", "what"],
+                  [[f"({k}) {p['name']}", p["status"], f"{p.get('seconds') or 0:.0f}", f"{p.get('budget_s') or 0:.0f}",
+                    p["title"]]
+                   for k, p in day["parts"].items()])
+    out += ["", "## Goals (issue 42; reported against, not tuned toward)", ""]
+    if day["device_slug"] == "cpu":
+        out += ["A CPU run at tiny sizes checks that every part's code runs: its figures and these goals mean "
+                "nothing on the CPU (the goals are for a GPU).", ""]
+    out += _table(["goal", "value", "bar", "met"],
+                  [[g["goal"], g["value"], g["bar"], {True: "yes", False: "**no**", None: "not measured"}[g["met"]]]
+                   for g in day.get("goals", [])])
+    for key, part in day["parts"].items():
+        out += ["", f"## ({key}) {part['name']}: {part['status']}", ""]
+        if part.get("reason"):
+            out.append(part["reason"])
+        result = part.get("result")
+        if result:
+            out += RENDER[key](result)
+        if part.get("tail"):
+            out += ["", f"`{part.get('command', '')}`, the end of its log:", "```", part["tail"].rstrip(), "```"]
+    path.write_text("\n".join(out) + "\n")

@@ -1,0 +1,112 @@
+"""The GPU day's driver (benchmarks/gpu_day.py): a missing zoo is "not present", the zoo's cases are
+read from pytest's JUnit XML, a part that crashes or overruns its budget fails the day with its log's
+tail in the summary, and the goals are read from the measured figures. The whole day on the CPU is
+.ci/run's step under torch 2.11 (`bash benchmarks/gpu_session.sh day --device cpu`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import day_report  # noqa: E402
+import gpu_day  # noqa: E402
+
+
+def _day(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
+    out = tmp_path / "out"
+    rc = gpu_day.main(["--device", "cpu", "--out", str(out), "--python", sys.executable, *args])
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["gpu_day.json", "gpu_day.md", "gpu_day_logs.tar.gz"], files  # the work stays outside
+    return rc, json.loads((out / "gpu_day.json").read_text()), (out / "gpu_day.md").read_text()
+
+
+def test_a_missing_zoo_is_reported_not_present_and_the_day_passes(tmp_path):
+    rc, day, md = _day(tmp_path, "--parts", "b", "--zoo-tests", "tests/no_such_zoo.py")
+    assert rc == 0
+    assert day["parts"]["b"]["status"] == "not present"
+    assert "tests/no_such_zoo.py is not in this tree" in md
+    assert day["environment"]["torch"] and day["command"].startswith("benchmarks/gpu_day.py --device cpu")
+
+
+def test_the_zoo_runs_on_the_named_device_and_its_cases_come_from_the_junit_xml(tmp_path):
+    zoo = tmp_path / "test_tiny_zoo.py"
+    zoo.write_text("import os\n"
+                   "def test_on_the_day_device():\n    assert os.environ['GPUTRAIN_ZOO_DEVICE'] == 'cpu'\n"
+                   "def test_off_by_a_lot():\n    assert 1 == 2, 'the loss differs'\n"
+                   "def test_third_not_run():\n    pass\n")
+    rc, day, md = _day(tmp_path, "--parts", "b", "--zoo-tests", str(zoo), "--zoo-cases", "2")
+    zoo_part = day["parts"]["b"]
+    assert rc == 1 and zoo_part["status"] == "failures"
+    outcomes = {c["name"].split("::")[-1]: c["outcome"] for c in zoo_part["result"]["cases"]}
+    assert outcomes == {"test_on_the_day_device": "passed", "test_off_by_a_lot": "failed"}
+    assert "the loss differs" in md
+
+
+def test_a_part_that_crashes_or_overruns_fails_the_day_and_the_next_is_skipped(tmp_path, monkeypatch):
+    def crashing(args, work, budget):
+        return [sys.executable, "-c", "import no_such_module_of_the_day"], {}, work / "syncs.json"
+
+    def hanging(args, work, budget):
+        return [sys.executable, "-c", "import time; time.sleep(120)"], {}, work / "speed.json"
+
+    monkeypatch.setitem(gpu_day.BUILDERS, "c", crashing)
+    monkeypatch.setitem(gpu_day.BUILDERS, "d", hanging)
+    rc, day, md = _day(tmp_path, "--parts", "b,c,d,e", "--zoo-tests", "tests/no_such_zoo.py",
+                       "--budget", "25", "--grace", "1")
+    assert rc == 1
+    assert day["parts"]["b"]["status"] == "not present"  # the parts before still report
+    assert day["parts"]["c"]["status"] == "crashed" and day["parts"]["c"]["rc"] != 0
+    assert "No module named 'no_such_module_of_the_day'" in md
+    assert day["parts"]["d"]["status"] == "timeout"
+    assert day["parts"]["d"]["seconds"] < 60
+    assert day["parts"]["e"]["status"] == "skipped: the day's budget is spent"  # d took what was left
+
+
+def test_a_part_gets_what_earlier_parts_left_but_not_what_later_parts_are_owed():
+    assert gpu_day.part_budget(180, left=510, later=320) == 190  # the day's 10 s of slack
+    assert gpu_day.part_budget(40, left=400, later=210) == 190  # (b) took 0 of its 70 s, (a) 80 of 180
+    assert gpu_day.part_budget(40, left=230, later=210) == 40  # earlier parts ran into their grace
+    assert gpu_day.part_budget(40, left=25, later=210) == 25  # the day's end comes first
+
+
+def test_the_goals_are_read_from_the_measured_figures():
+    speed = {"iris": {"results": {"gputrain-default": {"median_s": 0.8}}},
+             "seed-cnn": {"results": {"gputrain-default": {"x_vs": {"seed-gpu": 12.0}}}},
+             "resnet18": {"summary": [{"contender": "gputrain", "vs_hand-eager": 0.95, "vs_lightning-bf16": 1.5}]},
+             "graphed": {"rows": [{"workload": "iris-mlp", "wall_over_replay": 1.1}]}}
+    syncs = {"rows": [{"case": "EMA", "syncs": 0}, {"case": "DataLoader input", "syncs": 2}]}
+    day = {"parts": {"c": {"result": syncs}, "d": {"result": {"rows": speed}}}}
+    met = {g["goal"]: (g["value"], g["met"]) for g in day_report.goals(day)}
+    assert met["iris-mlp 20000 epochs, gputrain whole run (s)"] == (0.8, True)
+    assert met["seed CNN at batch 64, gputrain default vs the seed's GPU loop"] == (12.0, True)
+    assert met["ResNet-18 bf16, gputrain vs the hand eager loop"] == (0.95, False)
+    assert met["ResNet-18 bf16, gputrain vs Lightning bf16-mixed"] == (1.5, True)
+    assert met["ResNet-18 bf16, gputrain vs Accelerate bf16"] == (None, None)  # not measured, not met
+    assert met["GPT-mini bf16, gputrain vs the hand eager loop"] == (None, None)
+    assert met["graphed step wall / replay, iris-mlp"] == (1.1, True)
+    assert met["steady host syncs, EMA"] == (0, True)
+    assert met["steady host syncs, DataLoader input"] == (2, False)
+
+
+def test_a_cuda_day_without_a_gpu_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert gpu_day.main(["--out", str(tmp_path / "out"), "--python", sys.executable]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device here" in err[0] and "--device cpu" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("part", ["z", "a,q"])
+def test_an_unknown_part_is_one_clear_line(part, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_day.parse_args(["--parts", part])
+    assert exc.value.code == 2
+    assert "unknown parts" in capsys.readouterr().err
