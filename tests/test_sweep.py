@@ -392,6 +392,18 @@ def test_workers_take_one_gpu_each_and_never_share_one(fake_cuda, monkeypatch):
         worker_slots("cuda", None, cuda_devices=[])
 
 
+def test_more_cpu_workers_than_cores_is_refused_before_a_slot_is_made(monkeypatch):
+    """workers = 10**20 on the CPU is one line, not a list of 10**20 environments filling the memory."""
+    from gputrain.errors import ConfigError
+    from gputrain.sweeps.runner import worker_slots
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    for workers in (5, 10**20):
+        with pytest.raises(ConfigError, match=rf"workers = {workers}, but this machine has 4 CPU cores"):
+            worker_slots("cpu", workers, cuda_devices=[])
+    assert len(worker_slots("cpu", 4, cuda_devices=[])) == 4
+
+
 # ---------------------------------------------------------------- pruning through the callback interface
 
 
