@@ -325,6 +325,15 @@ def test_a_bad_sweep_config_is_one_line_and_writes_nothing(argv, text, says, tmp
     assert not (tmp_path / "s").exists()
 
 
+def test_a_metric_from_the_command_line_is_blamed_on_the_flag_not_the_file(tmp_path, capsys):
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    code, _, err = _cli(capsys, "sweep", "--config", str(tmp_path / "sweep.toml"), "--sweep-dir", str(tmp_path / "s"),
+                        "--metric", "accuracy")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "error: --metric accuracy is no value a run reports" in err and "line 12" not in err, err
+    assert not (tmp_path / "s").exists()
+
+
 @needs_optuna
 def test_a_folder_that_holds_no_sweep_is_refused(tmp_path, capsys):
     (tmp_path / "sweep.toml").write_text(SWEEP)

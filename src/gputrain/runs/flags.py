@@ -17,10 +17,9 @@ from gputrain.config import TrainConfig
 from gputrain.errors import ConfigError
 from gputrain.fields import Flag, flag_of
 from gputrain.runs.stated import RunConfig
-from gputrain.runs.spec import RunSettings
+from gputrain.runs.spec import AUTO_FIELDS, RunSettings
 
 SECTIONS = {"train": TrainConfig, "fit": RunSettings}
-EXTRA_HELP = {"batch_size": "", "progress": ""}  # fields whose flag takes "auto" (runs/spec.AUTO_FIELDS)
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +72,7 @@ def stated(args: argparse.Namespace) -> RunConfig:
 
 def _help(flag: Flag, f: dataclasses.Field) -> str:
     default = f.default if f.default is not dataclasses.MISSING else None
-    if flag.action == "store_true" or default in (None, False) or f.name in EXTRA_HELP or "default" in flag.help:
+    if flag.action == "store_true" or default in (None, False) or f.name in AUTO_FIELDS or "default" in flag.help:
         return flag.help
     shown = ",".join(default) if isinstance(default, tuple) else default
     return f"{flag.help} (default: {shown})" if flag.help else f"default: {shown}"
@@ -88,7 +87,7 @@ def _checked(flag: Flag, cls: type, name: str) -> Callable[[str], Any]:
 
     def convert(text: str) -> Any:
         value = parse(text)
-        if value == "auto" and name in EXTRA_HELP:
+        if value == "auto" and name in AUTO_FIELDS:
             return value
         try:
             check_field(cls, name, _field_value(name, value))

@@ -101,10 +101,6 @@ class RunSpec:
     auto: tuple[str, ...] = ()
     run_dir_stated: bool = False
 
-    def replace(self, **train: Any) -> "RunSpec":
-        """The same spec with TrainConfig fields changed."""
-        return dataclasses.replace(self, train=self.train.replace(**train))
-
 
 def spec_text(spec: RunSpec, *, record: bool, workload_name: str | None = None) -> str:
     """The spec as TOML (what `gputrain fit --config` reads back).

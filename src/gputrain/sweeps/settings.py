@@ -136,8 +136,10 @@ def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> Sweep
         raise ConfigError("a sweep needs a budget: trials = N in [sweep], or --trials N")
     metric = values["metric"]
     if metric != "loss" and not metric.startswith("eval_"):
-        raise ConfigError(f"{where('sweep', 'metric')}: [sweep] metric {metric!r} is no value a run reports: "
-                          "runs report loss and eval_* values (eval_loss, eval_accuracy, eval_<your metric>)")
+        said = f"--metric {metric}" if (overrides or {}).get("metric") is not None else \
+            f"{where('sweep', 'metric')}: [sweep] metric {metric!r}"  # the flag, or the file's line
+        raise ConfigError(f"{said} is no value a run reports: runs report loss and eval_* values (eval_loss, "
+                          "eval_accuracy, eval_<your metric>)")
     _check_base(rc)
     space = [_param(name, spec, rc) for name, spec in _flat_space(table.get("space") or {})]
     if not space:
