@@ -129,6 +129,8 @@ def work(tmp_path_factory) -> Path:
     data = bytearray(checkpoint.read_bytes())
     data[len(data) // 2] ^= 0xFF
     checkpoint.write_bytes(bytes(data))
+    for name, text in CONFIG_FILES.items():  # the config files of the value-check rows below
+        (w / name).write_text(text)
     (w / "empty-run").mkdir()
     (w / "in-the-way").write_text("a file where a folder is expected\n")
     (w / "a-folder").mkdir()
@@ -302,11 +304,92 @@ CASES = [
          r"--output a-folder is a folder"),
     # ---------------------------------------------------------------- sweep (more: tests/test_sweep.py)
     Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep"),
+    # ---------------------------------------------------------------- values a field refuses, from a flag, a file
+    # or a sweep's space: refused before anything runs (no run or sweep directory made)
+    *[Case(f"fit-{name}", ("fit", workload, *flags, "--run-dir", "r-refused"), says, absent="r-refused")
+      for name, workload, flags, says in (
+          ("weight-decay-negative", "iris-mlp", ("--weight-decay", "-1"),
+           r"--weight-decay: weight_decay must be a finite number >= 0, got -1\.0"),
+          ("weight-decay-nan", "iris-mlp", ("--weight-decay", "nan"), r"weight_decay must be a finite number >= 0, got nan"),
+          ("seed-beyond-64-bits", "iris-mlp", ("--seed", "99999999999999999999"),
+           r"--seed: seed must be an integer from 0 to 9223372036854775807"),
+          ("option-beyond-any-tensor", "linear-regression", ("--option", "n=99999999999999999999"),
+           r"option n must be at most 2147483647"),
+          ("unknown-compile-mode", "iris-mlp", ("--compile-mode", "warp"),
+           r"unknown compile_mode 'warp': torch.compile's modes are default, .*max-autotune"),
+          ("negative-max-restarts", "iris-mlp", ("--max-restarts", "-1"), r"max_restarts must be 0 or a positive integer"),
+          ("infinite-lr", "iris-mlp", ("--lr", "inf"), r"--lr: expected a positive number, got 'inf'"),
+          ("accumulate-beyond-any-step", "iris-mlp", ("--accumulate", "100000000000000000000"),
+           r"accumulate must be an integer from 1 to 65536 .*raise batch_size"),
+          ("print-config-unknown-device", "iris-mlp", ("--device", "tpu", "--print-config"),
+           r"unknown device 'tpu': use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+          ("print-config-negative-weight-decay", "iris-mlp", ("--weight-decay=-1", "--print-config"),
+           r"weight_decay must be a finite number >= 0"),
+          ("print-config-more-processes-than-cores", "iris-mlp", ("--nproc", "100000", "--print-config"),
+           r"nproc must be at most \d+ \(the CPU cores of this machine"),
+      )],
+    *[Case(f"fit-config-{name}", ("fit", "--config", f"{name}.toml", "--run-dir", "r-refused"), says, absent="r-refused")
+      for name, says in (
+          ("uncatchable-stop-signal", r"line 4: \[train\] stop_signals: SIGKILL in stop_signals: no process can catch it"),
+          ("negative-max-grad-norm", r"line 4: \[train\] max_grad_norm: max_grad_norm must be a finite number > 0, got -1"),
+          ("zero-max-grad-norm", r"\[train\] max_grad_norm: max_grad_norm must be a finite number > 0, got 0"),
+          ("negative-warmup", r"\[train\] warmup_steps: warmup_steps must be 0 or a positive integer, got -5"),
+          ("negative-num-workers", r"\[train\] num_workers: num_workers must be 0 or a positive integer, got -3"),
+          ("best-metric-not-a-metric", r"best_metric 'accuracy' is no value a run reports: name loss or an evaluation"),
+          ("best-metric-the-workload-lacks", r"best_metric 'eval_f1' is not reported by iris-mlp's runs: they report loss "
+                                             r"and eval_accuracy, eval_loss"),
+          ("lr-beyond-floats", r"\[train\] lr: lr must be > 0 and finite, got inf"),
+          ("infinite-weight-decay", r"\[train\] weight_decay: weight_decay must be a finite number >= 0, got inf"),
+      )],
+    *[Case(f"sweep-{name}", ("sweep", "--config", f"sweep-{name}.toml", "--sweep-dir", "s-refused"), says,
+           absent="s-refused")
+      for name, says in (
+          ("ema-beyond-one", r"\[sweep.space\] ema: can sample 1.0, which the run refuses: \[fit\] EMA decay must be in "
+                             r"\(0, 1\)"),
+          ("infinite-lr-choice", r"\[sweep.space\] lr: can sample inf, which the run refuses: .*lr must be > 0 and finite"),
+          ("option-the-workload-lacks", r"\[sweep.space\] options.n: can sample 100, which the workload refuses: workload "
+                                        r"'iris-mlp' takes no options"),
+          ("mixed-choices", r"\[sweep.space\] batch_size: choices mix a number and a string values"),
+          ("seed-beyond-the-samplers", r"\[sweep\] seed must be an integer from 0 to 4294967295 .*got 1180591620717411303424"),
+          ("negative-seed", r"\[sweep\] seed must be an integer from 0 to 4294967295 .*got -1"),
+          ("infinite-step", r"\[sweep.space\] weight_decay: step must be a positive number, got inf"),
+          ("more-workers-than-cores", r"workers = 100000000000000000000, but this machine has \d+ CPU cores?"),
+          ("accumulate-beyond-any-step", r"\[train\] accumulate: accumulate must be an integer from 1 to 65536"),
+      )],
     # ---------------------------------------------------------------- info, doctor
     Case("info-unknown-flag", ("info", "--gpus"), r"unrecognized arguments: --gpus"),
     Case("doctor-unknown-flag", ("doctor", "--fast"), r"unrecognized arguments: --fast"),
     Case("unknown-command", ("train", "digits-cnn"), r"invalid choice: 'train'"),
 ]
+
+
+_RUN46 = 'workload = "iris-mlp"\n[train]\nsteps = 2\n'  # a run of iris-mlp; line 4 is the case's own
+_SWEEP46 = ('workload = "iris-mlp"\n[train]\nsteps = 2\ndevice = "cpu"\n[sweep]\ntrials = 1\n{sweep}[sweep.space]\n'
+            '{space}\n')
+CONFIG_FILES = {
+    "uncatchable-stop-signal.toml": _RUN46 + 'stop_signals = ["SIGTERM", "SIGKILL"]\n',
+    "negative-max-grad-norm.toml": _RUN46 + "max_grad_norm = -1\n",
+    "zero-max-grad-norm.toml": _RUN46 + "max_grad_norm = 0\n",
+    "negative-warmup.toml": _RUN46 + "warmup_steps = -5\n",
+    "negative-num-workers.toml": _RUN46 + "num_workers = -3\n",
+    "best-metric-not-a-metric.toml": _RUN46 + 'best_metric = "accuracy"\n',
+    "best-metric-the-workload-lacks.toml": _RUN46 + 'best_metric = "eval_f1"\n',
+    "lr-beyond-floats.toml": _RUN46 + "lr = 1e400\n",
+    "infinite-weight-decay.toml": _RUN46 + "weight_decay = inf\n",
+    **{f"sweep-{name}.toml": _SWEEP46.format(sweep=sweep, space=space) for name, sweep, space in (
+        ("ema-beyond-one", "", "ema = {uniform = [0.5, 1.5]}"),
+        ("infinite-lr-choice", "", "lr = {choices = [0.1, inf]}"),
+        ("option-the-workload-lacks", "", "options.n = {choices = [100, 200]}"),
+        ("mixed-choices", "", 'batch_size = {choices = [16, "32"]}'),
+        ("seed-beyond-the-samplers", "seed = 1180591620717411303424\n", "lr = {loguniform = [1e-4, 1e-1]}"),
+        ("negative-seed", "seed = -1\n", "lr = {loguniform = [1e-4, 1e-1]}"),
+        ("infinite-step", "", "weight_decay = {uniform = [0.0, 0.1], step = inf}"),
+        ("more-workers-than-cores", "workers = 100000000000000000000\n", "lr = {loguniform = [1e-4, 1e-1]}"),
+        ("accumulate-beyond-any-step", "", "lr = {loguniform = [1e-4, 1e-1]}"),
+    )},
+}
+CONFIG_FILES["sweep-accumulate-beyond-any-step.toml"] = CONFIG_FILES["sweep-accumulate-beyond-any-step.toml"].replace(
+    "steps = 2\n", "steps = 2\naccumulate = 100000000000000000000\n")
 
 
 def test_the_table_covers_every_subcommand():

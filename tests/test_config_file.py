@@ -67,7 +67,7 @@ def test_the_recorded_config_holds_every_field_and_reads_back(tmp_path, capsys):
     """Every TrainConfig field but where the run wrote (run_dir, resume) and fields left at None,
     every [fit] flag; a field switched off with None (spike_ratio) reads back as None."""
     from gputrain.config import TrainConfig
-    from gputrain.run_config import FitFlags, load_run_config
+    from gputrain.runs.stated import FitFlags, load_run_config
 
     code, _, err = _fit(capsys, "iris-mlp", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET[:-1], "--quiet")
     assert code == 0, err
@@ -88,7 +88,7 @@ def test_the_old_tensorboard_key_warns_and_sets_the_loggers(tmp_path, capsys, mo
     """[train] tensorboard, in every RUN_DIR/config.toml recorded before TensorBoard became one of
     the loggers: still read (false drops it from the loggers, true leaves them as they are), with a
     DeprecationWarning naming the line and what to write; the run records loggers, not the old key."""
-    from gputrain.run_config import load_run_config
+    from gputrain.runs.stated import load_run_config
 
     monkeypatch.chdir(tmp_path)
     Path("old.toml").write_text('workload = "iris-mlp"\n[train]\nsteps = 2\ndevice = "cpu"\ntensorboard = false\n')
@@ -149,18 +149,51 @@ def test_print_config_output_is_itself_a_config(tmp_path, capsys):
     assert _summary(direct)["final_loss"] == _summary(from_file)["final_loss"]
 
 
-def test_the_fit_sections_defaults_are_the_flags_defaults():
-    """[fit] and the command line agree on what an absent flag means."""
+def test_the_flags_are_the_fields_and_an_absent_flag_states_nothing():
+    """The command line is generated from the spec's fields: every field with a flag is one argument
+    whose dest is the field's name; an empty command line states nothing (so a file's value is never
+    overridden by a flag's default), and the spec it resolves to has the fields' own defaults."""
     import argparse
+    import dataclasses
 
     from gputrain.commands.fit import add_arguments
-    from gputrain.run_config import FitFlags
+    from gputrain.config import TrainConfig
+    from gputrain.fields import flag_of
+    from gputrain.runs.stated import FitFlags
+    from gputrain.runs.flags import stated
+    from gputrain.runs.resolve import resolve
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args([])
-    for name, f in FitFlags.__dataclass_fields__.items():
-        assert getattr(args, name) == f.default, name
+    dests = {a.dest: a.option_strings for a in p._actions}
+    for cls in (TrainConfig, FitFlags):
+        for f in dataclasses.fields(cls):
+            if flag_of(f) is not None:
+                assert dests[f.name] == list(flag_of(f).names), f.name
+    empty = stated(p.parse_args(["iris-mlp"]))
+    assert (empty.train, empty.fit, empty.options) == ({}, {}, {})
+    spec, _ = resolve(empty)
+    assert spec.fit == FitFlags() and spec.train.seed == TrainConfig().seed and spec.auto == ("progress",)
+    assert (stated(p.parse_args(["--lr", "0.5", "--patience", "4"])).train,
+            stated(p.parse_args(["--patience", "4"])).fit) == ({"lr": 0.5}, {"patience": 4})
+
+
+def test_fit_config_trains_from_python_what_the_command_line_repeats(tmp_path, capsys):
+    """gputrain.fit_config(tree, **train) resolves and trains the spec as `gputrain fit` does: the
+    config.toml it records, given to the command line, ends with the same loss; a value a field
+    refuses is a ConfigError before anything is written."""
+    import gputrain
+
+    tree = {"workload": "iris-mlp", "train": {"steps": 6, "log_every": 3, "lr": 0.05, "seed": 2, "device": "cpu",
+                                              "loggers": ["csv"]}}
+    history = gputrain.fit_config(tree, run_dir=str(tmp_path / "py"), progress=False)
+    code, out, err = _fit(capsys, "--config", str(tmp_path / "py" / "config.toml"), "--run-dir", str(tmp_path / "cli"),
+                          "--json", "--quiet")
+    assert code == 0, err
+    assert history.summary["final_loss"] == _summary(out)["final_loss"] and history.summary["steps"] == 6
+    with pytest.raises(gputrain.ConfigError, match=r"\[train\] weight_decay: weight_decay must be a finite number >= 0"):
+        gputrain.fit_config(tree, weight_decay=-1.0, run_dir=str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
 
 
 # ---------------------------------------------------------------- bad files: one line, the key and its line

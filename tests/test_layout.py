@@ -5,6 +5,8 @@
 - io, data and runtime import no train, report or checkpoint (the floors under the trainer);
 - checkpoint imports no train or report: it sits on those floors, under the trainer, which hands it
   what it reads as Protocols;
+- only cli.py and commands/ import gputrain.commands: a run is trained below the command line
+  (gputrain/runs/), which the commands, the sweeps and the Python API call;
 - nothing outside io/ opens a file for writing: files are written whole or not at all through
   io/atomic.py (allow-listed: logs that only append);
 - no module is over 500 lines.
@@ -64,6 +66,15 @@ def test_the_checkpoint_package_sits_under_the_trainer():
     """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, run.py), so it
     imports nothing of train/ (nor the reports above it)."""
     assert _offenders(("checkpoint",), ("gputrain.train", "gputrain.report")) == []
+
+
+def test_only_the_command_line_imports_the_commands():
+    """The command line parses and renders; what it runs lives below it, so nothing else imports
+    gputrain.commands (a sweep's trial trains through gputrain/runs/, as `gputrain fit` does)."""
+    offenders = [f"{path.relative_to(ROOT)} imports {name}" for path in _modules()
+                 if str(path.relative_to(ROOT)) != "cli.py" and path.relative_to(ROOT).parts[0] != "commands"
+                 for name in _imports(path) if name.startswith("gputrain.commands")]
+    assert offenders == []
 
 
 def _mode(call: ast.Call, position: int) -> str | None:

@@ -325,6 +325,15 @@ def test_a_bad_sweep_config_is_one_line_and_writes_nothing(argv, text, says, tmp
     assert not (tmp_path / "s").exists()
 
 
+def test_a_metric_from_the_command_line_is_blamed_on_the_flag_not_the_file(tmp_path, capsys):
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    code, _, err = _cli(capsys, "sweep", "--config", str(tmp_path / "sweep.toml"), "--sweep-dir", str(tmp_path / "s"),
+                        "--metric", "accuracy")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "error: --metric accuracy is no value a run reports" in err and "line 12" not in err, err
+    assert not (tmp_path / "s").exists()
+
+
 @needs_optuna
 def test_a_folder_that_holds_no_sweep_is_refused(tmp_path, capsys):
     (tmp_path / "sweep.toml").write_text(SWEEP)
@@ -390,6 +399,18 @@ def test_workers_take_one_gpu_each_and_never_share_one(fake_cuda, monkeypatch):
     assert worker_slots("auto", 2, cuda_devices=[]) == [{"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}] * 2
     with pytest.raises(ConfigError, match=r"device = 'cuda', but no CUDA GPU is visible here"):
         worker_slots("cuda", None, cuda_devices=[])
+
+
+def test_more_cpu_workers_than_cores_is_refused_before_a_slot_is_made(monkeypatch):
+    """workers = 10**20 on the CPU is one line, not a list of 10**20 environments filling the memory."""
+    from gputrain.errors import ConfigError
+    from gputrain.sweeps.runner import worker_slots
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    for workers in (5, 10**20):
+        with pytest.raises(ConfigError, match=rf"workers = {workers}, but this machine has 4 CPU cores"):
+            worker_slots("cpu", workers, cuda_devices=[])
+    assert len(worker_slots("cpu", 4, cuda_devices=[])) == 4
 
 
 # ---------------------------------------------------------------- pruning through the callback interface

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __geta
     from gputrain.data.tokens import count_tokens
     from gputrain.diagnostics.memory_stats import memory_stats
     from gputrain.io.history import History
+    from gputrain.runs import fit_config
     from gputrain.sweeps import SweepResult, sweep
     from gputrain.train import Trainer, fit, fit_workload
     from gputrain.train.callbacks import Callback, RunControl
@@ -29,6 +30,7 @@ from gputrain.version import __version__
 _LAZY = {
     "fit": "gputrain.train",
     "fit_workload": "gputrain.train",
+    "fit_config": "gputrain.runs",
     "Trainer": "gputrain.train",
     "TrainConfig": "gputrain.config",
     "History": "gputrain.io.history",
@@ -60,6 +62,6 @@ __all__ = [
     "GputrainError", "DeviceError", "ConfigError", "CheckpointError", "DataError",
     "pick_device", "describe_devices", "move", "move_optimizer_state", "check_devices",
     # the names of _LAZY, spelled out so that type checkers can read the list
-    "fit", "fit_workload", "Trainer", "TrainConfig", "History", "Workload", "get_workload", "memory_stats",
+    "fit", "fit_workload", "fit_config", "Trainer", "TrainConfig", "History", "Workload", "get_workload", "memory_stats",
     "Callback", "RunControl", "EarlyStopping", "EMA", "evaluate", "predict", "count_tokens", "sweep", "SweepResult",
 ]

@@ -3,90 +3,238 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import warnings
 from dataclasses import InitVar, dataclass
 from typing import Any
 
 from gputrain.errors import ConfigError
+from gputrain.fields import (boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
+                             positive_int_arg, setting, tri_arg)
 from gputrain.runtime.precision import CHOICES as PRECISIONS
 
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")  # the experiment trackers (report/trackers.py)
 DEFAULT_LOGGERS = ("csv", "tensorboard")
+SCHEDULES = ("constant", "cosine", "linear", "onecycle")
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # what runtime/devices.pick_device validates
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
+# Micro-batches in one optimizer step: each is held until the step ends, so a count beyond any data
+# set's batches grows memory without end instead of training (a larger effective batch is batch_size).
+MAX_ACCUMULATE = 2**16
+_ACCUMULATE_WHY = " (micro-batches per optimizer step; for a larger effective batch raise batch_size)"
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # no process can handle these: a run cannot checkpoint on them
+
+
+# ---------------------------------------------------------------- the checks and flag values of fields
+
+
+def _device(name: str, value: Any) -> None:
+    """"auto", or a device string torch parses whose type gputrain runs on ("cuda:7" on a machine
+    without it passes here: runtime/devices.pick_device says what exists)."""
+    if value == "auto":
+        return
+    if isinstance(value, str) and value.strip().lower() not in ("", "gpu"):
+        import torch
+
+        try:
+            if torch.device(value.strip().lower()).type in DEVICE_TYPES:
+                return
+        except (RuntimeError, ValueError):
+            pass
+    hint = " (an NVIDIA GPU is 'cuda')" if value == "gpu" else ""
+    raise ConfigError(f"unknown device {value!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'{hint}")
+
+
+def _precision(name: str, value: Any) -> None:
+    if value not in PRECISIONS:
+        raise ConfigError(f"unknown precision {value!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+def _schedule(name: str, value: Any) -> None:
+    if value not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {value!r}: choose constant, cosine, linear or onecycle")
+
+
+def _tri(name: str, value: Any) -> None:
+    if value not in ("auto", True, False):
+        raise ConfigError(f"{name} must be 'auto', True or False, got {value!r}")
+
+
+def _metric_modes(name: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, dict) and all(
+            isinstance(k, str) and v in ("min", "max") for k, v in value.items())):
+        raise ConfigError("metric_modes must be a dict {metric: 'min' or 'max'}, e.g. {'eval_margin': 'min'}, "
+                          f"got {value!r}")
+
+
+def _best_metric(name: str, value: Any) -> None:
+    """A key the run's records hold: loss or an evaluation's eval_* (which of them a workload
+    reports is checked where the workload is known: gputrain/runs/spec.py)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not (value == "loss" or value.startswith("eval_")):
+        raise ConfigError(f"best_metric {value!r} is no value a run reports: name loss or an evaluation's eval_* "
+                          "(eval_loss, eval_accuracy, eval_<your metric>)")
+
+
+def _stop_signals(name: str, value: Any) -> None:
+    for sig in value if isinstance(value, (list, tuple)) else [value]:
+        if not isinstance(sig, str) or not isinstance(getattr(signal, sig, None), signal.Signals):
+            raise ConfigError(f"unknown signal {sig!r} in stop_signals: use names like 'SIGTERM'")
+        if sig in UNCATCHABLE:
+            raise ConfigError(f"{sig} in stop_signals: no process can catch it (the run could not checkpoint); "
+                              "use SIGTERM, SIGINT or SIGUSR1")
+
+
+def _compile_mode(name: str, value: Any) -> None:
+    """None, or a mode torch.compile knows (torch._inductor.list_mode_options, and "default")."""
+    if value is None:
+        return
+    import torch._inductor
+
+    modes = list(dict.fromkeys(["default", *torch._inductor.list_mode_options()]))
+    if value not in modes:
+        raise ConfigError(f"unknown compile_mode {value!r}: torch.compile's modes are {', '.join(modes)}")
+
+
+def _batch_size(value: str) -> int | str:
+    """--batch-size: a positive integer, or "auto" (the largest that fits: the CLI's search)."""
+    return "auto" if value.strip().lower() == "auto" else positive_int_arg(value)
+
+
+def _logger_names(value: str) -> list[str]:
+    """--logger csv,tensorboard: the names (one flag may give several; the flag repeats)."""
+    return [n for n in value.split(",") if n.strip()]
+
+
+def _module_names(value: str) -> list[str]:
+    """--recompute net.0,net.2: the module names."""
+    return [s for s in value.split(",") if s]
 
 
 @dataclass
 class TrainConfig:
+    """Every setting of a training run. Each field is declared once with its flag (`gputrain fit`),
+    help and check (gputrain/fields.py); a value a field refuses is a ConfigError at construction."""
+
     # where and how precisely
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"
-    precision: str = "auto"  # "auto" | "fp32" | "tf32" | "bf16" | "fp16"
+    device: str = setting("auto", flag="--device", check=_device, help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    precision: str = setting("auto", flag="--precision", choices=PRECISIONS, check=_precision)
     # how much
-    batch_size: int = 64  # micro-batch per optimizer micro-step (per process under DDP)
-    epochs: int | None = None  # one of epochs / steps; steps wins when both are given
-    steps: int | None = None  # optimizer steps in the whole run
-    accumulate: int = 1  # micro-batches per optimizer step (effective batch = batch_size * accumulate)
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    weight_decay_groups: bool = True  # no weight decay on biases and normalization weights (1-D); False: on all
-    max_grad_norm: float | None = None  # clip when set
-    schedule: str = "constant"  # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
-    warmup_steps: int = 0
+    batch_size: int = setting(  # micro-batch per optimizer micro-step (per process under DDP)
+        64, flag="--batch-size", parse=_batch_size, check=positive_int(),
+        help="samples per micro-batch (per process); 'auto' = the largest that fits on the GPU")
+    epochs: int | None = setting(None, flag="--epochs", parse=positive_int_arg, group="length",
+                                 check=positive_int(optional=True))  # one of epochs / steps; steps wins
+    steps: int | None = setting(None, flag="--steps", parse=positive_int_arg, group="length",
+                                check=positive_int(optional=True), help="optimizer steps for the whole run")
+    accumulate: int = setting(  # micro-batches per optimizer step (effective batch = batch_size * accumulate)
+        1, flag="--accumulate", parse=positive_int_arg, check=integer(1, MAX_ACCUMULATE, why=_ACCUMULATE_WHY),
+        help="micro-batches per optimizer step")
+    lr: float = setting(1e-3, flag="--lr", parse=positive_float_arg, check=number(above=0, message="lr must be > 0 and finite"))
+    weight_decay: float = setting(0.0, flag="--weight-decay", parse=float, check=number(at_least=0))
+    # no weight decay on biases and normalization weights (1-D); False: on all
+    weight_decay_groups: bool = setting(True, check=boolean)
+    max_grad_norm: float | None = setting(None, flag="--max-grad-norm", parse=positive_float_arg,  # clip when set
+                                          check=number(above=0, optional=True), help="clip the gradient norm to this")
+    # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
+    schedule: str = setting("constant", flag="--schedule", choices=SCHEDULES, check=_schedule)
+    warmup_steps: int = setting(0, check=integer(0))
     # reporting
-    log_every: int = 50  # optimizer steps between reads of the loss (the only host syncs)
+    log_every: int = setting(50, flag="--log-every", parse=positive_int_arg, check=positive_int(),
+                             help="optimizer steps between loss reads")  # the only host syncs
     # optimizer steps between evaluations (each one a log point too), and at the run's end; None: at
     # each epoch end and the run's end; at every log point where an epoch is shorter than log_every
     # (a full-batch run) or the data have no length (no epoch ends)
-    eval_every: int | None = None
+    eval_every: int | None = setting(None, flag="--eval-every", parse=positive_int_arg, check=positive_int(optional=True))
     # which way a metric improves, where gputrain's rule (gputrain/metric_direction.py) would guess:
     # {"eval_margin": "min"}; a key without "ema_" covers its EMA twin (eval_ema_margin) too
-    metric_modes: dict[str, str] | None = None
-    progress: bool = False  # rich progress bar (the CLI turns it on for terminals)
-    seed: int = 0
+    metric_modes: dict[str, str] | None = setting(None, check=_metric_modes)
+    progress: bool = setting(False, flag="--progress", parse=tri_arg, metavar="{auto,on,off}", check=boolean,
+                             help="progress bar (auto: only on a terminal)")  # the CLI's "auto": on for terminals
+    seed: int = setting(0, flag="--seed", parse=int, check=integer(0, MAX_SEED, why=" (torch.manual_seed's range)"))
     # files
     name: str | None = None  # the run's name in summaries and reports (fit_workload: the workload's)
-    run_dir: str | None = None  # metrics, plots, checkpoints; None: nothing written
-    checkpoint_every: int | None = None  # optimizer steps; the last step is always saved when run_dir is set
-    resume: bool | str = False  # True: the newest verified checkpoint in run_dir; a str: that file
-    stop_at_step: int | None = None  # stop early (checkpointing first), as an interrupted run would
-    keep_last: int = 2  # checkpoints kept in run_dir/checkpoints (plus the best by best_metric)
-    best_metric: str | None = None  # e.g. "eval_accuracy": its best checkpoint is kept too
-    best_mode: str = "auto"  # "auto" (gputrain/metric_direction.py's rule) | "max" | "min" for best_metric
+    run_dir: str | None = setting(  # metrics, plots, checkpoints; None: nothing written
+        None, flag="--run-dir", help="where metrics, plots and checkpoints go (default runs/WORKLOAD/TIME)")
+    checkpoint_every: int | None = setting(None, flag="--checkpoint-every", parse=positive_int_arg,
+                                           check=positive_int(optional=True),
+                                           help="optimizer steps between checkpoints")  # the last is always saved
+    resume: bool | str = setting(  # True: the newest verified checkpoint in run_dir; a str: that file
+        False, flag="--resume", nargs="?", const=True,
+        help="resume: a run dir or checkpoint file; alone, the latest run of this workload")
+    stop_at_step: int | None = setting(  # stop early (checkpointing first), as an interrupted run would
+        None, flag="--stop-at-step", parse=positive_int_arg, check=positive_int(optional=True),
+        help="stop after this step (checkpointed)")
+    keep_last: int = setting(2, check=positive_int())  # checkpoints kept in run_dir/checkpoints (plus the best)
+    best_metric: str | None = setting(None, check=_best_metric)  # e.g. "eval_accuracy": its best checkpoint is kept too
+    # "auto" (gputrain/metric_direction.py's rule) | "max" | "min" for best_metric
+    best_mode: str = setting("auto", check=one_of(("auto", "max", "min"), message="best_mode must be 'auto', 'max' or 'min'"))
     # "auto": every rank writes its part with torch.distributed.checkpoint (a step-N.dcp folder) when
     # there are several processes, one file (step-N.pt) for one process | "dcp" | "file"
-    checkpoint_format: str = "auto"
-    async_checkpoint: bool = False  # DCP's async_save: training goes on while the files are written
-    full_checkpoints: bool = False  # a frozen base's weights too; False: its fingerprint (checkpoint/frozen.py)
-    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")  # finish the step, checkpoint, exit
+    checkpoint_format: str = setting(
+        "auto", flag="--checkpoint-format", choices=("auto", "dcp", "file"),
+        check=one_of(("auto", "dcp", "file"), message="checkpoint_format must be 'auto', 'dcp' or 'file'"),
+        help="dcp: every process writes its part (torch.distributed.checkpoint, a step-N.dcp folder); "
+             "file: one file written by rank 0; auto (default): dcp with several processes, else file")
+    async_checkpoint: bool = setting(  # DCP's async_save: training goes on while the files are written
+        False, flag="--async-checkpoint", action="store_true", check=boolean,
+        help="write checkpoints in the background while training goes on (DCP's async_save)")
+    full_checkpoints: bool = setting(False, check=boolean)  # a frozen base's weights too; False: its fingerprint
+    # finish the step, checkpoint, exit (signals a process can catch: not SIGKILL or SIGSTOP)
+    stop_signals: tuple[str, ...] = setting(("SIGTERM", "SIGINT", "SIGUSR1"), check=_stop_signals)
     # experiment trackers fed at every log point (rank 0 only): "csv" (metrics.csv + metrics.jsonl),
     # "tensorboard" (event files in run_dir), "mlflow", "wandb" (report/trackers.py); a tracker that
     # fails is a warning, never a stop. The one switch for each of them, TensorBoard's included
-    loggers: tuple[str, ...] = DEFAULT_LOGGERS
+    loggers: tuple[str, ...] = setting(
+        DEFAULT_LOGGERS, flag="--logger", action="append", metavar="NAME", parse=_logger_names,
+        help="experiment trackers, repeatable or comma-separated: csv (metrics.csv/jsonl), tensorboard, "
+             "mlflow, wandb (default: csv,tensorboard; naming any replaces the default)")
     # speed switches ("auto" decides from the device and the model)
-    data_on_device: str | bool = "auto"  # keep the whole dataset on the device when it fits
-    device_memory_fraction: float = 0.5  # the share of free device memory device-resident data may take
-    channels_last: str | bool = "auto"
-    cudnn_benchmark: str | bool = "auto"
-    fused_optimizer: str | bool = "auto"
-    compile: bool = False
-    compile_mode: str | None = None  # torch.compile mode, e.g. "max-autotune-no-cudagraphs"
-    cuda_graphs: str | bool = "auto"  # capture the whole step; falls back to eager with a logged reason
-    num_workers: int | None = None  # DataLoader workers when data stays on the host; None: from CPU count
+    data_on_device: str | bool = setting("auto", flag="--data-on-device", parse=tri_arg, metavar="{auto,on,off}",
+                                         check=_tri)  # keep the whole dataset on the device when it fits
+    device_memory_fraction: float = setting(  # the share of free device memory device-resident data may take
+        0.5, check=number(above=0, at_most=1, message="device_memory_fraction must be in (0, 1]"))
+    channels_last: str | bool = setting("auto", flag="--channels-last", parse=tri_arg, metavar="{auto,on,off}",
+                                        check=_tri)
+    cudnn_benchmark: str | bool = setting("auto", check=_tri)
+    fused_optimizer: str | bool = setting("auto", check=_tri)
+    compile: bool = setting(False, flag="--compile", action="store_true", check=boolean, help="torch.compile the model")
+    compile_mode: str | None = setting(None, flag="--compile-mode", check=_compile_mode,
+                                       help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    # capture the whole step; falls back to eager with a logged reason
+    cuda_graphs: str | bool = setting("auto", flag="--cuda-graphs", parse=tri_arg, metavar="{auto,on,off}", check=_tri)
+    # DataLoader workers when data stays on the host; None: from CPU count
+    num_workers: int | None = setting(None, check=integer(0, optional=True))
     # your own DataLoader over a map-style dataset: rebuilt with gputrain's sampler (sharded by rank,
     # seeded by the run, resumable mid-epoch), over an IterableDataset: as a StatefulDataLoader.
     # False: used as is (a resume reads up to its position; several processes see every batch)
-    rebuild_loader: bool = True
+    rebuild_loader: bool = setting(True, check=boolean)
     # memory
     # recompute blocks in backward instead of storing their activations (torch.utils.checkpoint):
     # True = the model's repeated blocks, or a list of module names
-    recompute: bool | list[str] = False
-    oom_recovery: bool = True  # halve the micro-batch and double accumulation on OOM
+    recompute: bool | list[str] = setting(
+        False, flag=("--recompute", "--checkpointing"), nargs="?", const=True, metavar="MODULES", parse=_module_names,
+        help="recompute blocks in backward instead of storing their activations (torch.utils.checkpoint): alone = "
+             "the model's repeated blocks; or comma-separated module names. --checkpointing is its old name, still "
+             "accepted")
+    oom_recovery: bool = setting(True, check=boolean)  # halve the micro-batch and double accumulation on OOM
     # non-finite values and loss spikes (checked at log points, never per step)
-    on_nan: str = "stop"  # "stop": error naming the steps and the last good checkpoint | "skip": skip such steps
-    spike_ratio: float | None = 4.0  # a log point's loss above ratio x the median of the last window: a spike
-    spike_window: int = 10  # log points in the rolling median
-    spike_patience: int = 3  # consecutive spikes before the action
-    on_spike: str = "warn"  # "warn" | "stop"
+    # "stop": error naming the steps and the last good checkpoint | "skip": skip such steps
+    on_nan: str = setting("stop", flag="--on-nan", choices=("stop", "skip"),
+                          check=one_of(("stop", "skip"), message="on_nan must be 'stop' or 'skip'"),
+                          help="a non-finite loss or gradient: stop with an error (default), or skip such steps")
+    # a log point's loss above ratio x the median of the last window: a spike
+    spike_ratio: float | None = setting(4.0, check=number(
+        above=1, optional=True, message="spike_ratio must be > 1 (or None to switch spike detection off)"))
+    spike_window: int = setting(10, check=positive_int())  # log points in the rolling median
+    spike_patience: int = setting(3, check=positive_int())  # consecutive spikes before the action
+    on_spike: str = setting("warn", flag="--on-spike", choices=("warn", "stop"),  # "warn" | "stop"
+                            check=one_of(("warn", "stop"), message="on_spike must be 'warn' or 'stop'"),
+                            help="a loss spike: warn (default) or stop")
     # distributed
-    shard: bool = False  # FSDP2 (fully_shard) instead of DDP when world size > 1
+    shard: bool = setting(False, flag="--shard", action="store_true", check=boolean,
+                          help="FSDP2 (fully_shard) instead of DDP with several processes")
     # old names, still accepted with a DeprecationWarning (not fields: not saved)
     checkpointing: InitVar[bool | list[str] | None] = None  # `recompute`
     tensorboard: InitVar[bool | None] = None  # False: `loggers` without "tensorboard" (tensorboard_loggers)
@@ -105,64 +253,14 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        def positive(name: str, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-        positive("batch_size")
-        positive("accumulate")
-        positive("log_every")
-        positive("epochs", allow_none=True)
-        positive("steps", allow_none=True)
-        positive("eval_every", allow_none=True)
-        positive("checkpoint_every", allow_none=True)
-        positive("stop_at_step", allow_none=True)
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if not (self.lr > 0):
-            raise ConfigError(f"lr must be > 0, got {self.lr!r}")
-        if self.schedule not in ("constant", "cosine", "linear", "onecycle"):
-            raise ConfigError(f"unknown schedule {self.schedule!r}: choose constant, cosine, linear or onecycle")
+        """Every field's own check (declared beside it), then the checks between fields."""
         self.loggers = check_loggers(self.loggers)
-        if not (0 < self.device_memory_fraction <= 1):
-            raise ConfigError(f"device_memory_fraction must be in (0, 1], got {self.device_memory_fraction!r}")
+        check_fields(self)
         if self.resume and not self.run_dir and not isinstance(self.resume, str):
             raise ConfigError("resume=True needs run_dir (where the checkpoint is); or pass a checkpoint path")
-        if self.on_nan not in ("stop", "skip"):
-            raise ConfigError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
-        if self.on_spike not in ("warn", "stop"):
-            raise ConfigError(f"on_spike must be 'warn' or 'stop', got {self.on_spike!r}")
-        if self.spike_ratio is not None and not self.spike_ratio > 1:
-            raise ConfigError(f"spike_ratio must be > 1 (or None to switch spike detection off), got {self.spike_ratio!r}")
-        positive("spike_window")
-        positive("keep_last")
-        if self.best_mode not in ("auto", "max", "min"):
-            raise ConfigError(f"best_mode must be 'auto', 'max' or 'min', got {self.best_mode!r}")
-        if self.metric_modes is not None and not (isinstance(self.metric_modes, dict) and all(
-                isinstance(k, str) and v in ("min", "max") for k, v in self.metric_modes.items())):
-            raise ConfigError("metric_modes must be a dict {metric: 'min' or 'max'}, e.g. {'eval_margin': 'min'}, "
-                              f"got {self.metric_modes!r}")
-        if self.checkpoint_format not in ("auto", "dcp", "file"):
-            raise ConfigError(f"checkpoint_format must be 'auto', 'dcp' or 'file', got {self.checkpoint_format!r}")
         if self.async_checkpoint and self.checkpoint_format == "file":
             raise ConfigError("async_checkpoint needs checkpoint_format 'dcp' or 'auto' (the one-file format is "
                               "written by rank 0 while training waits)")
-        import signal as _signal
-
-        for name in self.stop_signals:
-            if not hasattr(_signal, str(name)):
-                raise ConfigError(f"unknown signal {name!r} in stop_signals: use names like 'SIGTERM'")
-        positive("spike_patience")
-        for name in ("rebuild_loader", "weight_decay_groups", "full_checkpoints"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
-            value = getattr(self, name)
-            if value not in ("auto", True, False):
-                raise ConfigError(f"{name} must be 'auto', True or False, got {value!r}")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

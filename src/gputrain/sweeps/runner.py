@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.toml_file import TomlFile, dumps, read_toml
-from gputrain.run_config import RunConfig, check_tree, load_run_config
+from gputrain.runs.stated import RunConfig, check_tree, load_run_config, option_text
 from gputrain.sweeps import study as studies
-from gputrain.sweeps.settings import SWEEP_FILE, SweepSettings, check_sweep
+from gputrain.sweeps.settings import MAX_SEED, SWEEP_FILE, SweepSettings, check_sweep
 
 log = logging.getLogger("gputrain")
 REPORT_FILE = "report.html"
@@ -98,7 +98,8 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
     from gputrain.metric_direction import metric_direction
     from gputrain.workloads import resolve_workload
 
-    w = resolve_workload(rc.workload, **{k: str(v) for k, v in rc.options.items()})
+    w = resolve_workload(rc.workload, **{k: option_text(v) for k, v in rc.options.items()})
+    _check_trials_can_run(rc, settings, w)
     way = metric_direction(settings.metric, rc.train.get("metric_modes"), w.metrics)
     direction = settings.direction or way.mode
     why = "stated" if settings.direction else way.why()
@@ -109,6 +110,30 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
     slots = worker_slots(str(rc.train.get("device", w.defaults.get("device", "auto"))), settings.workers,
                          cuda_devices)
     return SweepPlan(rc, settings, direction, why, folder, slots, resumed)
+
+
+def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any) -> None:
+    """What only the workload can say, before the first trial: every sampled option builds it
+    (options.n on a workload without n, or a value it refuses), and [train] best_metric is one its
+    runs report."""
+    from gputrain.runs.resolve import check_reported
+    from gputrain.workloads import resolve_workload
+
+    options = {k: option_text(v) for k, v in rc.options.items()}
+    for p in settings.space:
+        if p.section != "options":
+            continue
+        samples = p.choices or (p.low, p.high)
+        for value in samples:
+            try:
+                resolve_workload(rc.workload or "", **{**options, p.key: option_text(value)})
+            except ConfigError as exc:
+                raise ConfigError(f"{rc.where('sweep', 'space', 'options', p.key)}: [sweep.space] {p.name}: can "
+                                  f"sample {value!r}, which the workload refuses: {exc}") from None
+    try:
+        check_reported(rc.train.get("best_metric"), workload, rc.fit.get("ema"), "best_metric")
+    except ConfigError as exc:
+        raise ConfigError(f"{rc.where('train', 'best_metric')}: [train] {exc}") from None
 
 
 def sweep(config: str | Path | dict | None = None, *, workload: str | None = None, sweep_dir: str | Path | None = None,
@@ -171,7 +196,7 @@ def make_sampler(settings: SweepSettings, index: int = 0, started: int = 0):
     """The sweep's sampler for worker `index`, started when the study had `started` trials: seeded
     from all three, so that two workers, or a resumed sweep's workers, never draw the same values."""
     optuna = studies.import_optuna()
-    seed = settings.seed + index + 1009 * started
+    seed = (settings.seed + index + 1009 * started) % (MAX_SEED + 1)  # stays in the samplers' range
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
@@ -208,7 +233,11 @@ def worker_slots(device: str, workers: int | None, cuda_devices: list[str] | Non
     if device == "mps" and (workers or 1) > 1:
         raise ConfigError(f"workers = {workers} on device mps: a Mac has one GPU; set workers = 1")
     n = workers or 1
-    threads = str(max(1, (os.cpu_count() or 1) // n))
+    cores = os.cpu_count() or 1
+    if n > cores:  # before a slot is made for each: a huge count would fill the memory first
+        raise ConfigError(f"workers = {n}, but this machine has {cores} CPU core{'s' if cores > 1 else ''}: a worker "
+                          f"is a process with at least one core's thread; set workers to {cores} or fewer")
+    threads = str(max(1, cores // n))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) < int(threads):
         env = {}  # already fewer threads than the share: keep the user's setting
@@ -287,9 +316,7 @@ def _run_workers(plan: SweepPlan, slots: list[dict[str, str]], lock_fd: int,
                  on_trial: Callable[[dict[str, Any]], None] | None) -> None:
     """Start one worker per slot and wait for them all; stop them all on the first one that fails,
     on Ctrl-C or on SIGTERM."""
-    import gputrain
-
-    src = str(Path(gputrain.__file__).resolve().parents[1])
+    src = str(Path(__file__).resolve().parents[2])  # the folder gputrain is imported from: the workers' too
     events: queue.Queue = queue.Queue()
     procs, tails = [], []
     for i, slot in enumerate(slots):

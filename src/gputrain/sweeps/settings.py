@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gputrain.errors import ConfigError
-from gputrain.run_config import RunConfig, check_value, field_types, option_text
+from gputrain.io.toml_file import dumps
+from gputrain.runs.stated import RunConfig, check_value, field_types, merge, option_text
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -43,6 +44,7 @@ TYPES = {"trials": int, "workers": int, "metric": str, "direction": str, "value"
 CHOICES = {"direction": ("min", "max"), "value": ("final", "best"), "pruner": ("median", "none"),
            "sampler": ("tpe", "random")}
 IDENTITY_FREE = ("trials", "workers", "sweep_dir")  # what a resumed sweep may change
+MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState, which takes 0 to 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,10 @@ def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> Sweep
         raise ConfigError("a sweep needs a budget: trials = N in [sweep], or --trials N")
     metric = values["metric"]
     if metric != "loss" and not metric.startswith("eval_"):
-        raise ConfigError(f"{where('sweep', 'metric')}: [sweep] metric {metric!r} is no value a run reports: "
-                          "runs report loss and eval_* values (eval_loss, eval_accuracy, eval_<your metric>)")
+        said = f"--metric {metric}" if (overrides or {}).get("metric") is not None else \
+            f"{where('sweep', 'metric')}: [sweep] metric {metric!r}"  # the flag, or the file's line
+        raise ConfigError(f"{said} is no value a run reports: runs report loss and eval_* values (eval_loss, "
+                          "eval_accuracy, eval_<your metric>)")
     _check_base(rc)
     space = [_param(name, spec, rc) for name, spec in _flat_space(table.get("space") or {})]
     if not space:
@@ -155,6 +159,9 @@ def _check_setting(key: str, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: [sweep] {key} must be at least 1, got {value}")
     if key == "startup_trials" and value < 0:
         raise ConfigError(f"{where}: [sweep] startup_trials must be 0 or more, got {value}")
+    if key == "seed" and not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{where}: [sweep] seed must be an integer from 0 to {MAX_SEED} (what Optuna's samplers "
+                          f"take), got {value}")
 
 
 def _check_base(rc: RunConfig) -> None:
@@ -207,6 +214,11 @@ def _param(name: str, spec: Any, rc: RunConfig) -> Param:
             raise fail("each choice must be a string, number or true/false (Optuna stores those)")
         if len({(type(c), c) for c in choices}) != len(choices):
             raise fail(f"choices repeat a value: {choices!r}")
+        kinds = {"a string" if isinstance(c, str) else "true/false" if isinstance(c, bool) else "a number"
+                 for c in choices}
+        if len(kinds) > 1:
+            raise fail(f"choices mix {' and '.join(sorted(kinds))} values ({choices!r}): a setting takes one kind; "
+                       "give choices of one kind")
         param = Param(name, section, key, kind, choices=tuple(choices))
         samples = list(choices)
     else:
@@ -226,7 +238,7 @@ def _param(name: str, spec: Any, rc: RunConfig) -> Param:
         if not isinstance(log, bool):
             raise fail(f"log must be true or false, got {log!r}")
         if step is not None:
-            if not isinstance(step, number) or isinstance(step, bool) or not step > 0:
+            if not isinstance(step, number) or isinstance(step, bool) or not step > 0 or not math.isfinite(step):
                 raise fail(f"step must be a positive {'integer' if kind == 'int' else 'number'}, got {step!r}")
             n = (high - low) / step
             if abs(n - round(n)) > 1e-9 * max(1.0, abs(n)):
@@ -270,17 +282,23 @@ def _check_sample(section: str, key: str, value: Any, fail) -> None:
         raise fail(f"can sample {value!r}, which the run refuses: {exc}") from None
 
 
-def trial_tree(rc: RunConfig, settings: SweepSettings, params: dict[str, Any]) -> tuple[dict, dict]:
-    """(top, tables) of a trial's config: the sweep's run config with the sampled `params` in place
-    (a sampled steps drops the file's epochs, and the other way round)."""
-    train, fit, options = dict(rc.train), dict(rc.fit), dict(rc.options)
+def trial_config(rc: RunConfig, settings: SweepSettings, params: dict[str, Any]) -> RunConfig:
+    """A trial's config: the sweep's run config with the sampled `params` laid over it (a sampled
+    steps drops the file's epochs, and the other way round), each value checked as a file's is."""
+    over = RunConfig(workload=rc.workload)
     by_name = {p.name: p for p in settings.space}
     for name, value in params.items():
         p = by_name[name]
-        target = {"train": train, "fit": fit, "options": options}[p.section]
-        target[p.key] = value
-        if p.section == "train" and p.key in ("epochs", "steps"):
-            train.pop("steps" if p.key == "epochs" else "epochs", None)
-    tables = {"options": options, "train": {k: list(v) if isinstance(v, tuple) else v for k, v in train.items()},
-              "fit": fit}
-    return {"workload": rc.workload}, tables
+        if p.section == "options":
+            over.options[p.key] = value
+        else:
+            getattr(over, p.section)[p.key] = check_value(p.section, p.key, value)
+    return merge(RunConfig(workload=rc.workload, options=dict(rc.options), train=dict(rc.train), fit=dict(rc.fit)),
+                 over)
+
+
+def tree_text(rc: RunConfig, header: list[str]) -> str:
+    """A RunConfig as a config file (what `gputrain fit --config` reads back)."""
+    tables = {"options": rc.options, "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
+              "fit": rc.fit}
+    return dumps({"workload": rc.workload}, tables, header=header)

@@ -3,10 +3,10 @@ study how it went, and again until the budget is spent.
 
 The coordinator (sweeps/runner.py) starts it as `python -m gputrain.sweeps.trial SWEEP_DIR INDEX`,
 with the GPU (CUDA_VISIBLE_DEVICES) or the share of CPU threads that is its own. Each trial is an
-ordinary run directory, SWEEP_DIR/trials/trial-NNNN: the trial's config is written there as
-config.toml and trained by `gputrain fit --config config.toml --run-dir trial-NNNN`, which records
-the resolved config over it, so `gputrain fit --config SWEEP_DIR/trials/trial-NNNN/config.toml`
-repeats a trial. Its evaluations reach Optuna through a callback (`TrialReporter`), from the
+ordinary run directory, SWEEP_DIR/trials/trial-NNNN: the trial's config (the sweep's run config
+with its parameters) is written there as config.toml, resolved to a run spec and trained as any
+run is (gputrain/runs/), which records the resolved spec over it, so `gputrain fit --config
+SWEEP_DIR/trials/trial-NNNN/config.toml` repeats a trial. Its evaluations reach Optuna through a callback (`TrialReporter`), from the
 records the trainer has already read: no extra host reads.
 
 Prints one JSON line per finished trial on stdout (the coordinator's progress). Exit status: 0 when
@@ -17,9 +17,7 @@ trial will: the sweep stops); 130 or 143 after a stop signal (the trial is queue
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import json
 import math
 import os
@@ -30,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from gputrain.errors import ConfigError, GputrainError, StopRequested
+from gputrain.runs.stated import RunConfig
 from gputrain.train.callbacks import Callback
 
 METRIC_MISSING = 2
@@ -84,29 +83,24 @@ def reported_keys(records: list[dict[str, Any]] | None) -> list[str]:
     return sorted({k for r in records or [] for k in r if k == "loss" or k.startswith("eval_")})
 
 
-def train_trial(run_dir: Path, reporter: TrialReporter) -> None:
-    """`gputrain fit --config RUN_DIR/config.toml --run-dir RUN_DIR` in this process, its summary
-    table kept off stdout (stdout carries the worker's progress lines)."""
-    from gputrain.commands import fit as fit_command
-    from gputrain.run_config import CONFIG_FILE
+def train_trial(run_dir: Path, stated: RunConfig, reporter: TrialReporter) -> None:
+    """Train the trial `stated` in `run_dir` as any run is trained (resolved to a spec, then
+    trained), its evaluations reported through `reporter`."""
+    from gputrain.runs.stated import merge
+    from gputrain.runs.resolve import resolve
+    from gputrain.runs.train import train_spec
 
-    parser = argparse.ArgumentParser(prog="gputrain fit")
-    fit_command.add_arguments(parser)
-    argv = ["--config", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
-    args = parser.parse_args(argv)
-    args._argv = ["fit", *argv]
-    with contextlib.redirect_stdout(io.StringIO()):
-        fit_command.run(args, extra_callbacks=[reporter])
+    spec, workload = resolve(merge(stated, RunConfig(train={"run_dir": str(run_dir)})))
+    train_spec(spec, workload, callbacks=[reporter])
 
 
 def run_worker(sweep_dir: Path, index: int) -> int:
     """Run trials until the budget is spent; returns the exit status (see the module docstring)."""
     from gputrain.io.atomic import write_text
-    from gputrain.io.toml_file import dumps
-    from gputrain.run_config import CONFIG_FILE
+    from gputrain.runs.stated import CONFIG_FILE
     from gputrain.sweeps import study as studies
     from gputrain.sweeps.runner import load_sweep_file, make_pruner, make_sampler
-    from gputrain.sweeps.settings import trial_tree
+    from gputrain.sweeps.settings import trial_config, tree_text
 
     rc, settings, direction = load_sweep_file(sweep_dir)
     with studies.access(sweep_dir):  # seeds differ per worker and per start: a resume draws new values
@@ -128,12 +122,12 @@ def run_worker(sweep_dir: Path, index: int) -> int:
         run_dir = studies.trial_dir(sweep_dir, trial.number)
         reporter = TrialReporter(trial, settings.metric, lock)
         try:  # from the ask on: a stop signal before the run starts marks the trial too
-            top, tables = trial_tree(rc, settings, trial.params)
-            write_text(run_dir / CONFIG_FILE, dumps(top, tables, header=[
+            stated = trial_config(rc, settings, trial.params)
+            write_text(run_dir / CONFIG_FILE, tree_text(stated, header=[
                 f"trial {trial.number} of the sweep in {sweep_dir}: its parameters over the sweep's run config"]))
             with lock():
                 trial.set_user_attr("run_dir", str(run_dir.relative_to(sweep_dir)))
-            train_trial(run_dir, reporter)
+            train_trial(run_dir, stated, reporter)
         except (StopRequested, KeyboardInterrupt) as exc:  # interrupted: failed now, queued again on resume
             with lock():
                 study.tell(trial, state=state.FAIL)

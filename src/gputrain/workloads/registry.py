@@ -32,6 +32,9 @@ def _summary(source: str, n_train: int, n_test: int, shape: tuple[int, ...], dty
     return f"{source}: {n_train:,} train / {n_test:,} test, {dtype} {tuple(shape)}"
 
 
+MAX_OPTION = 2**31 - 1  # a workload's counts (samples, tokens, widths) index int32-sized tensors and loops
+
+
 def _as_int(name: str, value: Any) -> int:
     try:
         out = int(value)
@@ -39,6 +42,8 @@ def _as_int(name: str, value: Any) -> int:
         raise ConfigError(f"option {name} must be an integer, got {value!r}") from None
     if out < 1:
         raise ConfigError(f"option {name} must be >= 1, got {value!r}")
+    if out > MAX_OPTION:
+        raise ConfigError(f"option {name} must be at most {MAX_OPTION} (a count that tensors can index), got {value!r}")
     return out
 
 

@@ -7,18 +7,20 @@ A run is one tree, one TOML file (read with the standard library's tomllib):
     [train]                    # TrainConfig's fields: every fit flag that sets one (--lr is lr,
                                # --logger is loggers, --no-tensorboard is loggers without "tensorboard")
                                # and the fields no flag sets (warmup_steps, metric_modes, ...)
-    [fit]                      # the command's own flags (FitFlags: nproc, early_stop, ema, ...)
+    [fit]                      # the run's own settings (RunSettings: nproc, early_stop, ema, ...)
     [sweep]                    # the search (gputrain/sweeps); `gputrain fit` leaves it alone
 
-Each setting is taken from the first of: the command line, the file, the workload's defaults,
-TrainConfig's defaults. Every run with a run directory records its resolved tree (all of it) as
-RUN_DIR/config.toml, so `gputrain fit --config RUN_DIR/config.toml --run-dir NEW` repeats it.
-An unknown key or a value of the wrong type is one ConfigError naming the key and its line.
+A RunConfig is what one source states, keys it leaves out absent: a file, the command line
+(gputrain/runs/flags.py), a sweep's trial. `merge` lays one over another; gputrain/runs/resolve.py
+makes the RunSpec (gputrain/runs/spec.py), taking each setting from the first of: the command line,
+the file, the workload's defaults, the fields' defaults. Every run with a run directory records its
+resolved tree (all of it) as RUN_DIR/config.toml, so `gputrain fit --config RUN_DIR/config.toml
+--run-dir NEW` repeats it. An unknown key, a value of the wrong type or one its field refuses (the
+checks declared beside each field) is one ConfigError naming the key and its line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import types
@@ -26,44 +28,26 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 from gputrain.errors import ConfigError
-from gputrain.io.toml_file import TomlFile, dumps, read_toml, value_text
+from gputrain.io.toml_file import TomlFile, read_toml, value_text
+from gputrain.runs.spec import AUTO_FIELDS, CONFIG_FILE, RunSettings
 
-CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the resolved config each run records
+FitFlags = RunSettings  # its name before the run spec: [fit]
 SECTIONS = ("options", "train", "fit", "sweep")
-# [train] keys that fit's flags read from the parsed arguments (the rest reach TrainConfig directly).
-ARG_KEYS = ("device", "precision", "epochs", "steps", "batch_size", "progress", "run_dir", "resume")
-# [train] values a flag takes besides the field's own type: the CLI's "auto".
-AUTO_OK = ("batch_size", "progress")
-FIT_MINIMUM = {"nproc": 1, "max_restarts": 0, "patience": 1}  # as the flags' types check them
+__all__ = ["CONFIG_FILE", "FitFlags", "RunConfig", "check_tree", "check_value", "field_types", "load_run_config",
+           "merge", "option_text", "workload_options"]
 # [train] tensorboard: TrainConfig's old switch, in every RUN_DIR/config.toml recorded before TensorBoard
 # became one of the loggers; read as the loggers it leaves (config.tensorboard_loggers), with a warning.
 OLD_TENSORBOARD = "tensorboard"
 
 
 @dataclass
-class FitFlags:
-    """`gputrain fit`'s own flags, those that set no TrainConfig field: [fit] in a config file."""
-
-    nproc: int | None = None  # processes started on this machine with torchrun
-    max_restarts: int = 0  # with nproc: torchrun's restarts after a failure
-    autotune: bool = False
-    autotune_force: bool = False
-    early_stop: str | None = None  # a metric: stop when it has not improved for `patience` evaluations
-    patience: int = 3
-    min_delta: float = 0.0
-    ema: float | None = None  # keep an EMA of the weights with this decay
-    json: bool = False  # print the summary as JSON
-    quiet: bool = False  # no run log
-    no_save: bool = False  # write nothing to disk
-
-
-@dataclass
 class RunConfig:
-    """One run as a file: the workload, its options, the TrainConfig fields and fit flags it sets.
+    """What one source states of a run (a file, the command line, a sweep's trial): the workload,
+    its options, the TrainConfig fields and run settings it sets.
 
     `train` and `fit` hold only the keys the file sets (checked and converted: a list for a tuple
     field is a tuple); `sweep` is the raw [sweep] table, checked by gputrain/sweeps; `source` is the
@@ -130,130 +114,62 @@ def check_value(section: str, key: str, value: Any, source: TomlFile | None = No
     if key not in hints:
         raise fail(_unknown_key(section, key, hints))
     hint = hints[key]
-    if key in AUTO_OK and section == "train" and value == "auto":
+    if key in AUTO_FIELDS and section == "train" and value == "auto":
         return value
     if value == "none" and _optional(hint) and not _fits("none", hint):
         return None
     if not _fits(value, hint):
         raise fail(f"[{section}] {key} must be {_describe(hint)}, got {_shown(value)}")
     value = _convert(value, hint)
-    if section == "fit" and key in FIT_MINIMUM and value is not None and value < FIT_MINIMUM[key]:
-        raise fail(f"[fit] {key} must be at least {FIT_MINIMUM[key]}, got {value!r}")
-    if section == "train" and key not in ("run_dir", "resume"):
+    if key not in ("run_dir", "resume"):
         try:  # the field's own checks (a positive lr, a known schedule), one field at a time
             one: dict[str, Any] = {key: value}
-            TrainConfig(**one)
+            (TrainConfig if section == "train" else RunSettings)(**one)
         except ConfigError as exc:
-            raise fail(f"[train] {key}: {exc}") from None
+            raise fail(f"[train] {key}: {exc}" if section == "train" else f"[fit] {exc}") from None
     return value
 
 
 def field_types(section: str) -> dict[str, Any]:
     """{key: type} of the keys a [train] or [fit] table takes."""
-    cls = TrainConfig if section == "train" else FitFlags
+    cls = TrainConfig if section == "train" else RunSettings
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-# ---------------------------------------------------------------- the command line over the file
+# ---------------------------------------------------------------- one source over another
 
 
-def given_dests(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> set[str]:
-    """The argument names (dests) that `argv` gives explicitly, for a parser made by `add_arguments`."""
-    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    add_arguments(p)
-    for action in p._actions:
-        action.default = argparse.SUPPRESS
-    given, _ = p.parse_known_args(argv)
-    return set(vars(given))
+def merge(base: RunConfig, over: RunConfig) -> RunConfig:
+    """`over`'s settings laid over `base`'s (the command line over a file, a trial's parameters over
+    its sweep's config). An `over` that sets epochs or steps drops both of `base`'s: they are one
+    choice. Options are merged key by key; `source` stays the file's, for the lines of its keys."""
+    train = dict(base.train)
+    if {"epochs", "steps"} & set(over.train):
+        train.pop("epochs", None)
+        train.pop("steps", None)
+    train.update(over.train)
+    return RunConfig(workload=over.workload or base.workload, options={**base.options, **over.options}, train=train,
+                     fit={**base.fit, **over.fit}, sweep=over.sweep if over.sweep is not None else base.sweep,
+                     source=base.source or over.source)
 
 
-def apply_to_args(args: argparse.Namespace, rc: RunConfig, given: set[str]) -> argparse.Namespace:
-    """Fill `args` (fit's parsed flags) from the file where the command line gave nothing.
-
-    The [train] keys fit reads from its flags (ARG_KEYS) go into `args`; the other [train] keys go
-    into `args.config_train`, which build_config applies over the workload's defaults and under the
-    flags. A command line with --epochs or --steps drops both from the file.
-    """
-    if rc.workload and "workload" not in given:
-        args.workload = rc.workload
-    extra = {}
-    for key, value in rc.train.items():
-        if key in ("epochs", "steps") and ({"epochs", "steps"} & given):
-            continue
-        if key in ARG_KEYS:
-            if key not in given:
-                setattr(args, key, value)
-        else:
-            extra[key] = value
-    args.config_train = extra
-    for key, value in rc.fit.items():
-        if key not in given:
-            setattr(args, key, value)
-    options = {k: v for k, v in rc.options.items() if not (k == "data_dir" and "data_dir" in given)}
-    args.option = [f"{k}={option_text(v)}" for k, v in options.items()] + list(args.option or [])
-    return args
+def workload_options(items: list[str], example: str = "") -> dict[str, str]:
+    """{key: value} of the repeated `--option KEY=VALUE` (a dash in a key is an underscore, as in
+    the workload's parameter names); ConfigError naming the item without KEY=VALUE. example: shown
+    after the expected form, e.g. "--option n=2000"."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE{f', e.g. {example}' if example else ''}")
+        options[key.replace("-", "_")] = value
+    return options
 
 
 def option_text(value: Any) -> str:
     """A workload option as `--option KEY=VALUE` gives it (options reach the workload as strings)."""
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
-
-
-# ---------------------------------------------------------------- the resolved config
-
-
-def resolved_text(workload: str, options: dict[str, Any], config: TrainConfig, args: argparse.Namespace, *,
-                  record: bool, workload_name: str | None = None) -> str:
-    """The resolved config of a fit command line as TOML.
-
-    record=True: what RUN_DIR/config.toml holds: every setting the run trained with, but not where
-    it wrote (run_dir and resume are comments, so that a repeat names its own run directory) and
-    not --autotune (the switches it chose are in [train]). record=False: what --print-config shows,
-    with run_dir and resume when the command line or the file gave them. The run's name is left out
-    when it is the workload's own (`workload_name`), so that a copy for another workload is named anew.
-    """
-    from gputrain.version import __version__
-
-    train: dict[str, Any] = {}
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for key, value in config.to_dict().items():
-        if key in ("run_dir", "resume") or (key == "name" and value == workload_name):
-            continue
-        if key == "progress":
-            value = getattr(args, "progress", value)
-        if key == "batch_size" and getattr(args, "batch_size", None) == "auto" and not record:
-            value = "auto"
-        if value is None and defaults.get(key) is not None:
-            value = "none"  # TOML has no null: an optional field switched off (spike_ratio)
-        train[key] = list(value) if isinstance(value, tuple) else value
-    fit = {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(FitFlags)}
-    notes = []
-    if record:
-        if fit["autotune"] or fit["autotune_force"]:
-            notes.append("autotune chose the switches above (precision, cuda_graphs, channels_last, compile)")
-        fit["autotune"] = fit["autotune_force"] = False
-        if config.run_dir:
-            notes.append(f"run_dir = {_toml_str(config.run_dir)}  (this run's; a repeat names its own: --run-dir)")
-    else:
-        if getattr(args, "run_dir", None) and config.run_dir:
-            train["run_dir"] = config.run_dir
-        elif config.run_dir:
-            notes.append(f"run_dir = {_toml_str(config.run_dir)}  (the default: none was given)")
-        if config.resume:
-            train["resume"] = config.resume
-    header = [f"gputrain {__version__}: the resolved config of a `gputrain fit` run of {workload}",
-              "(each setting from the command line, else a config file, else the workload's defaults, else TrainConfig's).",
-              f"Repeat the run: gputrain fit --config {CONFIG_FILE if record else 'THIS_FILE'} --run-dir NEW_DIR"]
-    return dumps({"workload": workload}, {"options": dict(options), "train": train, "fit": fit}, header=header,
-                 notes={"train": notes})
-
-
-def record_config(run_dir: Path, text: str) -> None:
-    """Write RUN_DIR/config.toml (whole or not at all)."""
-    from gputrain.io.atomic import write_text
-
-    write_text(run_dir / CONFIG_FILE, text)
 
 
 # ---------------------------------------------------------------- types and messages
@@ -317,10 +233,6 @@ def _shown(value: Any) -> str:
             "a number" if isinstance(value, float) else "a string" if isinstance(value, str) else
             "a list" if isinstance(value, list) else "a table" if isinstance(value, dict) else type(value).__name__)
     return f"{value!r} ({kind})"
-
-
-def _toml_str(s: str) -> str:
-    return value_text(s)
 
 
 def _old_tensorboard(value: Any, loggers: tuple[str, ...], source: TomlFile) -> tuple[str, ...]:

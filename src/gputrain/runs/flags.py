@@ -1,0 +1,104 @@
+"""The command line of a run, generated from the fields of the run spec (gputrain/fields.py): each
+field with a flag becomes one argparse argument, its default shown in the help and left out of the
+parsed namespace (argparse.SUPPRESS), so that the namespace holds exactly what the command line
+stated; `stated(namespace)` turns it into a RunConfig, which merges over a config file's.
+
+A flag's value is checked twice, both with one line: by its argparse type (a positive integer) and
+by its field's own check (a finite weight decay), so that a value is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable
+
+from gputrain.config import TrainConfig
+from gputrain.errors import ConfigError
+from gputrain.fields import Flag, flag_of
+from gputrain.runs.stated import RunConfig
+from gputrain.runs.spec import AUTO_FIELDS, RunSettings
+
+SECTIONS = {"train": TrainConfig, "fit": RunSettings}
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument per field with a flag, in the order the fields are declared (dest: the field's
+    name; default: absent from the namespace)."""
+    groups: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = flag_of(f)
+            if flag is None:
+                continue
+            target = parser
+            if flag.group:
+                if flag.group not in groups:
+                    groups[flag.group] = parser.add_mutually_exclusive_group()
+                target = groups[flag.group]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help(flag, f)}
+            if flag.action:
+                kwargs["action"] = flag.action
+            if flag.action != "store_true":
+                kwargs["type"] = _checked(flag, cls, f.name)
+                for key in ("nargs", "metavar", "choices"):
+                    if getattr(flag, key) is not None:
+                        kwargs[key] = getattr(flag, key)
+                if flag.nargs == "?":
+                    kwargs["const"] = flag.const
+            target.add_argument(*flag.names, **kwargs)
+
+
+def stated(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of what the command line stated (the fields' flags given; workload, --option
+    and --data-dir when the parser has them, --no-tensorboard)."""
+    given = vars(args)
+    tables: dict[str, dict[str, Any]] = {}
+    for section, cls in SECTIONS.items():
+        tables[section] = {f.name: given[f.name] for f in dataclasses.fields(cls)
+                           if flag_of(f) is not None and f.name in given}
+    train = tables["train"]
+    if "loggers" in train:  # --logger a,b --logger c: one list
+        train["loggers"] = tuple(n for item in train["loggers"] for n in item)
+    if given.get("no_tensorboard"):
+        train["tensorboard"] = False  # resolved over the loggers of every source (runs/resolve.py)
+    options: dict[str, Any] = {"data_dir": given["data_dir"]} if given.get("data_dir") else {}
+    if given.get("option"):
+        from gputrain.runs.stated import workload_options
+
+        options.update(workload_options(given["option"], example="--option n=2000"))
+    return RunConfig(workload=given.get("workload"), options=options, train=train, fit=tables["fit"])
+
+
+def _help(flag: Flag, f: dataclasses.Field) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if flag.action == "store_true" or default in (None, False) or f.name in AUTO_FIELDS or "default" in flag.help:
+        return flag.help
+    shown = ",".join(default) if isinstance(default, tuple) else default
+    return f"{flag.help} (default: {shown})" if flag.help else f"default: {shown}"
+
+
+def _checked(flag: Flag, cls: type, name: str) -> Callable[[str], Any]:
+    """The flag's argparse type: its parser, then its field's check (a ConfigError becomes argparse's
+    one line, naming the flag)."""
+    from gputrain.fields import check_field
+
+    parse = flag.parse or str
+
+    def convert(text: str) -> Any:
+        value = parse(text)
+        if value == "auto" and name in AUTO_FIELDS:
+            return value
+        try:
+            check_field(cls, name, _field_value(name, value))
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """A flag's parsed value as its field holds it (--logger a,b is a list of one flag's names)."""
+    return tuple(value) if name == "loggers" else value
