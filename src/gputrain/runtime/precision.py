@@ -1,7 +1,9 @@
 """Numeric precision: a small validated value from a closed set, decided once per run.
 
 "auto" resolves to bf16 on a CUDA GPU with bf16 tensor cores, fp16 (with a GradScaler) on older
-CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError.
+CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError. An
+automatic autocast that the model's first step refuses becomes fp32 for the run (`fp32_instead`,
+`RunPrecision.change`: train/precision_gate.py).
 
 `Precision` is the value; `RunPrecision` is the run's one object that owns what follows from it:
 the autocast context (`Precision.autocast` is the only place gputrain enters autocast), the loss
@@ -92,6 +94,13 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
     return Precision("fp16", torch.float16, True, False, f"fp16 autocast with loss scaling as requested on {dev}")
 
 
+def fp32_instead(failed: Precision, why: str) -> Precision:
+    """fp32 (no autocast, no loss scaling, TF32 off as for fp32) for a run whose automatic `failed`
+    precision the model's first step refused (train/precision_gate.py); `why` names the error."""
+    return Precision("fp32", None, False, False,
+                     f"auto: fp32, since the first step failed under {failed.name} autocast and runs without it: {why}")
+
+
 def make_scaler(precision: Precision, device: torch.device) -> GradScaler:
     """A GradScaler that is enabled only for fp16 (a disabled scaler passes everything through)."""
     return GradScaler(device.type if device.type in ("cuda", "mps") else "cpu",
@@ -177,6 +186,14 @@ class RunPrecision:
             return
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def change(self, precision: Precision) -> None:
+        """The run's precision is `precision` from now on (in place: the step, the evaluator and the
+        checkpoint hold this object): a new scaler, and the TF32 settings when they are applied."""
+        self.precision = precision
+        self.scaler = make_scaler(precision, self.device)
+        if self._saved is not None:
+            apply_matmul_settings(precision, self.device)
 
     def apply(self) -> "RunPrecision":
         if self._saved is None:

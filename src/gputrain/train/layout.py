@@ -72,9 +72,10 @@ def to_nchw(batch: Any) -> Any:
                                materialize(batch))
 
 
-def refusal(exc: BaseException) -> str:
+def refusal(exc: BaseException, who: str = "NHWC") -> str:
     """'`x = x.view(-1, 400)` at model.py:42 (forward) raised RuntimeError: view size is not ...':
-    the innermost frame outside torch and gputrain (the user's code that refused the layout)."""
+    the innermost frame outside torch and gputrain (the user's code that refused the layout, or the
+    precision: train/precision_gate.py); `who` stands in for it where no frame is the user's."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = next((fr for fr in reversed(frames) if "/torch/" not in fr.filename.replace("\\", "/")
                   and "/gputrain/" not in fr.filename.replace("\\", "/")), None)
@@ -82,7 +83,7 @@ def refusal(exc: BaseException) -> str:
     said = f"{type(exc).__name__}: {first[:200]}"
     hint = "; .reshape works in both layouts" if "view size" in first and "reshape" not in first else ""
     if where is None:
-        return f"NHWC raised {said}{hint}"
+        return f"{who} raised {said}{hint}"
     return f"`{(where.line or '').strip()}` at {where.filename}:{where.lineno} ({where.name}) raised {said}{hint}"
 
 
@@ -217,17 +218,8 @@ class LayoutGate:
                  self.speed.reasons["channels_last"])
 
     def _pass(self, model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor]) -> list[float]:
-        """Forward, loss and backward of `batch` on `model` from the RNG state given; its losses."""
-        torch.set_rng_state(rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        with self.precision.autocast():
-            if self.own_step is not None:
-                out = self.own_step(_ProbeStep(model, *self.own_context), batch)
-                return _losses(out)
-            loss, _ = self.loss(model, batch)
-        loss.backward()
-        return _losses(loss)
+        return probe_pass(model, batch, rng, cuda_rng, loss=self.loss, autocast=self.precision.autocast,
+                          own_step=self.own_step, own_context=self.own_context)
 
     def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
         out = []
@@ -279,6 +271,22 @@ class LayoutGate:
                     f"{TIMED_REPEATS}; the probe: {passes} passes, {passes / max(1, self.total_steps):.1%} of the "
                     f"run's steps); {same}")
         return (True, f"at least as fast: {measured}") if b <= a else (False, f"slower: {measured}")
+
+
+def probe_pass(model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor], *, loss: LossRule,
+               autocast: Callable[[], Any], own_step: Callable | None = None,
+               own_context: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> list[float]:
+    """Forward, loss and backward of `batch` on `model` (a copy) inside `autocast()`, from the RNG
+    state given; its losses. A step of your own runs with `_ProbeStep` (no optimizer steps)."""
+    torch.set_rng_state(rng)
+    if cuda_rng:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    with autocast():
+        if own_step is not None:
+            return _losses(own_step(_ProbeStep(model, *own_context), batch))
+        value, _ = loss(model, batch)
+    value.backward()
+    return _losses(value)
 
 
 def _agree(a: list[float], b: list[float], rtol: float) -> bool:
