@@ -10,7 +10,7 @@ and the loss is F.binary_cross_entropy as CUDA autocast treats it: refused with 
 while autocast is on (`torch.is_autocast_enabled("cpu")`). The second case needs no message at all:
 an index_put of the bf16 result into an fp32 tensor fails under autocast only, which the gate finds
 by running the batch once more without autocast on a copy of the model. Everything else is fit's own
-path: its step, its layout gate, its evaluator, its summary.
+path: its step (fit's and a step of your own), its layout gate, its evaluator, its summary.
 """
 
 import copy
@@ -23,7 +23,7 @@ from torch import nn
 
 import gputrain
 from gputrain.runtime import precision as precision_mod
-from gputrain.runtime.precision import Precision
+from gputrain.runtime.precision import Precision, RunPrecision, fp32_instead
 from gputrain.train import trainer as trainer_mod
 
 SEED = 0
@@ -161,3 +161,80 @@ def test_a_requested_autocast_is_not_changed_and_the_note_names_it_first():
     note = [n for n in info.value.__notes__ if "first training step failed" in n][0]
     assert "a choice you made" in note and "bf16 autocast, as you requested (off: precision='fp32'" in note
     assert note.index("bf16 autocast") < note.index("the batch:")
+
+
+def test_a_checkpoint_saved_after_the_fall_back_resumes_into_an_automatic_fp16_run():
+    """fp16's GradScaler refuses the empty state a run without loss scaling saved; the resumed run,
+    whose first step decides again, starts from the initial scale."""
+    cpu = torch.device("cpu")
+    after = RunPrecision(Precision("fp16", torch.float16, True, False, "auto: fp16"), cpu)
+    after.change(fp32_instead(after.precision, "refused"))
+    saved = after.state_dict()
+    assert saved == {} and after.name == "fp32" and not after.scaler.is_enabled()
+    resumed = RunPrecision(Precision("fp16", torch.float16, True, False, "auto: fp16"), cpu)
+    resumed.load_state_dict(saved)
+    assert resumed.scaler.is_enabled() and resumed.scaler.get_scale() == 2.0 ** 16
+
+
+class TwoNets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d, self.g = Discriminator(), nn.Linear(6, 6)
+
+
+def _two_optimizers(model):
+    return {"D": torch.optim.Adam(model.d.parameters(), lr=1e-2), "G": torch.optim.Adam(model.g.parameters(), lr=1e-2)}
+
+
+def _gan_step(step, batch):
+    """DCGAN's order: the discriminator's refused loss first, then the generator's."""
+    x, y = batch
+    d, g = step.model.d, step.model.g
+    err_d = cuda_autocast_bce(d(x), y)
+    step.backward(err_d)
+    step.step("D")
+    step.zero_grad("G")
+    err_g = cuda_autocast_bce(d(g(x)), torch.ones_like(y))
+    step.backward(err_g)
+    step.step("G")
+    return {"err_d": err_d, "err_g": err_g}
+
+
+def _stepped_first(step, batch):
+    """The discriminator's optimizer steps before the refused loss: the weights have moved."""
+    x, y = batch
+    err_d = F.mse_loss(step.model.d(x), y)
+    step.backward(err_d)
+    step.step("D")
+    err_g = cuda_autocast_bce(step.model.d(step.model.g(x)), y)
+    step.backward(err_g)
+    step.step("G")
+    return {"err_d": err_d, "err_g": err_g}
+
+
+def test_a_step_of_your_own_falls_back_unless_it_stepped_before_the_error(auto_bf16):
+    torch.manual_seed(SEED)
+    model = TwoNets()
+    hand = copy.deepcopy(model)
+    batches = _batches()
+    history = gputrain.fit(model, batches, step_fn=_gan_step, optimizer=_two_optimizers(model),
+                           config=gputrain.TrainConfig(steps=len(batches), seed=SEED))
+    assert _precision(history)["value"] == "fp32"
+    torch.manual_seed(SEED)
+    opts = _two_optimizers(hand)
+    hand.train()
+    for x, y in batches:  # the same step by hand, in fp32
+        for o in opts.values():
+            o.zero_grad()
+        cuda_autocast_bce(hand.d(x), y).backward()
+        opts["D"].step()
+        opts["G"].zero_grad()
+        cuda_autocast_bce(hand.d(hand.g(x)), torch.ones_like(y)).backward()
+        opts["G"].step()
+    for (name, ours), theirs in zip(model.state_dict().items(), hand.state_dict().values()):
+        assert torch.equal(ours, theirs), f"{name} differs from the fp32 loop"
+
+    model = TwoNets()
+    with pytest.raises(RuntimeError, match="unsafe to autocast"):
+        gputrain.fit(model, batches, step_fn=_stepped_first, optimizer=_two_optimizers(model),
+                     config=gputrain.TrainConfig(steps=len(batches), seed=SEED))

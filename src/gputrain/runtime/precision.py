@@ -210,4 +210,8 @@ class RunPrecision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if not state and self.scaler.is_enabled():
+            # Saved without loss scaling (an automatic fp16 that the first step turned into fp32,
+            # train/precision_gate.py): this run's scaler starts from its initial scale.
+            return
         self.scaler.load_state_dict(state)
