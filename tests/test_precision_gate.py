@@ -238,3 +238,25 @@ def test_a_step_of_your_own_falls_back_unless_it_stepped_before_the_error(auto_b
     with pytest.raises(RuntimeError, match="unsafe to autocast"):
         gputrain.fit(model, batches, step_fn=_stepped_first, optimizer=_two_optimizers(model),
                      config=gputrain.TrainConfig(steps=len(batches), seed=SEED))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(F.relu(self.conv(x)).reshape(x.shape[0], -1))).squeeze(1)
+
+
+def test_autocasts_refusal_in_a_forced_channels_last_step_is_not_blamed_on_the_layout(auto_bf16, caplog):
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 2, (8,), generator=g).float())
+               for _ in range(3)]
+    model = ConvNet()
+    with caplog.at_level("WARNING", logger="gputrain"):
+        history = _fit(model, batches, cuda_autocast_bce, channels_last=True)
+    layout = {d["name"]: d for d in history.summary["decisions"]}["channels_last"]
+    assert _precision(history)["value"] == "fp32" and layout["value"] == "on", layout
+    assert not [r for r in caplog.records if "runs again in your layout" in r.getMessage()]

@@ -22,6 +22,7 @@ from torch.amp.grad_scaler import GradScaler
 from gputrain.errors import ConfigError
 
 CHOICES = ("auto", "fp32", "tf32", "bf16", "fp16")
+AUTOCAST_REFUSED = "unsafe to autocast"  # torch's message for the ops its CUDA autocast refuses (BCELoss)
 
 
 @dataclass(frozen=True)

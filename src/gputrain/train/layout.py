@@ -33,7 +33,7 @@ from torch import nn
 from gputrain import batch as batches
 from gputrain.data.deferred import materialize
 from gputrain.runtime.oom import is_oom
-from gputrain.runtime.precision import RunPrecision
+from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision
 from gputrain.runtime.speed import SpeedSwitches
 from gputrain.train.loss import LossRule
 
@@ -166,7 +166,7 @@ class LayoutGate:
         try:
             return self.step_fn(micro_batches)
         except RuntimeError as exc:
-            if is_oom(exc):
+            if is_oom(exc) or AUTOCAST_REFUSED in str(exc):  # autocast's refusal, not NHWC's (precision_gate.py)
                 raise
             self.fall_back(refusal(exc))
             return self.step_fn([to_nchw(b) for b in micro_batches])

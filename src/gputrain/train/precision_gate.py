@@ -38,16 +38,13 @@ from torch import nn
 from gputrain.data.deferred import materialize
 from gputrain.errors import ConfigError
 from gputrain.runtime.oom import is_oom
-from gputrain.runtime.precision import RunPrecision, fp32_instead
+from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision, fp32_instead
 from gputrain.runtime.speed import SpeedSwitches
 from gputrain.train.guards import skips_nonfinite
 from gputrain.train.layout import probe_pass, refusal, run_optimizers
 from gputrain.train.loss import LossRule
 
 log = logging.getLogger("gputrain")
-
-REFUSED = "unsafe to autocast"  # torch's own message for the ops its CUDA autocast refuses
-
 
 class PrecisionGate:
     """The run's step with an automatic autocast undone when the first step shows that autocast
@@ -93,7 +90,7 @@ class PrecisionGate:
         if is_oom(exc) or not self._can_fall_back():
             return None
         said = refusal(exc, f"{self.precision.name} autocast")
-        if REFUSED in str(exc):
+        if AUTOCAST_REFUSED in str(exc):
             return said  # torch's own word: the op is refused under autocast
         try:  # the same batch without autocast, on a copy, from the same RNG state
             with torch.random.fork_rng(devices=[self.device] if cuda_rng else []):
