@@ -15,13 +15,15 @@ that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is 
   win back) and trains in NCHW. On CUDA the first passes include cuDNN's algorithm search, so they
   are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
 A later step that fails in NHWC (a data-dependent path) is retried once in the user's layout, with
-one log line. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
+one log line; an "unsafe to autocast" error is autocast's, not the layout's, and where the precision
+gate (train/precision_gate.py) turns an automatic autocast off, the layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import statistics
 import time
 import traceback
@@ -39,6 +41,7 @@ from gputrain.train.loss import LossRule
 
 log = logging.getLogger("gputrain")
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../gputrain/
 CPU_TIMED_MIN_STEPS = 200  # the probe's 2 + 2 * TIMED_REPEATS passes are <= 4% of such a run
 TIMED_REPEATS = 3
 
@@ -77,8 +80,10 @@ def refusal(exc: BaseException, who: str = "NHWC") -> str:
     the innermost frame outside torch and gputrain (the user's code that refused the layout, or the
     precision: train/precision_gate.py); `who` stands in for it where no frame is the user's."""
     frames = traceback.extract_tb(exc.__traceback__)
+    # gputrain's frames by its package folder, not by "/gputrain/" in the path: a checkout named
+    # gputrain holds the user's tests and examples too.
     where = next((fr for fr in reversed(frames) if "/torch/" not in fr.filename.replace("\\", "/")
-                  and "/gputrain/" not in fr.filename.replace("\\", "/")), None)
+                  and not os.path.abspath(fr.filename).startswith(_PACKAGE)), None)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     said = f"{type(exc).__name__}: {first[:200]}"
     hint = "; .reshape works in both layouts" if "view size" in first and "reshape" not in first else ""
