@@ -174,11 +174,12 @@ def test_first_step_note_names_gputrains_choices_before_the_shapes(monkeypatch):
     assert note.index("channels_last") < note.index("the batch:")
 
 
-def test_choices_made_lists_only_what_gputrain_chose():
+def test_choices_made_lists_what_gputrain_chose_and_a_requested_autocast():
     s = SpeedSwitches(True, False, True, False, {"channels_last": "probed", "cuda_graphs": "requested"})
     made = choices_made(s, "bf16", torch.bfloat16)
     assert made[0].startswith("channels_last") and "precision='fp32'" in made[1] and len(made) == 2
-    assert choices_made(s, "bf16", torch.bfloat16, precision_asked="bf16") == made[:1]
+    asked = choices_made(s, "bf16", torch.bfloat16, precision_asked="bf16")  # named, as the user's
+    assert asked[0] == made[0] and asked[1].startswith("bf16 autocast, as you requested (off: precision='fp32'")
     note = first_step_note((torch.zeros(2, 3), torch.zeros(2)), nn.Linear(3, 1), choices=made)
     assert note.index("channels_last") < note.index("the batch:")
 

@@ -4,8 +4,11 @@
 Asserted for every case: no crash; after fit every module is in the mode the user gave it; the
 parameters and buffers equal the hand loop's: bit for bit where no numeric choice of fit applies (the
 CPU: fp32, the user's layout, the author's optimizer), within the README's bf16 tolerance where one
-does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs), the hand loop then running its forward
-under the same `torch.autocast` (the AMP recipe).
+does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs). fit runs first; the hand loop then runs
+in the precision fit reports it used (history.summary): its forward under the same `torch.autocast`
+(the AMP recipe) for bf16, without autocast where fit's first step found its automatic bf16 refused and
+trained in fp32 (DCGAN's and VAE's BCELoss on CUDA: train/precision_gate.py), TF32 set as that
+precision sets it.
 
 The device comes from GPUTRAIN_ZOO_DEVICE ("cpu" by default; "cuda" on a GPU machine:
 `GPUTRAIN_ZOO_DEVICE=cuda python -m pytest -q tests/test_zoo.py`).
@@ -22,7 +25,7 @@ from zoo import Case, cases
 
 import gputrain
 from gputrain.batch import move
-from gputrain.runtime.precision import resolve_precision
+from gputrain.runtime.precision import matmul_settings, resolve_precision
 
 DEVICE = os.environ.get("GPUTRAIN_ZOO_DEVICE", "cpu")
 SEED = 0
@@ -44,9 +47,11 @@ def _device() -> torch.device:
     return device
 
 
-def _amp(device: torch.device):
-    """The hand loop's autocast: the precision fit picks by default on `device` (none on the CPU)."""
-    precision = resolve_precision("auto", device)
+def _amp(device: torch.device, name: str):
+    """The hand loop's autocast for the precision fit reports it used (history.summary["precision"]):
+    fit's default on `device` (none on the CPU; bf16 on a CUDA GPU with bf16), or fp32 where the first
+    step refused fit's automatic autocast (train/precision_gate.py: DCGAN's and VAE's BCELoss)."""
+    precision = resolve_precision(name, device)
     if precision.autocast_dtype is None:
         return contextlib.nullcontext
     if precision.use_scaler:
@@ -86,24 +91,23 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     given = _modes(model)
     data = [move(b, device) for b in case.batches()]
 
-    torch.manual_seed(SEED)  # fit seeds its run the same way (TrainConfig.seed)
-    np.random.seed(SEED)
-    try:
-        case.hand(hand_model, data, _amp(device))
-    except RuntimeError as exc:
-        if "unsafe to autocast" not in str(exc):
-            raise
-        # The author's code under bf16 autocast (what fit picks by default on this GPU) is refused by
-        # torch itself (nn.BCELoss, F.binary_cross_entropy): fit's default cannot train it either.
-        pytest.fail(f"fit's default precision (bf16 autocast) cannot run this case's code: {str(exc)[:160]}; "
-                    "it trains with precision='fp32'")
-
     np.random.seed(SEED)
     history = gputrain.fit(model, data, config=gputrain.TrainConfig(steps=len(data), device=DEVICE, seed=SEED,
                                                                     **case.config), **case.fit(model))
+    used = history.summary["precision"]
+    decided = {d["name"]: d for d in history.summary["decisions"]}["precision"]
+    assert decided["value"] == used, "the summary and the decisions disagree on the precision"
+    if used != resolve_precision("auto", device).name:  # fit's default undone: the reason says why
+        assert used == "fp32" and "the first step failed under" in decided["reason"], decided["reason"]
+
+    torch.manual_seed(SEED)  # fit seeds its run the same way (TrainConfig.seed)
+    np.random.seed(SEED)
+    # The author's loop in the precision fit used, TF32 as that precision sets it (on CUDA; given back after).
+    with matmul_settings(resolve_precision(used, device), device):
+        case.hand(hand_model, data, _amp(device, used))
     assert history.records and history.records[-1]["step"] == len(data)
     assert _modes(model) == given, "fit left modules in other modes than the user gave"
     exact = device.type == "cpu"
     problems = _differences(model.state_dict(), hand_model.state_dict(), initial, exact)
-    assert not problems, (f"{len(problems)} of {len(initial)} tensors differ from the author's loop "
+    assert not problems, (f"{len(problems)} of {len(initial)} tensors differ from the author's loop in {used} "
                           f"({'bit-equal expected' if exact else 'bf16 tolerance'}): " + "; ".join(problems[:6]))

@@ -10,7 +10,10 @@ float target for a classification loss, a feature size the model does not take):
 message stays, the note shows the batch's leaves, the label range and the model's first and last
 layers in the order the forward ran them (run again on the batch without gradients, with hooks that
 note each layer as it starts: the last layer is the one that produced the output, or the one the
-forward failed in), which is usually enough to see the mismatch.
+forward failed in), which is usually enough to see the mismatch. Before all that it names the
+choices that change the step (channels_last, autocast, CUDA graphs), each with its switch: an
+autocast the user requested too (torch refuses some ops under autocast; an automatic one that the
+first step refuses is undone before any note: train/precision_gate.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from gputrain import batch as batches
 from gputrain.errors import DataError
+from gputrain.runtime.speed import REQUESTED
 
 
 def _kind(x: Any) -> str:
@@ -193,14 +197,15 @@ def model_ends(model: nn.Module, run: Callable[[], Any] | None = None) -> str | 
 def first_step_note(batch: Any, model: nn.Module, call: Callable[[nn.Module, Any], Any] | None = None,
                     choices: Sequence[str] = ()) -> str:
     """The note for an error in the first training step: first the choices gputrain made that change
-    the step (layout, dtype, graphs; `choices`, each with its switch), then the batch's leaves, its
+    the step (layout, dtype, graphs; `choices`, each with its switch; a requested autocast too, so
+    marked), then the batch's leaves, its
     label range, the model's first and last layers (in the order `call(model, batch)` runs them)."""
     from gputrain.data.deferred import materialize
 
     parts = []
-    if choices:
-        parts.append("it ran under choices gputrain made for you, which may be the cause: "
-                     + "; ".join(choices) + " (turn each off to see)")
+    if choices:  # REQUESTED marks the user's own (runtime/speed.py's choices_made)
+        whose = "a choice you made" if all(REQUESTED in c for c in choices) else "choices gputrain made for you"
+        parts.append(f"it ran under {whose}, which may be the cause: " + "; ".join(choices) + " (turn each off to see)")
     try:
         batch = materialize(batch)
         parts.append(f"the batch: {describe_leaves(batch)}")

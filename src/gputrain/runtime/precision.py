@@ -1,7 +1,9 @@
 """Numeric precision: a small validated value from a closed set, decided once per run.
 
 "auto" resolves to bf16 on a CUDA GPU with bf16 tensor cores, fp16 (with a GradScaler) on older
-CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError.
+CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError. An
+automatic autocast that the model's first step refuses becomes fp32 for the run (`fp32_instead`,
+`RunPrecision.change`: train/precision_gate.py).
 
 `Precision` is the value; `RunPrecision` is the run's one object that owns what follows from it:
 the autocast context (`Precision.autocast` is the only place gputrain enters autocast), the loss
@@ -20,6 +22,7 @@ from torch.amp.grad_scaler import GradScaler
 from gputrain.errors import ConfigError
 
 CHOICES = ("auto", "fp32", "tf32", "bf16", "fp16")
+AUTOCAST_REFUSED = "unsafe to autocast"  # torch's message for the ops its CUDA autocast refuses (BCELoss)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,13 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
     if dev == "cpu":
         raise ConfigError("precision fp16 is not supported on the CPU (no fast fp16 kernels there): use fp32 or bf16")
     return Precision("fp16", torch.float16, True, False, f"fp16 autocast with loss scaling as requested on {dev}")
+
+
+def fp32_instead(failed: Precision, why: str) -> Precision:
+    """fp32 (no autocast, no loss scaling, TF32 off as for fp32) for a run whose automatic `failed`
+    precision the model's first step refused (train/precision_gate.py); `why` names the error."""
+    return Precision("fp32", None, False, False,
+                     f"auto: fp32, since the first step failed under {failed.name} autocast and runs without it: {why}")
 
 
 def make_scaler(precision: Precision, device: torch.device) -> GradScaler:
@@ -178,6 +188,14 @@ class RunPrecision:
         self.scaler.step(optimizer)
         self.scaler.update()
 
+    def change(self, precision: Precision) -> None:
+        """The run's precision is `precision` from now on (in place: the step, the evaluator and the
+        checkpoint hold this object): a new scaler, and the TF32 settings when they are applied."""
+        self.precision = precision
+        self.scaler = make_scaler(precision, self.device)
+        if self._saved is not None:
+            apply_matmul_settings(precision, self.device)
+
     def apply(self) -> "RunPrecision":
         if self._saved is None:
             self._saved = read_matmul_settings()
@@ -193,4 +211,8 @@ class RunPrecision:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if not state and self.scaler.is_enabled():
+            # Saved without loss scaling (an automatic fp16 that the first step turned into fp32,
+            # train/precision_gate.py): this run's scaler starts from its initial scale.
+            return
         self.scaler.load_state_dict(state)

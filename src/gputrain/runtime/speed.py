@@ -211,15 +211,22 @@ def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layo
     return False, None
 
 
+REQUESTED = "as you requested"  # marks a choice in `choices_made` that the user made
+
+
 def choices_made(speed: SpeedSwitches, precision_name: str, autocast_dtype: torch.dtype | None,
                  precision_asked: str = "auto") -> list[str]:
     """The choices gputrain made on its own that change the layout, dtype or kernels of the step, each
-    with the switch that turns it off (for the note after a failed first step); forced ones are the user's."""
+    with the switch that turns it off (for the note after a failed first step); forced ones are the
+    user's, except autocast, which is named either way ("as you requested": REQUESTED), since torch
+    refuses some ops under it ("unsafe to autocast") and an automatic one the first step refuses is
+    already undone (train/precision_gate.py)."""
     out = []
     if speed.channels_last and speed.reasons.get("channels_last") != "requested":
         out.append("channels_last (NHWC weights and inputs; off: channels_last=False, --channels-last off)")
-    if autocast_dtype is not None and precision_asked == "auto":
-        out.append(f"{precision_name} autocast (off: precision='fp32', --precision fp32)")
+    if autocast_dtype is not None:
+        asked = "" if (precision_asked or "auto").strip().lower() == "auto" else f", {REQUESTED}"
+        out.append(f"{precision_name} autocast{asked} (off: precision='fp32', --precision fp32)")
     if speed.cuda_graphs and speed.reasons.get("cuda_graphs") != "requested":
         out.append("CUDA graphs (off: cuda_graphs=False, --cuda-graphs off)")
     return out

@@ -15,13 +15,15 @@ that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is 
   win back) and trains in NCHW. On CUDA the first passes include cuDNN's algorithm search, so they
   are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
 A later step that fails in NHWC (a data-dependent path) is retried once in the user's layout, with
-one log line. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
+one log line; an "unsafe to autocast" error is autocast's, not the layout's, and where the precision
+gate (train/precision_gate.py) turns an automatic autocast off, the layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import statistics
 import time
 import traceback
@@ -33,12 +35,13 @@ from torch import nn
 from gputrain import batch as batches
 from gputrain.data.deferred import materialize
 from gputrain.runtime.oom import is_oom
-from gputrain.runtime.precision import RunPrecision
+from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision
 from gputrain.runtime.speed import SpeedSwitches
 from gputrain.train.loss import LossRule
 
 log = logging.getLogger("gputrain")
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../gputrain/
 CPU_TIMED_MIN_STEPS = 200  # the probe's 2 + 2 * TIMED_REPEATS passes are <= 4% of such a run
 TIMED_REPEATS = 3
 
@@ -72,17 +75,20 @@ def to_nchw(batch: Any) -> Any:
                                materialize(batch))
 
 
-def refusal(exc: BaseException) -> str:
+def refusal(exc: BaseException, who: str = "NHWC") -> str:
     """'`x = x.view(-1, 400)` at model.py:42 (forward) raised RuntimeError: view size is not ...':
-    the innermost frame outside torch and gputrain (the user's code that refused the layout)."""
+    the innermost frame outside torch and gputrain (the user's code that refused the layout, or the
+    precision: train/precision_gate.py); `who` stands in for it where no frame is the user's."""
     frames = traceback.extract_tb(exc.__traceback__)
+    # gputrain's frames by its package folder, not by "/gputrain/" in the path: a checkout named
+    # gputrain holds the user's tests and examples too.
     where = next((fr for fr in reversed(frames) if "/torch/" not in fr.filename.replace("\\", "/")
-                  and "/gputrain/" not in fr.filename.replace("\\", "/")), None)
+                  and not os.path.abspath(fr.filename).startswith(_PACKAGE)), None)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     said = f"{type(exc).__name__}: {first[:200]}"
     hint = "; .reshape works in both layouts" if "view size" in first and "reshape" not in first else ""
     if where is None:
-        return f"NHWC raised {said}{hint}"
+        return f"{who} raised {said}{hint}"
     return f"`{(where.line or '').strip()}` at {where.filename}:{where.lineno} ({where.name}) raised {said}{hint}"
 
 
@@ -165,7 +171,7 @@ class LayoutGate:
         try:
             return self.step_fn(micro_batches)
         except RuntimeError as exc:
-            if is_oom(exc):
+            if is_oom(exc) or AUTOCAST_REFUSED in str(exc):  # autocast's refusal, not NHWC's (precision_gate.py)
                 raise
             self.fall_back(refusal(exc))
             return self.step_fn([to_nchw(b) for b in micro_batches])
@@ -217,17 +223,8 @@ class LayoutGate:
                  self.speed.reasons["channels_last"])
 
     def _pass(self, model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor]) -> list[float]:
-        """Forward, loss and backward of `batch` on `model` from the RNG state given; its losses."""
-        torch.set_rng_state(rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        with self.precision.autocast():
-            if self.own_step is not None:
-                out = self.own_step(_ProbeStep(model, *self.own_context), batch)
-                return _losses(out)
-            loss, _ = self.loss(model, batch)
-        loss.backward()
-        return _losses(loss)
+        return probe_pass(model, batch, rng, cuda_rng, loss=self.loss, autocast=self.precision.autocast,
+                          own_step=self.own_step, own_context=self.own_context)
 
     def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
         out = []
@@ -279,6 +276,22 @@ class LayoutGate:
                     f"{TIMED_REPEATS}; the probe: {passes} passes, {passes / max(1, self.total_steps):.1%} of the "
                     f"run's steps); {same}")
         return (True, f"at least as fast: {measured}") if b <= a else (False, f"slower: {measured}")
+
+
+def probe_pass(model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor], *, loss: LossRule,
+               autocast: Callable[[], Any], own_step: Callable | None = None,
+               own_context: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> list[float]:
+    """Forward, loss and backward of `batch` on `model` (a copy) inside `autocast()`, from the RNG
+    state given; its losses. A step of your own runs with `_ProbeStep` (no optimizer steps)."""
+    torch.set_rng_state(rng)
+    if cuda_rng:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    with autocast():
+        if own_step is not None:
+            return _losses(own_step(_ProbeStep(model, *own_context), batch))
+        value, _ = loss(model, batch)
+    value.backward()
+    return _losses(value)
 
 
 def _agree(a: list[float], b: list[float], rtol: float) -> bool:

@@ -115,17 +115,32 @@ class TrainStep:
         self._step_optimizer = optimizer_stepper(optimizer)
         self._zero_grad = grad_clearer(optimizer)
         if self.skip_nonfinite:
-            # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
-            # address); checked like GradScaler's (one kernel over the gradients) unless the
-            # gradients are sharded DTensors or on another device, where a norm is reduced instead.
-            self._found_inf = torch.zeros((), device=device, dtype=torch.float32)
-            self._one = torch.ones((), device=device, dtype=torch.float32)
-            self._grad_check = all(p.device == device and not callable(getattr(p, "to_local", None))
-                                   for p in self.params)
-            # Attributes Optimizer does not declare: torch's fused kernels read them with getattr, as
-            # GradScaler sets them.
-            setattr(optimizer, "grad_scale", None)
-            setattr(optimizer, "found_inf", self._found_inf)
+            self._skip_on_device()
+
+    def follow_precision(self) -> None:
+        """Take the run's precision again after it changed (train/precision_gate.py: fp32 instead of an
+        automatic autocast the first step refused): autocast, the scaler, on_nan="skip" without one."""
+        p = self.precision.precision
+        self._autocast = self.precision.autocast if p.autocast_dtype is not None else None
+        self._scaled = p.use_scaler
+        if self.count_nonfinite and not self.skip_nonfinite and not p.use_scaler:
+            self.skip_nonfinite = True  # the scaler skipped non-finite steps: now the device check does
+            self._skip_on_device()
+
+    def _skip_on_device(self) -> None:
+        """on_nan="skip" decided on the device: the flag a fused optimizer reads (needs one)."""
+        optimizer, device = self.optimizer, self.device
+        # The flag the fused optimizer reads, in a buffer of its own (a captured graph keeps its
+        # address); checked like GradScaler's (one kernel over the gradients) unless the
+        # gradients are sharded DTensors or on another device, where a norm is reduced instead.
+        self._found_inf = torch.zeros((), device=device, dtype=torch.float32)
+        self._one = torch.ones((), device=device, dtype=torch.float32)
+        self._grad_check = all(p.device == device and not callable(getattr(p, "to_local", None))
+                               for p in self.params)
+        # Attributes Optimizer does not declare: torch's fused kernels read them with getattr, as
+        # GradScaler sets them.
+        setattr(optimizer, "grad_scale", None)
+        setattr(optimizer, "found_inf", self._found_inf)
 
     # ------------------------------------------------------------ the body (captured as is)
 

@@ -48,6 +48,7 @@ from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
 from gputrain.train import run_summary
 from gputrain.train.loop_pass import LoopPass
 from gputrain.train.layout import MemoryFormats, gate_step, run_optimizers
+from gputrain.train.precision_gate import gate_precision
 from gputrain.train.loss import LossRule
 from gputrain.train.modes import UserModes
 from gputrain.train.callbacks import CallbackList, RunControl
@@ -97,7 +98,7 @@ class Trainer:
         self.carried = CarriedState(state, self.device)
         self.speed.refuse_graphs(self.carried.graph_blocker())  # state=: Python that a graph would run once
         self._setup_step(num_items)
-        self.step_fn = gate_step(self)  # channels_last decided on the first batch (train/layout.py)
+        self.step_fn = gate_precision(self, gate_step(self))  # layout, automatic autocast: decided on the 1st batch
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
         self.state = RunState()
         self.stream = BatchStream(self.train_loader)
