@@ -44,9 +44,9 @@ def _data(n=32):
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def _fit(model, eval_data=None, **cfg):
+def _fit(model, eval_data=None, callbacks=None, **cfg):
     cfg = {"steps": 4, "batch_size": 8, **cfg}
-    return gputrain.fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), eval_data=eval_data,
+    return gputrain.fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), eval_data=eval_data, callbacks=callbacks,
                         config=gputrain.TrainConfig(**cfg))
 
 
@@ -234,3 +234,53 @@ def test_a_fall_back_after_graphs_were_captured_trains_on_the_new_tensors(captur
     eager, _ = run()
     for a, b in zip(graphed.state_dict().values(), eager.state_dict().values()):
         assert torch.equal(a, b)
+
+
+class BatchNormNet(nn.Module):
+    """A conv net with BatchNorm: 4-D weights and running statistics that NHWC re-lays out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 3)
+        self.register_buffer("seen", torch.zeros(1, 3, 2, 2))  # a 4-D buffer the forward updates
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.seen.mul_(0.9).add_(F.adaptive_avg_pool2d(x, 2).mean(0, keepdim=True), alpha=0.1)
+        return self.fc(F.relu(self.bn(self.conv(x))).reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["nhwc-from-the-first-step", "nhwc-then-a-fall-back"])
+def test_ema_follows_the_weights_when_the_layout_changes_during_the_run(cuda_rule, forced, monkeypatch):
+    """The layout is changed at the first step (NHWC kept by the probe) or back mid-run (a fall-back):
+    the EMA's average must go on following the live weights and buffers, not the tensors they were
+    before the change (an average of stale tensors stays near the initial weights)."""
+    if forced:  # NHWC from the start, then a step that fails in NHWC once: the fall-back re-lays out mid-run
+        calls = {"n": 0}
+        real = BatchNormNet.forward
+
+        def flaky(self, x):
+            calls["n"] += 1
+            if calls["n"] == 3 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+                raise RuntimeError("view size is not compatible with input tensor's size and stride")
+            return real(self, x)
+
+        monkeypatch.setattr(BatchNormNet, "forward", flaky)
+    runs = {}
+    for nhwc in (True, False):
+        torch.manual_seed(0)
+        model, ema = BatchNormNet(), gputrain.EMA(0.5, warmup=False)
+        cfg = {"channels_last": True} if (nhwc and forced) else {} if nhwc else {"channels_last": False}
+        # SGD: Adam's normalized steps would magnify NHWC's last-bit differences in near-zero gradients
+        gputrain.fit(model, _data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[ema],
+                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                     config=gputrain.TrainConfig(steps=8, batch_size=8, **cfg))
+        runs[nhwc] = ({k: v.clone() for k, v in ema.state_dict().items()}, model)
+    (nhwc_ema, nhwc_model), (plain_ema, plain_model) = runs[True], runs[False]
+    for name, value in plain_ema.items():
+        assert torch.allclose(nhwc_ema[name].float(), value.float(), atol=1e-4), name
+    # And the average really moved with training (it is not the initial weights).
+    torch.manual_seed(0)
+    initial = BatchNormNet().state_dict()
+    assert not torch.allclose(plain_ema["conv.weight"], initial["conv.weight"], atol=1e-3)

@@ -131,8 +131,11 @@ class EMA(Callback):
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers in a fixed order (the same for a module and its deepcopy)."""
-    return [p.detach() for p in module.parameters()] + [b for b in module.buffers()]
+    """Parameters and buffers in a fixed order (the same for a module and its deepcopy). The tensors
+    themselves, not detached aliases: fit may re-lay out the live weights through `.data` during the run
+    (channels_last decided on the first step, or given back after a failure, train/layout.py), and an
+    alias would go on reading the storage they had before. The updates run under no_grad."""
+    return [*module.parameters(), *module.buffers()]
 
 
 # The foreach ops have no public name: runtime/torch_compat.py resolves them (a per-tensor loop without).

@@ -191,8 +191,13 @@ class LayoutGate:
         log.warning("a step failed in channels_last (NHWC) and runs again in your layout: %s", why)
 
     def apply(self) -> None:
-        """NHWC weights and inputs for the run."""
-        self.module.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
+        """NHWC weights and inputs for the run. Each 4-D parameter and buffer is re-laid out through
+        `.data`, never replaced (`Module.to` replaces buffers): the optimizer, EMA's average and
+        anything else that holds these tensors keep following them."""
+        with torch.no_grad():
+            for t in (*self.module.parameters(), *self.module.buffers()):
+                if t.dim() == 4 and not in_format(t, torch.channels_last):
+                    t.data = t.data.contiguous(memory_format=torch.channels_last)
         self._inputs(True)
 
     def _inputs(self, nhwc: bool) -> None:
