@@ -66,7 +66,8 @@ class TrainConfig:
     channels_last: str | bool = "auto"
     cudnn_benchmark: str | bool = "auto"
     fused_optimizer: str | bool = "auto"
-    compile: bool = False
+    compile: bool | str = False  # True: the whole model; "regional": its repeated block once (runtime/compile_regions.py)
+    compile_cache: str | bool | None = None  # compiled artifacts' folder; None: $GPUTRAIN_COMPILE_CACHE or RUN_DIR/compile_cache; False: none
     compile_mode: str | None = None  # torch.compile mode, e.g. "max-autotune-no-cudagraphs"
     cuda_graphs: str | bool = "auto"  # capture the whole step; falls back to eager with a logged reason
     num_workers: int | None = None  # DataLoader workers when data stays on the host; None: from CPU count
@@ -159,6 +160,8 @@ class TrainConfig:
         for name in ("rebuild_loader", "weight_decay_groups", "full_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile not in (True, False, "regional"):
+            raise ConfigError(f"compile must be True, False or 'regional', got {self.compile!r}")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)
             if value not in ("auto", True, False):

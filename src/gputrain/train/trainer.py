@@ -54,6 +54,8 @@ from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
 from gputrain.train.own_step import OwnStep, own_optimizers
 from gputrain.train.signals import agree_to_stop
 from gputrain.train.state import RunState
+from gputrain.train.startup_costs import StartupClock
+from gputrain.train.compiling import after_first_step, compile_for_run, compile_seconds
 from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
@@ -74,6 +76,7 @@ class Trainer:
                  metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
                  callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
                  step_fn: Callable | None = None):
+        self.startup = StartupClock()  # the time before the first step, by part (train/startup_costs.py)
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
@@ -87,8 +90,11 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)  # hooks at log points (train/callbacks.py)
         self.control = RunControl(self)
         self._setup_precision()
+        self.startup.mark("device and precision")
         self._setup_model(model, optimizer)
+        self.startup.mark("model moves, wrapping and compile setup")
         self._setup_data(train_data, eval_data, transform, collate_fn)
+        self.startup.mark("data preparation")
         self._setup_optimizer(optimizer, scheduler)
         self._setup_step(num_items)
         self.evaluator = Evaluator(self.loss, self.precision, self.device, self.dist, self.task, metrics)
@@ -100,8 +106,10 @@ class Trainer:
         self.checkpoint = run_checkpoint(self)  # the checkpoint's named parts
         self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
         self._bare_loop: LoopPass | None = None  # run_steps' loop (no outputs, progress bar or signals)
+        self.startup.mark("optimizer, step and run directory")
         if config.resume:
             checkpointing.resume(self)
+            self.startup.mark("checkpoint load")
 
     # ------------------------------------------------------------ setup parts
 
@@ -128,13 +136,9 @@ class Trainer:
             if self.own_step is None or cfg.shard else self.module
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
         self.recompiles = None
-        if cfg.compile:
-            from gputrain.runtime.recompiles import RecompileWatcher
-
-            # Compiling a Module gives an OptimizedModule (a Module); torch's stub only says "a callable".
-            # mode None: torch's default.
-            self.model = cast(nn.Module, torch.compile(self.model, mode=cfg.compile_mode or None))
-            self.recompiles = RecompileWatcher().start()
+        if cfg.compile:  # whole or regional, the compile cache first (train/compiling.py)
+            self.startup.mark("model moves, wrapping and compile setup")
+            compile_for_run(self)
 
     def _setup_data(self, train_data, eval_data, transform: BatchTransform | None,
                     collate_fn: Callable | None = None) -> None:
@@ -272,6 +276,8 @@ class Trainer:
                              world=self.dist.world_size, state=st)
         self.model.train()
         sync = synchronizer(self.device)
+        self.startup.mark("announce, outputs and loggers")
+        self.startup.watch_first_step(self, sync, lambda: compile_seconds(self), lambda: after_first_step(self))
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         finished = False
         try:
