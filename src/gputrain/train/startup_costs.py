@@ -24,6 +24,7 @@ class StartupClock:
         self.t0 = self._last = time.perf_counter()
         self.parts: list[tuple[str, float]] = []  # (part, seconds), in order
         self.wall_s: float | None = None  # construction -> end of the first step (None: no step yet)
+        self.ended_at: float | None = None  # the first step's end, Unix time (a benchmark's clock across processes)
         self.notes: list[str] = []
 
     def mark(self, name: str) -> None:
@@ -57,9 +58,10 @@ class StartupClock:
             self._last, started = time.perf_counter(), self._last
             took = self._last - started
             compiling = min(took, max(0.0, compile_seconds() - compiled_before))
-            self.add("compile (first step: dynamo and inductor)", compiling)
+            if compiling > 0:  # an eager run has no such part
+                self.add("compile (first step: dynamo and inductor)", compiling)
             self.add("first step (besides compiling)", took - compiling)
-            self.wall_s = self._last - self.t0
+            self.wall_s, self.ended_at = self._last - self.t0, time.time()
             if trainer.__dict__.get("train_one_step") is first_step:
                 del trainer.train_one_step  # the loop's next stretch calls the method directly
             after()
@@ -71,7 +73,7 @@ class StartupClock:
         """{"wall_s", "parts": [{"name", "s"}], "import_s", "notes"} for the summary and the report."""
         from gputrain import import_seconds
 
-        return {"wall_s": self.wall_s, "parts": [{"name": n, "s": s} for n, s in self.parts],
+        return {"wall_s": self.wall_s, "ended_at": self.ended_at, "parts": [{"name": n, "s": s} for n, s in self.parts],
                 "import_s": import_seconds(), "notes": list(self.notes)}
 
     def describe(self) -> str:
