@@ -83,9 +83,13 @@ class CompileCache:
         t0 = time.perf_counter()
         blob, meta = self._paths()
         if blob.is_file() and meta.is_file() and self._matches(meta):
-            torch.compiler.load_cache_artifacts(blob.read_bytes())
-            self.loaded = True
-            log.info("compile cache: loaded %s (%d bytes) from %s", blob.name, blob.stat().st_size, self.folder)
+            try:
+                torch.compiler.load_cache_artifacts(blob.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - a damaged file costs a cold compile, never the run
+                self._ignore(meta, f"unreadable artifacts ({type(exc).__name__}: {exc})")
+            else:
+                self.loaded = True
+                log.info("compile cache: loaded %s (%d bytes) from %s", blob.name, blob.stat().st_size, self.folder)
         else:
             self._note_others()
         self.load_s = time.perf_counter() - t0
@@ -119,7 +123,7 @@ class CompileCache:
             differs = [f"{k} {stored.get(k)!r} here {v!r}" for k, v in self.parts.items() if stored.get(k) != v]
             why = "made for another " + "; ".join(differs) if differs else "description does not match its name"
         else:
-            why = "unreadable description"
+            why = stored if isinstance(stored, str) else "unreadable description"
         line = f"compile cache {meta.with_suffix('.bin').name} in {self.folder} ignored: {why}"
         self.ignored.append(line)
         log.info("%s", line)

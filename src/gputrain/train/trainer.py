@@ -39,6 +39,7 @@ from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
 from gputrain.runtime.host_memory import StepFaults
 from gputrain.runtime.precision import RunPrecision, resolve_precision
+from gputrain.runtime.recompiles import RecompileWatcher
 from gputrain.runtime.speed import SpeedSwitches, decide_speed, scheduler_blocker
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
@@ -135,7 +136,7 @@ class Trainer:
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) \
             if self.own_step is None or cfg.shard else self.module
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
-        self.recompiles = None
+        self.recompiles: RecompileWatcher | None = None
         if cfg.compile:  # whole or regional, the compile cache first (train/compiling.py)
             self.startup.mark("model moves, wrapping and compile setup")
             compile_for_run(self)
