@@ -88,7 +88,7 @@ def test_regional_compiles_one_block_frame_for_three_blocks(regional):
     assert [(m.co_name, m.co_firstlineno) for m in regional["frames"]] == \
         [("forward", Block.forward.__code__.co_firstlineno)]  # the block's forward, not the model's
     reason = next(d["reason"] for d in regional["history"].summary["decisions"] if d["name"] == "compile")
-    assert reason.startswith("regional: 3 x Block in blocks compiled once and shared")
+    assert reason.startswith("requested (mode default); regional: 3 x Block in blocks compiled once and shared")
 
 
 def test_whole_and_fallback_decisions():
@@ -99,13 +99,15 @@ def test_whole_and_fallback_decisions():
     cfg = TrainConfig(device="cpu", compile="regional", steps=1, batch_size=4, loggers=())
     t = Trainer(resnet, (x, y), loss_fn=nn.functional.cross_entropy, config=cfg)
     assert isinstance(t.model, torch._dynamo.eval_frame.OptimizedModule)  # compiled whole
-    assert t.speed.reasons["compile"].startswith("whole model: regional compilation asked, but the largest run "
+    assert t.speed.reasons["compile"].startswith("requested (mode default); whole model: regional compilation "
+                                                 "asked, but the largest run "
                                                  "of identical blocks (2 x BasicBlock in layers) holds")
     gpt = GPTMini(65, block_size=8, n_layer=4, n_embd=16, n_head=2)
     t = Trainer(gpt, (torch.randint(0, 65, (8, 8)),), compute_loss=lambda m, b: m(b[0]).mean(),
                 config=cfg.replace(compile=True))
     assert isinstance(t.model, torch._dynamo.eval_frame.OptimizedModule)
-    assert t.speed.reasons["compile"].startswith("whole model (mode default)")  # compile=True keeps its meaning
+    reason = t.speed.reasons["compile"]  # compile=True keeps its meaning
+    assert reason.startswith("requested (mode default); whole model") and "regional" not in reason
     found = find_repeated_blocks(gpt)
     assert found is not None and (found.container, found.block_class, found.count) == ("blocks", "Block", 4)
     with pytest.raises(ConfigError, match="compile must be True, False or 'regional'"):

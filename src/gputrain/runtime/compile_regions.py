@@ -82,7 +82,6 @@ def compile_model(model: nn.Module, *, regional: bool, mode: str | None = None) 
     """Compile `model` (after it was moved and wrapped): regionally when asked and its repeated
     blocks hold at least MIN_SHARE of its parameters (each block compiled in place, the model itself
     returned), else whole (`torch.compile(model)`, an OptimizedModule)."""
-    mode_text = f"mode {mode or 'default'}"
     if regional:
         found = find_repeated_blocks(model)
         if found is not None and found.share >= MIN_SHARE:
@@ -90,12 +89,12 @@ def compile_model(model: nn.Module, *, regional: bool, mode: str | None = None) 
                 block.compile(mode=mode or None)
             return CompiledModel(model, "regional",
                                  f"regional: {found.count} x {found.block_class} in {found.container} compiled once "
-                                 f"and shared ({found.share:.0%} of the parameters; {mode_text})", found)
+                                 f"and shared ({found.share:.0%} of the parameters)", found)
         why = ("no ModuleList or Sequential of >= 2 identical blocks" if found is None else
                f"the largest run of identical blocks ({found.count} x {found.block_class} in {found.container}) "
                f"holds {found.share:.0%} of the parameters, under {MIN_SHARE:.0%}")
-        reason = f"whole model: regional compilation asked, but {why} ({mode_text})"
+        reason = f"whole model: regional compilation asked, but {why}"
     else:
-        reason = f"whole model ({mode_text})"
+        reason = "whole model"
     compiled: Any = torch.compile(model, mode=mode or None)
     return CompiledModel(compiled, "whole", reason)

@@ -27,7 +27,8 @@ def compile_for_run(trainer: Any) -> None:
     done = compile_model(trainer.model, regional=regional, mode=cfg.compile_mode)
     trainer.model = cast(nn.Module, done.model)
     trainer.compiled = done
-    trainer.speed.reasons["compile"] = done.reason + (
+    # after decide_speed's "requested (mode ...; inside gputrain's whole-step CUDA graph)"
+    trainer.speed.reasons["compile"] = f"{trainer.speed.reasons['compile']}; {done.reason}" + (
         f"; compile cache {trainer.compile_cache.describe()}" if trainer.compile_cache is not None else "")
     trainer.recompiles = RecompileWatcher().start()
 
