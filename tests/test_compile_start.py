@@ -112,6 +112,8 @@ def test_whole_and_fallback_decisions():
     assert found is not None and (found.container, found.block_class, found.count) == ("blocks", "Block", 4)
     with pytest.raises(ConfigError, match="compile must be True, False or 'regional'"):
         TrainConfig(compile="regions")
+    with pytest.raises(ConfigError, match="compile_cache must be a folder"):
+        TrainConfig(compile_cache=3)  # type: ignore[arg-type]
 
 
 def test_the_second_run_loads_the_first_runs_compile_cache(regional, tmp_path, caplog):
@@ -141,6 +143,16 @@ def test_a_cache_made_for_another_torch_or_model_is_ignored_with_a_line(tmp_path
     again = CompileCache(tmp_path, parts)
     assert again.load() is False and "made for another model 'Other 0'" in again.ignored[0]
     assert key_parts(Stack(2), torch.device("cpu"), "regional default")["model"] != parts["model"]
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the folder would go")
+    cache = CompileCache(blocked / "cache", key_parts(Stack(), torch.device("cpu"), "whole default"))
+    with caplog.at_level(logging.WARNING, logger="gputrain"):
+        assert cache.save() is False
+    assert "compile cache: could not write to" in caplog.text and not cache.saved
 
 
 def test_cache_folder_rule(tmp_path, monkeypatch):

@@ -162,6 +162,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile not in (True, False, "regional"):
             raise ConfigError(f"compile must be True, False or 'regional', got {self.compile!r}")
+        if not isinstance(self.compile_cache, (str, bool, type(None))):
+            raise ConfigError(f"compile_cache must be a folder (a string), True or False, got {self.compile_cache!r}")
         for name in ("data_on_device", "channels_last", "cudnn_benchmark", "fused_optimizer", "cuda_graphs"):
             value = getattr(self, name)
             if value not in ("auto", True, False):

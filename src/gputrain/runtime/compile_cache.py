@@ -140,11 +140,15 @@ class CompileCache:
             return False
         data, _info = artifacts
         blob, meta = self._paths()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with atomic_file(blob, "wb") as f:
-            f.write(data)
-        with atomic_file(meta, "w") as f:
-            json.dump(self.parts, f, indent=1, sort_keys=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with atomic_file(blob, "wb") as f:
+                f.write(data)
+            with atomic_file(meta, "w") as f:  # the description last: a blob without one is never loaded
+                json.dump(self.parts, f, indent=1, sort_keys=True)
+        except OSError as exc:  # a full or read-only disk costs the next start its warm compile, not this run
+            log.warning("compile cache: could not write to %s (%s); the next start compiles again", self.folder, exc)
+            return False
         self.saved = True
         log.info("compile cache: saved %s (%d bytes) to %s", blob.name, len(data), self.folder)
         return True
