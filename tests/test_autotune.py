@@ -167,3 +167,16 @@ def test_render_report_shows_every_trial_and_marks_the_choice():
     assert cells["bf16"] == ["on", "on", "bf16", "off", "12,346", "1.23", "3 MiB", "-", "* chosen"]
     assert cells["fp32"] == ["on (not used)", "off", "fp32", "reduce-overhead", "100", "10.00", "-", "4.50", "ok"]
     assert cells["fp16"] == ["off", "off", "fp16", "off", "-", "-", "-", "-", "error: RuntimeError: boom"]
+
+
+def test_compile_is_tried_regionally_for_a_model_of_repeated_blocks(tmp_path, monkeypatch):
+    from gputrain.workloads.real_models import GPTMini
+
+    calls = []
+    speeds = {("fp32", False): 100.0, ("bf16", False): 10.0}
+    monkeypatch.setattr(at, "run_trial", fake_trial(speeds, calls))
+    workload = tiny_workload()
+    workload.make_model = lambda: GPTMini(65, block_size=8, n_layer=3, n_embd=16, n_head=2)
+    at.autotune(workload, config(), steps=2, cache_path=tmp_path / "c.json", include_compile=True)
+    assert [c["compile"] for c in calls if c["compile"]] == ["regional"]
+    assert at.compile_choice(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))) is True

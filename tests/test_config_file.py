@@ -205,7 +205,7 @@ BAD = [
     ("wrong-type", 'workload = "iris-mlp"\n[train]\nlr = "fast"\n', r"line 3: \[train\] lr must be a number, got "
                                                                     r"'fast' \(a string\)"),
     ("refused-value", '[train]\n\nlr = -1\n', r"line 3: \[train\] lr: lr must be > 0"),
-    ("int-for-bool", '[train]\ncompile = 1\n', r"line 2: \[train\] compile must be true or false, got 1"),
+    ("int-for-bool", '[train]\nshard = 1\n', r"line 2: \[train\] shard must be true or false, got 1"),
     ("list-of-wrong-type", '[train]\nloggers = ["csv", 3]\n', r"line 2: \[train\] loggers must be a list of strings"),
     ("field-at-the-top", 'lr = 0.1\n', r"line 1: 'lr' at the top of the file: put it under \[train\]"),
     ("flag-under-train", '[train]\nema = 0.9\n', r"line 2: \[train\] has no key 'ema': it belongs under \[fit\]"),

@@ -60,6 +60,16 @@ def _tri(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be 'auto', True or False, got {value!r}")
 
 
+def _compile(name: str, value: Any) -> None:
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "regional")):
+        raise ConfigError(f"{name} must be True, False or 'regional', got {value!r}")
+
+
+def _compile_cache(name: str, value: Any) -> None:
+    if not isinstance(value, (str, bool, type(None))):
+        raise ConfigError(f"{name} must be a folder (a string), True or False, got {value!r}")
+
+
 def _metric_modes(name: str, value: Any) -> None:
     if value is not None and not (isinstance(value, dict) and all(
             isinstance(k, str) and v in ("min", "max") for k, v in value.items())):
@@ -199,7 +209,13 @@ class TrainConfig:
                                         check=_tri)
     cudnn_benchmark: str | bool = setting("auto", check=_tri)
     fused_optimizer: str | bool = setting("auto", check=_tri)
-    compile: bool = setting(False, flag="--compile", action="store_true", check=boolean, help="torch.compile the model")
+    # True: the whole model; "regional" (a config file's [train] compile): its repeated block once
+    # (runtime/compile_regions.py)
+    compile: bool | str = setting(False, flag="--compile", action="store_true", check=_compile,
+                                  help="torch.compile the model (compile = \"regional\" in a config file: its "
+                                       "repeated block once)")
+    # compiled artifacts' folder; None: $GPUTRAIN_COMPILE_CACHE or RUN_DIR/compile_cache; False: none
+    compile_cache: str | bool | None = setting(None, check=_compile_cache)
     compile_mode: str | None = setting(None, flag="--compile-mode", check=_compile_mode,
                                        help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     # capture the whole step; falls back to eager with a logged reason

@@ -70,6 +70,15 @@ def candidates(config, device: torch.device, model: nn.Module, include_compile: 
     return out
 
 
+def compile_choice(model: nn.Module) -> bool | str:
+    """"regional" for a model whose repeated blocks hold most of its weights (compiled once, a
+    shorter trial and a shorter start; runtime/compile_regions.py), else True (the whole model)."""
+    from gputrain.runtime.compile_regions import MIN_SHARE, find_repeated_blocks
+
+    found = find_repeated_blocks(model)
+    return "regional" if found is not None and found.share >= MIN_SHARE else True
+
+
 def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, warmup: int = WARMUP_STEPS) -> dict:
     """Time `steps` real training steps of `workload` under `config` + `overrides`; a row of the table.
 
@@ -203,9 +212,10 @@ def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Pat
     ok = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
     if include_compile and ok:
         best = max(ok, key=lambda r: r["samples_per_s"])
-        tries: list[dict[str, Any]] = [dict(best["overrides"], compile=True)]
+        how = compile_choice(workload.make_model())
+        tries: list[dict[str, Any]] = [dict(best["overrides"], compile=how)]
         if best["overrides"].get("cuda_graphs") and config.compile_mode in (None, "default"):
-            tries.append(dict(best["overrides"], compile=True, compile_mode=TREES_MODE, cuda_graphs=False))
+            tries.append(dict(best["overrides"], compile=how, compile_mode=TREES_MODE, cuda_graphs=False))
         for compiled in tries:
             log.info("autotune: trying %s", _describe(compiled))
             rows.append(trial(workload, config, compiled, steps))
@@ -257,7 +267,8 @@ def render_report(report: dict, console) -> None:
         table.add_row(
             _graphs_cell(o.get("cuda_graphs"), r.get("graphs")),
             "on" if o.get("channels_last") else "off", str(o.get("precision")),
-            (o.get("compile_mode") or "on") if o.get("compile") else "off",
+            (o.get("compile_mode") or ("regional" if o.get("compile") == "regional" else "on")) if o.get("compile")
+            else "off",
             f"{r['samples_per_s']:,.0f}" if r.get("samples_per_s") else "-",
             f"{r['step_ms']:.2f}" if r.get("step_ms") else "-",
             f"{mem / 2**20:,.0f} MiB" if mem else "-",

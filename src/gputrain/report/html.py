@@ -28,6 +28,7 @@ from gputrain.io.atomic import write_text
 from gputrain.report.format import format_bytes, format_duration
 from gputrain.report.page import escape as _e, page, with_code
 from gputrain.report.plots import breakdown_plot, line_plot
+from gputrain.report.startup_section import startup_html
 from gputrain.report.summary import counted, parameters_text, summary_rows
 
 REPORT_NAME = "report.html"
@@ -129,6 +130,7 @@ def render_report(records: list[dict[str, Any]], summary: dict[str, Any] | None 
                      "<p>No summary: the run has not written history.json.</p>", "summary")
     body += _section("Curves", _curves(records, summary), "curves")
     body += _section("Speed decisions", _decisions(summary), "decisions")
+    body += _section("Time to the first step", startup_html(summary), "startup")  # report/startup_section.py
     body += _section("Memory", _memory(records, summary), "memory")
     body += _section("Warnings", _warnings(records, summary), "warnings")
     body += _section("Profile: where a step's time goes", _profile(profile), "profile")

@@ -322,6 +322,7 @@ def _run_workers(plan: SweepPlan, slots: list[dict[str, str]], lock_fd: int,
     for i, slot in enumerate(slots):
         env = {**os.environ, **slot, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        env.setdefault("GPUTRAIN_COMPILE_CACHE", str(plan.sweep_dir / "compile_cache"))  # trials share compiled code
         proc = subprocess.Popen([sys.executable, "-m", "gputrain.sweeps.trial", str(plan.sweep_dir), str(i)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(lock_fd,))
         tail: collections.deque = collections.deque(maxlen=40)

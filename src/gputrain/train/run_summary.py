@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gputrain.train.graphs import GraphedStep
     from gputrain.train.guards import SpikeDetector
     from gputrain.train.loss import LossRule
+    from gputrain.train.startup_costs import StartupClock
     from gputrain.train.state import RunState
     from gputrain.train.step import TrainStep
 
@@ -97,6 +98,7 @@ class Finished(Announced, Protocol):
     recomputed: list[str]
     task: str | None
     control: RunControl
+    startup: StartupClock
 
     @property
     def checkpointer(self) -> _SaveTimes: ...
@@ -258,6 +260,7 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         "recompute": t.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
         "decisions": _as_ran(decisions(t), t),
+        "startup": t.startup.report(),  # the time before the first step, by part (train/startup_costs.py)
         "warnings": list(t.warnings),
         "advice": advice,
     }

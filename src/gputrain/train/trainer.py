@@ -39,6 +39,7 @@ from gputrain.runtime import distributed
 from gputrain.runtime.devices import seed_run, synchronizer, take_peak_memory
 from gputrain.runtime.host_memory import StepFaults
 from gputrain.runtime.precision import RunPrecision, resolve_precision
+from gputrain.runtime.recompiles import RecompileWatcher
 from gputrain.runtime.speed import SpeedSwitches, decide_speed, scheduler_blocker
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.evaluate import Evaluator, infer_task
@@ -55,9 +56,12 @@ from gputrain.train.callbacks import CallbackList, RunControl
 from gputrain.train.carried_state import CarriedState
 from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
+from gputrain.train.recompute import recompute_for_run
 from gputrain.train.own_step import OwnStep, own_optimizers
 from gputrain.train.signals import agree_to_stop
 from gputrain.train.state import RunState
+from gputrain.train.startup_costs import StartupClock
+from gputrain.train.compiling import after_first_step, compile_counts, compile_for_run, compile_seconds
 from gputrain.train.step import TrainStep
 
 log = logging.getLogger("gputrain")
@@ -78,6 +82,7 @@ class Trainer:
                  metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
                  callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
                  step_fn: Callable | None = None, state: Any = None):
+        self.startup = StartupClock()  # the time before the first step, by part (train/startup_costs.py)
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
@@ -91,11 +96,13 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)  # hooks at log points (train/callbacks.py)
         self.control = RunControl(self)
         self._setup_precision()
+        self.startup.mark("device and precision")
         self._setup_model(model, optimizer)
+        self.startup.mark("model moves, wrapping and compile setup")
         self._setup_data(train_data, eval_data, transform, collate_fn)
+        self.startup.mark("data preparation")
         self._setup_optimizer(optimizer, scheduler)
-        # What steps carry from one to the next (fit's state=, step.state): train/carried_state.py
-        self.carried = CarriedState(state, self.device)
+        self.carried = CarriedState(state, self.device)  # what steps carry to the next (train/carried_state.py)
         self.speed.refuse_graphs(self.carried.graph_blocker())  # state=: Python that a graph would run once
         self._setup_step(num_items)
         self.step_fn = gate_precision(self, gate_step(self))  # layout, automatic autocast: decided on the 1st batch
@@ -108,8 +115,10 @@ class Trainer:
         self.checkpoint = run_checkpoint(self)  # the checkpoint's named parts
         self.clock: PhaseClock = NO_CLOCK  # the loop's phase marks: a timing clock only while profiled
         self._bare_loop: LoopPass | None = None  # run_steps' loop (no outputs, progress bar or signals)
+        self.startup.mark("optimizer, step and run directory")
         if config.resume:
             checkpointing.resume(self)
+            self.startup.mark("checkpoint load")
 
     # ------------------------------------------------------------ setup parts
 
@@ -128,24 +137,16 @@ class Trainer:
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
         self.speed.apply(device)  # cudnn.benchmark, given back by close()
-        self.recomputed: list[str] = []  # the modules whose activations are recomputed in backward
-        if cfg.recompute:
-            from gputrain.train.recompute import apply_recompute
-
-            targets = None if cfg.recompute is True else list(cfg.recompute)
-            self.recomputed = apply_recompute(self.module, targets)
+        # the modules whose activations are recomputed in backward (train/recompute.py)
+        self.recomputed: list[str] = recompute_for_run(self.module, cfg.recompute) if cfg.recompute else []
         # A step of your own is not DDP-wrapped: it averages its gradients per optimizer (train/own_step.py).
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) \
             if self.own_step is None or cfg.shard else self.module
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
-        self.recompiles = None
-        if cfg.compile:
-            from gputrain.runtime.recompiles import RecompileWatcher
-
-            # Compiling a Module gives an OptimizedModule (a Module); torch's stub only says "a callable".
-            # mode None: torch's default.
-            self.model = cast(nn.Module, torch.compile(self.model, mode=cfg.compile_mode or None))
-            self.recompiles = RecompileWatcher().start()
+        self.recompiles: RecompileWatcher | None = None
+        if cfg.compile:  # whole or regional, the compile cache first (train/compiling.py)
+            self.startup.mark("model moves, wrapping and compile setup")
+            compile_for_run(self)
 
     def _setup_data(self, train_data, eval_data, transform: BatchTransform | None,
                     collate_fn: Callable | None = None) -> None:
@@ -284,6 +285,8 @@ class Trainer:
                              world=self.dist.world_size, state=st)
         self.modes.train(self.model)  # train mode, eval mode kept where the user set it (train/modes.py)
         sync = synchronizer(self.device)
+        self.startup.mark("announce, outputs and loggers")
+        self.startup.watch_first_step(self, sync, lambda: compile_seconds(self), lambda: after_first_step(self))
         stop = min(self.total_steps, cfg.stop_at_step) if cfg.stop_at_step else self.total_steps
         finished = False
         try:
@@ -454,10 +457,7 @@ class Trainer:
             "step_page_faults": faults.take() if faults is not None else None,  # the steps' own since the last
             **extra,
         }
-        if self.recompiles is not None:
-            self.recompiles.poll()
-            record["recompilations"] = self.recompiles.recompilations
-            record["graph_breaks"] = self.recompiles.graph_breaks
+        record.update(compile_counts(self))  # recompilations and graph breaks, under compile
         if self.eval_loader is not None and self._eval_due():
             metrics = self.evaluate()
             record.update(metrics)

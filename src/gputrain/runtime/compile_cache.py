@@ -1,0 +1,158 @@
+"""Compiled artifacts that outlive the process: a run, its resume and a sweep's trials start warm.
+
+torch's "mega-cache" (`torch.compiler.save_cache_artifacts` / `load_cache_artifacts`) packs what
+inductor and AOTAutograd compiled in this process (FX graph cache, autograd cache, Triton
+autotuning) into one byte string; loaded into a new process before its first compile, the compile
+finds its kernels there instead of generating and building them. Dynamo still traces the model.
+
+The artifacts are kept in a folder (TrainConfig.compile_cache, else $GPUTRAIN_COMPILE_CACHE, else
+RUN_DIR/compile_cache), one pair of files per key: `<key>.bin` (the bytes) and `<key>.json` (what
+the key was made of). The key is the torch version, the device (type and name), the model's
+fingerprint (class, parameter names, shapes and dtypes) and how it is compiled; a file whose
+description differs from this run's is never loaded, and the run log says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("gputrain")
+
+ENV = "GPUTRAIN_COMPILE_CACHE"
+RUN_DIR_FOLDER = "compile_cache"
+
+
+def cache_folder(setting: str | bool | None, run_dir: str | None) -> Path | None:
+    """Where the artifacts live: `setting` (a folder; False: nowhere), $GPUTRAIN_COMPILE_CACHE,
+    RUN_DIR/compile_cache; None when none applies."""
+    if setting is False:
+        return None
+    if isinstance(setting, str) and setting:
+        return Path(setting)
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    return Path(run_dir) / RUN_DIR_FOLDER if run_dir else None
+
+
+def key_parts(model: nn.Module, device: torch.device, how: str) -> dict[str, str]:
+    """What a cache must match to be loaded: torch, device, model fingerprint, how it is compiled."""
+    from gputrain.runtime.devices import device_name
+
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    fingerprint = hashlib.sha256(repr((type(model).__qualname__, params)).encode()).hexdigest()[:16]
+    return {"torch": torch.__version__, "device": f"{device.type}:{device_name(device)}",
+            "model": f"{type(model).__name__} {fingerprint}", "compile": how}
+
+
+def _digest(parts: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass
+class CompileCache:
+    """One run's compile cache: `load()` before the first compile, `save()` after the first step."""
+
+    folder: Path
+    parts: dict[str, str]
+    loaded: bool = False  # artifacts were loaded into this process
+    saved: bool = False
+    load_s: float = 0.0  # seconds reading and loading them (perf_counter)
+    ignored: list[str] = field(default_factory=list)  # why other caches in the folder were not used
+
+    @property
+    def key(self) -> str:
+        return _digest(self.parts)
+
+    def _paths(self) -> tuple[Path, Path]:
+        return self.folder / f"{self.key}.bin", self.folder / f"{self.key}.json"
+
+    def load(self) -> bool:
+        """Load this key's artifacts when the folder holds them and their description matches;
+        log why a cache there was ignored. Returns whether artifacts were loaded."""
+        import time
+
+        t0 = time.perf_counter()
+        blob, meta = self._paths()
+        if blob.is_file() and meta.is_file() and self._matches(meta):
+            try:
+                torch.compiler.load_cache_artifacts(blob.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - a damaged file costs a cold compile, never the run
+                self._ignore(meta, f"unreadable artifacts ({type(exc).__name__}: {exc})")
+            else:
+                self.loaded = True
+                log.info("compile cache: loaded %s (%d bytes) from %s", blob.name, blob.stat().st_size, self.folder)
+        else:
+            self._note_others()
+        self.load_s = time.perf_counter() - t0
+        return self.loaded
+
+    def _matches(self, meta: Path) -> bool:
+        try:
+            stored = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            stored = None
+        if stored == self.parts:
+            return True
+        self._ignore(meta, stored)
+        return False
+
+    def _note_others(self) -> None:
+        """Every description in the folder made for another torch, device or model: one line each."""
+        if not self.folder.is_dir():
+            return
+        for meta in sorted(self.folder.glob("*.json")):
+            if meta.stem == self.key:
+                continue
+            try:
+                stored = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                stored = None
+            self._ignore(meta, stored)
+
+    def _ignore(self, meta: Path, stored: Any) -> None:
+        if isinstance(stored, dict):
+            differs = [f"{k} {stored.get(k)!r} here {v!r}" for k, v in self.parts.items() if stored.get(k) != v]
+            why = "made for another " + "; ".join(differs) if differs else "description does not match its name"
+        else:
+            why = stored if isinstance(stored, str) else "unreadable description"
+        line = f"compile cache {meta.with_suffix('.bin').name} in {self.folder} ignored: {why}"
+        self.ignored.append(line)
+        log.info("%s", line)
+
+    def save(self) -> bool:
+        """Write what this process compiled (after the first step: forward and backward are compiled),
+        unless it was loaded unchanged. Returns whether a file was written."""
+        from gputrain.io.atomic import atomic_file
+
+        if self.loaded:
+            return False  # the same artifacts are there already
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None:
+            return False
+        data, _info = artifacts
+        blob, meta = self._paths()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with atomic_file(blob, "wb") as f:
+                f.write(data)
+            with atomic_file(meta, "w") as f:  # the description last: a blob without one is never loaded
+                json.dump(self.parts, f, indent=1, sort_keys=True)
+        except OSError as exc:  # a full or read-only disk costs the next start its warm compile, not this run
+            log.warning("compile cache: could not write to %s (%s); the next start compiles again", self.folder, exc)
+            return False
+        self.saved = True
+        log.info("compile cache: saved %s (%d bytes) to %s", blob.name, len(data), self.folder)
+        return True
+
+    def describe(self) -> str:
+        state = "loaded" if self.loaded else "saved after the first step" if self.saved else "empty"
+        return f"{state} ({self.folder})"

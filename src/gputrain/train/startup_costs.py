@@ -1,0 +1,81 @@
+"""Where a run's time before its first optimizer step goes, measured with perf_counter marks.
+
+The trainer marks the end of each setup part (device and precision, model moves and wrapping, the
+compile cache's load, data preparation, optimizer and run directory, checkpoint load, the loop's
+outputs); the first step is timed to its end with one device sync, and the seconds torch.compile
+spent inside it (dynamo's own records, runtime/recompiles.py) are named apart from the rest of the
+step. `import gputrain` is timed by gputrain/__init__.py and shown beside the sum, not in it: it
+happens once per process, before `fit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("gputrain")
+
+
+class StartupClock:
+    """Parts of the time from the trainer's construction to the end of the first optimizer step."""
+
+    def __init__(self) -> None:
+        self.t0 = self._last = time.perf_counter()
+        self.parts: list[tuple[str, float]] = []  # (part, seconds), in order
+        self.wall_s: float | None = None  # construction -> end of the first step (None: no step yet)
+        self.ended_at: float | None = None  # the first step's end, Unix time (a benchmark's clock across processes)
+        self.notes: list[str] = []
+
+    def mark(self, name: str) -> None:
+        """The time since the previous mark belongs to `name` (added to it when named twice)."""
+        now = time.perf_counter()
+        self.add(name, now - self._last)
+        self._last = now
+
+    def add(self, name: str, seconds: float) -> None:
+        for i, (n, s) in enumerate(self.parts):
+            if n == name:
+                self.parts[i] = (n, s + seconds)
+                return
+        self.parts.append((name, seconds))
+
+    def watch_first_step(self, trainer: Any, sync: Callable[[], None], compile_seconds: Callable[[], float],
+                         after: Callable[[], None]) -> None:
+        """Time the next `trainer.train_one_step` to its end (one sync), split off the compile seconds
+        it held, then call `after` (e.g. save the compile cache) and give the class's method back."""
+        step = trainer.train_one_step
+        compiled_before = compile_seconds()
+        done = False
+
+        def first_step() -> None:
+            nonlocal done
+            step()
+            if done:
+                return
+            done = True
+            sync()
+            self._last, started = time.perf_counter(), self._last
+            took = self._last - started
+            compiling = min(took, max(0.0, compile_seconds() - compiled_before))
+            if compiling > 0:  # an eager run has no such part
+                self.add("compile (first step: dynamo and inductor)", compiling)
+            self.add("first step (besides compiling)", took - compiling)
+            self.wall_s, self.ended_at = self._last - self.t0, time.time()
+            if trainer.__dict__.get("train_one_step") is first_step:
+                del trainer.train_one_step  # the loop's next stretch calls the method directly
+            after()
+            log.info("time to the first step: %s", self.describe())
+
+        trainer.train_one_step = first_step
+
+    def report(self) -> dict[str, Any]:
+        """{"wall_s", "parts": [{"name", "s"}], "import_s", "notes"} for the summary and the report."""
+        from gputrain import import_seconds
+
+        return {"wall_s": self.wall_s, "ended_at": self.ended_at, "parts": [{"name": n, "s": s} for n, s in self.parts],
+                "import_s": import_seconds(), "notes": list(self.notes)}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n} {s:.2f} s" for n, s in sorted(self.parts, key=lambda p: -p[1]) if s >= 0.005)
+        return f"{self.wall_s:.2f} s from fit ({parts})" if self.wall_s is not None else "no step yet"
