@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from gputrain.cli import main
+from helpers import cli as _cli
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 needs_optuna = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
@@ -52,15 +52,6 @@ def _env() -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
     return env
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
