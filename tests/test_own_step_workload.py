@@ -100,3 +100,59 @@ def test_a_sweep_searches_a_named_optimizers_lr(tmp_path):
         assert recorded["generator"]["lr"] == lr and recorded["discriminator"]["lr"] == 2e-3
         history = json.loads((run / "history.json").read_text())
         assert history["records"][-1]["lr_generator"] == pytest.approx(lr)
+
+
+@pytest.fixture(scope="module")
+def gan_run(tmp_path_factory):
+    """A trained run of the GAN workload (its default part: the generator)."""
+    folder = tmp_path_factory.mktemp("gan")
+    from gputrain.cli import main
+
+    assert main(["fit", EXAMPLE, "--option", "n=128", "--steps", "4", "--run-dir", str(folder / "run"), *QUIET]) == 0
+    return folder / "run"
+
+
+def test_export_and_predict_use_the_workloads_default_part_or_the_named_one(gan_run, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from gputrain.workloads.from_run import load_run
+
+    whole = load_run(gan_run).model
+    code, out, err = _cli(capsys, "export", str(gan_run), "--out", str(tmp_path / "g.safetensors"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["part"] == "generator"
+    saved = load_file(str(tmp_path / "g.safetensors"))
+    assert saved.keys() == whole.generator.state_dict().keys()
+    assert all(torch.equal(saved[k], v) for k, v in whole.generator.state_dict().items())
+    code, out, err = _cli(capsys, "export", str(gan_run), "--part", "discriminator", "--out",
+                          str(tmp_path / "d.safetensors"), "--json")
+    assert code == 0 and json.loads(out)["part"] == "discriminator", err
+    assert load_file(str(tmp_path / "d.safetensors")).keys() == whole.discriminator.state_dict().keys()
+
+    noise = torch.randn(5, 16)
+    torch.save(noise, tmp_path / "noise.pt")
+    code, out, err = _cli(capsys, "predict", str(gan_run), "--data", str(tmp_path / "noise.pt"), "--out",
+                          str(tmp_path / "fake.pt"), "--device", "cpu")
+    assert code == 0, err
+    assert "(part generator)" in out
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "fake.pt"), whole.generator(noise))
+
+
+def test_an_unknown_part_is_one_line_naming_the_parts(gan_run, tmp_path, capsys):
+    for command in (["eval", str(gan_run)], ["export", str(gan_run), "--out", str(tmp_path / "x.safetensors")],
+                    ["predict", str(gan_run), "--data", "train", "--out", str(tmp_path / "p.pt")]):
+        code, out, err = _cli(capsys, *command, "--part", "critic")
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert "--part critic" in err and "its parts are generator, discriminator" in err
+    assert not list(tmp_path.iterdir())  # a refused command writes nothing
+
+
+def test_a_step_of_your_own_without_a_default_part_says_which_parts_exist(gan_run, tmp_path, capsys):
+    examples = Path(EXAMPLE.partition(":")[0]).parent
+    (tmp_path / "no_part.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(examples)!r})\nfrom gan_workload import make_workload as made\n\n\n"
+        "def make_workload(**options):\n    w = made(**options)\n    w.eval_part = None\n    return w\n")
+    code, out, err = _cli(capsys, "eval", str(gan_run), "--workload", f"{tmp_path / 'no_part.py'}:make_workload")
+    assert code != 0 and len(err.strip().splitlines()) == 1, err
+    assert "choose the part to use with --part (its parts: generator, discriminator)" in err
