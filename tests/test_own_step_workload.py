@@ -156,3 +156,16 @@ def test_a_step_of_your_own_without_a_default_part_says_which_parts_exist(gan_ru
     code, out, err = _cli(capsys, "eval", str(gan_run), "--workload", f"{tmp_path / 'no_part.py'}:make_workload")
     assert code != 0 and len(err.strip().splitlines()) == 1, err
     assert "choose the part to use with --part (its parts: generator, discriminator)" in err
+
+
+def test_the_optimizer_flag_sets_a_named_optimizer_over_the_config_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text(f'workload = "{EXAMPLE}"\n[options]\nn = 128\n'
+                                       '[optimizers.generator]\nlr = 5e-4\n')
+    code, out, err = _cli(capsys, "fit", "--config", "run.toml", "--optimizer", "generator.lr=1e-3",
+                          "--optimizer", "discriminator.betas=0.0,0.9", "--steps", "3", "--run-dir", "a", *QUIET)
+    assert code == 0, err
+    recorded = tomllib.loads((tmp_path / "a" / "config.toml").read_text())["optimizers"]
+    assert recorded["generator"]["lr"] == 1e-3 and recorded["discriminator"]["betas"] == [0.0, 0.9]
+    code, out, err = _cli(capsys, "fit", EXAMPLE, "--optimizer", "generator.lr", "--run-dir", "b", *QUIET)
+    assert code != 0 and "expected NAME.KEY=VALUE" in err and not (tmp_path / "b").exists(), err
