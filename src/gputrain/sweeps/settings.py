@@ -286,7 +286,8 @@ def _check_sample(section: str, key: str, value: Any, fail) -> None:
         from gputrain.train.optimizer_set import check_optimizer_setting
 
         try:
-            check_optimizer_setting(*key.split("."), value)
+            optimizer, setting = key.split(".")
+            check_optimizer_setting(optimizer, setting, value)
         except ConfigError as exc:
             raise fail(f"can sample {value!r}, which the run refuses: {exc}") from None
         return

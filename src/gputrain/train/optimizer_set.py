@@ -209,9 +209,10 @@ def _agreed(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The settings of OPTIMIZER_SETTINGS that every param group of `opt` holds with one value."""
     out: dict[str, Any] = {}
     for key in OPTIMIZER_SETTINGS:
-        values = [g.get(key) for g in opt.param_groups]
-        values = [float(v) if isinstance(v, torch.Tensor) else v for v in values]
-        if values[0] is None or any(v != values[0] for v in values):
+        values: list[Any] = [float(v) if isinstance(v, torch.Tensor) else v
+                             for v in (g.get(key) for g in opt.param_groups)]
+        first = values[0]
+        if first is None or any(v != first for v in values):
             continue
-        out[key] = tuple(float(b) for b in values[0]) if key == "betas" else float(values[0])
+        out[key] = tuple(float(b) for b in first) if isinstance(first, (tuple, list)) else float(first)
     return out
