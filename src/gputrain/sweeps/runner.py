@@ -119,6 +119,11 @@ def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any)
     from gputrain.runs.resolve import check_reported
     from gputrain.workloads import resolve_workload
 
+    searched = [p for p in settings.space if p.section == "optimizers"]
+    if searched and workload.step_fn is None:
+        raise ConfigError(f"{rc.where('sweep', 'space', *searched[0].name.split('.'))}: [sweep.space] {searched[0].name}: "
+                          f"{workload.name} trains with the built-in step (one optimizer): search lr and weight_decay "
+                          "instead")
     options = {k: option_text(v) for k, v in rc.options.items()}
     for p in settings.space:
         if p.section != "options":
