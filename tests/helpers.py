@@ -68,3 +68,15 @@ def tiny_workload() -> Workload:
 
     return Workload(name="tiny", description="test", make_data=make_data, make_model=make_model,
                     loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`gputrain ARGV...` in this process: (exit status, stdout, stderr); argparse's refusals included."""
+    from gputrain.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -210,7 +210,7 @@ BAD = [
     ("field-at-the-top", 'lr = 0.1\n', r"line 1: 'lr' at the top of the file: put it under \[train\]"),
     ("flag-under-train", '[train]\nema = 0.9\n', r"line 2: \[train\] has no key 'ema': it belongs under \[fit\]"),
     ("unknown-section", '[trainer]\nlr = 1\n', r"line 1: unknown key 'trainer': a config file has workload and the "
-                                               r"tables \[options\], \[train\], \[fit\], \[sweep\]"),
+                                               r"tables \[options\], \[optimizers\], \[train\], \[fit\], \[sweep\]"),
     ("epochs-and-steps", '[train]\nepochs = 2\nsteps = 3\n', r"line 3: \[train\] sets both epochs and steps"),
     ("fit-below-minimum", '[fit]\nnproc = 0\n', r"line 2: \[fit\] nproc must be at least 1, got 0"),
     ("option-list", '[options]\nn = [1, 2]\n', r"line 2: \[options\] n: a workload option is a string, number"),

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from gputrain.cli import main
+from helpers import cli as _cli
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 needs_optuna = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
@@ -52,15 +52,6 @@ def _env() -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
     return env
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -285,6 +276,12 @@ BAD = [
     ("no-such-setting", "learning_rate = {loguniform = [1e-4, 0.1]}", r"learning_rate: no such setting"),
     ("run-dir-searched", 'run_dir = {choices = ["a", "b"]}', r"run_dir is not searched"),
     ("int-with-step-and-log", "steps = {int = [10, 40], step = 10, log = true}", r"int takes step or log = true, not both"),
+    ("optimizers-on-the-built-in-step", "optimizers.generator.lr = {loguniform = [1e-4, 0.1]}",
+     r"line 16: \[sweep.space\] optimizers.generator.lr: iris-mlp trains with the built-in step"),
+    ("an-optimizer-setting-the-run-refuses", "optimizers.generator.lr = {uniform = [0, 0.1]}",
+     r"can sample 0, which the run refuses: \[optimizers.generator\] lr must be a number above 0"),
+    ("an-optimizer-without-its-key", "optimizers.generator = {uniform = [0, 0.1]}",
+     r"a named optimizer's setting is optimizers.NAME.KEY"),
 ]
 
 

@@ -30,7 +30,7 @@ def run(args) -> int:
                            task=w.task, batch_size=args.batch_size, device=args.device)
     if args.json:
         print(json.dumps({"run_dir": str(r.run_dir), "checkpoint": str(r.checkpoint), "step": r.step,
-                          "weights": r.weights, "data": args.data, "metrics": metrics}, indent=2))
+                          "weights": r.weights, "part": r.part, "data": args.data, "metrics": metrics}, indent=2))
         return 0
     print(trained.describe(r))
     for key, value in metrics.items():

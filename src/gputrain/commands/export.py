@@ -33,10 +33,11 @@ def run(args) -> int:
     r = trained.load(args)
     out = Path(args.out) if args.out else r.run_dir / "export" / DEFAULT_NAMES[args.format]
     info: dict = {"format": args.format, "path": str(out), "weights": r.weights, "step": r.step,
-                  "checkpoint": str(r.checkpoint), "workload": r.workload.name}
+                  "checkpoint": str(r.checkpoint), "workload": r.workload.name, "part": r.part}
     if args.format == "safetensors":
         export.export_safetensors(r.model.state_dict(), out, metadata={
-            "workload": r.workload.name, "weights": r.weights, "step": str(r.step), "format": "pt"})
+            "workload": r.workload.name, "weights": r.weights, "step": str(r.step), "format": "pt",
+            **({"part": r.part} if r.part else {})})
     elif args.format == "hf":
         export.export_hf(r.model, out)
     else:

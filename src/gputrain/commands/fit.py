@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=argparse.SUPPRESS, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
     p.add_argument("--option", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
                    help="a workload option, e.g. --option n=2000 for synthetic-cifar (repeatable)")
+    p.add_argument("--optimizer", action="append", default=argparse.SUPPRESS, metavar="NAME.KEY=VALUE",
+                   help="a setting of a named optimizer of a step of your own ([optimizers.NAME]), e.g. "
+                        "--optimizer generator.lr=1e-3 or generator.betas=0.5,0.999 (repeatable)")
 
 
 def stated_run(args: argparse.Namespace):

@@ -18,18 +18,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None,
                    help="the workload (name or module:function) when RUN_DIR/workload.json does not say")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a workload option (repeatable)")
+    p.add_argument("--part", default=None, metavar="NAME",
+                   help="use this part of the model (a submodule, e.g. generator); default: the workload's eval_part, "
+                        "else the whole model")
 
 
 def load(args):
     """The TrainedRun the arguments name (workloads/from_run.py)."""
-    from gputrain.workloads.from_run import load_run
+    from gputrain.workloads.from_run import choose_part, load_run
 
-    run = load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
-                   options=workload_options(args.option))
+    run = choose_part(load_run(args.run_dir, checkpoint=args.checkpoint, weights=args.weights, workload=args.workload,
+                               options=workload_options(args.option)), args.part)
     for note in run.skipped:
         print(f"gputrain {args.command}: warning: checkpoint {note}; using {run.checkpoint.name}", file=sys.stderr)
     return run
 
 
 def describe(run) -> str:
-    return (f"{run.workload.name}: {run.weights} weights of step {run.step} from {run.checkpoint}")
+    part = f" (part {run.part})" if run.part else ""
+    return f"{run.workload.name}{part}: {run.weights} weights of step {run.step} from {run.checkpoint}"

@@ -67,7 +67,32 @@ def stated(args: argparse.Namespace) -> RunConfig:
         from gputrain.runs.stated import workload_options
 
         options.update(workload_options(given["option"], example="--option n=2000"))
-    return RunConfig(workload=given.get("workload"), options=options, train=train, fit=tables["fit"])
+    optimizers = optimizer_settings(given.get("optimizer") or [])
+    return RunConfig(workload=given.get("workload"), options=options, optimizers=optimizers, train=train,
+                     fit=tables["fit"])
+
+
+def optimizer_settings(items: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {key: value}} of the repeated `--optimizer NAME.KEY=VALUE` (betas as two numbers with a
+    comma: 0.5,0.999), each checked as [optimizers.NAME] checks it; ConfigError naming the item."""
+    from gputrain.train.optimizer_set import check_optimizer_setting
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        name, dot, key = target.partition(".")
+        if not sep or not dot or not name or not key or "." in key:
+            raise ConfigError(f"--optimizer {item!r}: expected NAME.KEY=VALUE, e.g. --optimizer generator.lr=1e-3")
+        try:
+            value: Any = [float(t) for t in text.split(",")] if "," in text else float(text)
+        except ValueError:
+            raise ConfigError(f"--optimizer {item!r}: {text!r} is not a number (betas: two numbers, 0.5,0.999)") \
+                from None
+        try:
+            out.setdefault(name, {})[key] = check_optimizer_setting(name, key, value)
+        except ConfigError as exc:
+            raise ConfigError(f"--optimizer {item!r}: {exc}") from None
+    return out
 
 
 def _help(flag: Flag, f: dataclasses.Field) -> str:

@@ -54,7 +54,10 @@ def resolve(stated: RunConfig, workload: Any = None) -> tuple[RunSpec, Any]:
     if config.name is None:
         config = config.replace(name=workload.name)
     check_reported(config.best_metric, workload, fit.ema, "best_metric")
-    spec = RunSpec(WorkloadSpec(name, options), config, fit, auto, run_dir_stated=bool(train.get("run_dir")))
+    if stated.optimizers and workload.step_fn is None:
+        raise ConfigError(f"[optimizers] sets {', '.join(stated.optimizers)}, but {workload.name} trains with the "
+                          "built-in step (one optimizer: set [train] lr and weight_decay instead)")
+    spec = RunSpec(WorkloadSpec(name, options, dict(stated.optimizers)), config, fit, auto, run_dir_stated=bool(train.get("run_dir")))
     return spec, workload
 
 

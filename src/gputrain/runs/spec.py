@@ -48,6 +48,10 @@ class WorkloadSpec:
 
     name: str = DEFAULT_WORKLOAD
     options: dict[str, Any] = field(default_factory=dict)
+    # A workload with a step of its own: each named optimizer's settings ([optimizers.NAME]: lr, betas,
+    # weight_decay, ...; train/optimizer_set.py), set after the workload builds it. Recorded as the
+    # values the run used, the workload's defaults included.
+    optimizers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,5 +147,9 @@ def spec_text(spec: RunSpec, *, record: bool, workload_name: str | None = None) 
     header = [f"gputrain {__version__}: the resolved config of a `gputrain fit` run of {spec.workload.name}",
               "(each setting from the command line, else a config file, else the workload's defaults, else TrainConfig's).",
               f"Repeat the run: gputrain fit --config {CONFIG_FILE if record else 'THIS_FILE'} --run-dir NEW_DIR"]
-    return dumps({"workload": spec.workload.name}, {"options": dict(spec.workload.options), "train": train, "fit": fit},
+    tables: dict[str, dict[str, Any]] = {"options": dict(spec.workload.options)}
+    if spec.workload.optimizers:
+        tables["optimizers"] = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+                                for name, values in spec.workload.optimizers.items()}
+    return dumps({"workload": spec.workload.name}, {**tables, "train": train, "fit": fit},
                  header=header, notes={"train": notes})

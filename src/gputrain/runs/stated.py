@@ -4,6 +4,7 @@ A run is one tree, one TOML file (read with the standard library's tomllib):
 
     workload = "iris-mlp"      # a built-in workload, or module:function
     [options]                  # the workload's options (--option KEY=VALUE, --data-dir)
+    [optimizers.NAME]          # a step of your own: the settings of its optimizer NAME (lr, betas, ...)
     [train]                    # TrainConfig's fields: every fit flag that sets one (--lr is lr,
                                # --logger is loggers, --no-tensorboard is loggers without "tensorboard")
                                # and the fields no flag sets (warmup_steps, metric_modes, ...)
@@ -36,7 +37,7 @@ from gputrain.io.toml_file import TomlFile, read_toml, value_text
 from gputrain.runs.spec import AUTO_FIELDS, CONFIG_FILE, RunSettings
 
 FitFlags = RunSettings  # its name before the run spec: [fit]
-SECTIONS = ("options", "train", "fit", "sweep")
+SECTIONS = ("options", "optimizers", "train", "fit", "sweep")
 __all__ = ["CONFIG_FILE", "FitFlags", "RunConfig", "check_tree", "check_value", "field_types", "load_run_config",
            "merge", "option_text", "workload_options"]
 # [train] tensorboard: TrainConfig's old switch, in every RUN_DIR/config.toml recorded before TensorBoard
@@ -56,6 +57,7 @@ class RunConfig:
 
     workload: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, dict[str, Any]] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     fit: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] | None = None
@@ -95,8 +97,27 @@ def check_tree(source: TomlFile) -> RunConfig:
     if "epochs" in train and "steps" in train:
         raise source.error(["train", "steps"], "[train] sets both epochs and steps: give one of them")
     fit = {k: check_value("fit", k, v, source) for k, v in data.get("fit", {}).items()}
-    return RunConfig(workload=data.get("workload"), options=options, train=train, fit=fit,
+    optimizers = _check_optimizers(data.get("optimizers", {}), source)
+    return RunConfig(workload=data.get("workload"), options=options, optimizers=optimizers, train=train, fit=fit,
                      sweep=data.get("sweep"), source=source)
+
+
+def _check_optimizers(table: dict[str, Any], source: TomlFile) -> dict[str, dict[str, Any]]:
+    """[optimizers.NAME] tables: each a table of settings (train/optimizer_set.py checks each value)."""
+    from gputrain.train.optimizer_set import check_optimizer_setting
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in table.items():
+        if not isinstance(values, dict):
+            raise source.error(["optimizers", name], f"[optimizers] {name} must be a table ([optimizers.{name}] "
+                                                     f"with lr = ..., betas = [...]), got {_shown(values)}")
+        out[name] = {}
+        for key, value in values.items():
+            try:
+                out[name][key] = check_optimizer_setting(name, key, value)
+            except ConfigError as exc:
+                raise source.error(["optimizers", name, key], str(exc)) from None
+    return out
 
 
 def check_value(section: str, key: str, value: Any, source: TomlFile | None = None,
@@ -149,7 +170,10 @@ def merge(base: RunConfig, over: RunConfig) -> RunConfig:
         train.pop("epochs", None)
         train.pop("steps", None)
     train.update(over.train)
-    return RunConfig(workload=over.workload or base.workload, options={**base.options, **over.options}, train=train,
+    optimizers = {name: {**base.optimizers.get(name, {}), **over.optimizers.get(name, {})}
+                  for name in {**base.optimizers, **over.optimizers}}
+    return RunConfig(workload=over.workload or base.workload, options={**base.options, **over.options},
+                     optimizers=optimizers, train=train,
                      fit={**base.fit, **over.fit}, sweep=over.sweep if over.sweep is not None else base.sweep,
                      source=base.source or over.source)
 

@@ -4,6 +4,7 @@ command line renders them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -58,13 +59,23 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     run_dir = Path(config.run_dir) if config.run_dir and is_main else None
     made = _missing_folders(run_dir) if run_dir is not None else []
 
+    from gputrain.train.optimizer_set import NamedOptimizers
+
+    named = NamedOptimizers(workload.optimizers, spec.workload.optimizers) \
+        if workload.step_fn is not None and workload.optimizers is not None else None
+
     def record() -> None:  # workload.json and config.toml: what the run is, and how to repeat it
         assert run_dir is not None
-        _record(run_dir, spec, workload.name)
+        _record(run_dir, used_spec(), workload.name)
+
+    def used_spec() -> RunSpec:  # the optimizers' settings as they trained (the workload's defaults included)
+        if named is None:
+            return spec
+        return dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, optimizers=named.used))
 
     try:
         history, _model = fit_workload(workload, config, full_batch=False, callbacks=[*spec_callbacks(spec), *callbacks],
-                                       on_ready=None if run_dir is None else record)
+                                       on_ready=None if run_dir is None else record, optimizers=named)
     except BaseException:
         _remove_if_empty(made)  # the folders a refused run made for itself (preflight creates the run directory)
         raise
@@ -72,7 +83,7 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     summary["workload"] = workload.name
     if config.run_dir:
         summary["run_dir"] = config.run_dir
-    return RunResult(spec, history, summary, report, is_main)
+    return RunResult(used_spec(), history, summary, report, is_main)
 
 
 def spec_callbacks(spec: RunSpec) -> list:

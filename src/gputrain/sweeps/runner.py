@@ -119,6 +119,11 @@ def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any)
     from gputrain.runs.resolve import check_reported
     from gputrain.workloads import resolve_workload
 
+    searched = [p for p in settings.space if p.section == "optimizers"]
+    if searched and workload.step_fn is None:
+        raise ConfigError(f"{rc.where('sweep', 'space', *searched[0].name.split('.'))}: [sweep.space] {searched[0].name}: "
+                          f"{workload.name} trains with the built-in step (one optimizer): search lr and weight_decay "
+                          "instead")
     options = {k: option_text(v) for k, v in rc.options.items()}
     for p in settings.space:
         if p.section != "options":
@@ -284,7 +289,8 @@ def _check_folder(folder: Path, rc: RunConfig, settings: SweepSettings, directio
 def _identity(rc: RunConfig, settings: SweepSettings, direction: str) -> dict[str, Any]:
     sweep = settings.identity()
     sweep["direction"] = direction
-    return {"workload": rc.workload, "options": rc.options, "train": rc.train, "fit": rc.fit, "sweep": sweep}
+    return {"workload": rc.workload, "options": rc.options, **({"optimizers": rc.optimizers} if rc.optimizers else {}),
+            "train": rc.train, "fit": rc.fit, "sweep": sweep}
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -302,7 +308,10 @@ def _write_sweep_file(plan: SweepPlan) -> None:
 
     rc, table = plan.rc, plan.settings.table()
     table["direction"] = plan.direction
-    tables = {"options": rc.options, "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
+    optimizers = {n: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+                  for n, values in rc.optimizers.items()}
+    tables = {"options": rc.options, **({"optimizers": optimizers} if optimizers else {}),
+              "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
               "fit": rc.fit, "sweep": table}
     header = ["gputrain sweep: this sweep's config. Resume it: gputrain sweep --sweep-dir THIS_FOLDER",
               "(trials and workers may change on a resume; the rest is the study's identity)."]

@@ -16,6 +16,7 @@
     steps = {int = [20, 100], step = 20}           # log = true for a log scale
     batch_size = {choices = [16, 32, 64]}
     options.n = {choices = [1000, 4000]}
+    optimizers.generator.lr = {loguniform = [1e-4, 1e-2]}   # a step of your own: a named optimizer's setting
 
 Every value a distribution can give is checked against what the run takes (its type, TrainConfig's
 own checks) before anything is written: a space that cannot be sampled is one line naming the key
@@ -183,7 +184,8 @@ def _flat_space(space: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]
     for key, value in space.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and not (set(value) & set(KINDS)) and value and \
-                all(isinstance(v, dict) for v in value.values()) and not prefix:
+                all(isinstance(v, dict) for v in value.values()) and (not prefix or prefix.count(".") == 1 and
+                                                                      prefix.startswith("optimizers.")):
             out += _flat_space(value, f"{name}.")
         else:
             out.append((name, value))
@@ -257,6 +259,10 @@ def _target(name: str, fail) -> tuple[str, str]:
     """("train" | "fit" | "options", key) of a space name: a TrainConfig field, a [fit] flag, or
     options.NAME (train.NAME and fit.NAME are accepted too)."""
     head, _, rest = name.partition(".")
+    if head == "optimizers":
+        if rest.count(".") != 1:
+            raise fail("a named optimizer's setting is optimizers.NAME.KEY, e.g. optimizers.generator.lr")
+        return head, rest
     if rest:
         if head in ("train", "fit", "options") and "." not in rest:
             if head != "options" and rest not in field_types(head):
@@ -276,6 +282,15 @@ def _check_sample(section: str, key: str, value: Any, fail) -> None:
     if section == "options":
         option_text(value)
         return
+    if section == "optimizers":
+        from gputrain.train.optimizer_set import check_optimizer_setting
+
+        try:
+            optimizer, setting = key.split(".")
+            check_optimizer_setting(optimizer, setting, value)
+        except ConfigError as exc:
+            raise fail(f"can sample {value!r}, which the run refuses: {exc}") from None
+        return
     try:
         check_value(section, key, value)
     except ConfigError as exc:
@@ -291,14 +306,21 @@ def trial_config(rc: RunConfig, settings: SweepSettings, params: dict[str, Any])
         p = by_name[name]
         if p.section == "options":
             over.options[p.key] = value
+        elif p.section == "optimizers":
+            from gputrain.train.optimizer_set import check_optimizer_setting
+
+            optimizer, key = p.key.split(".")
+            over.optimizers.setdefault(optimizer, {})[key] = check_optimizer_setting(optimizer, key, value)
         else:
             getattr(over, p.section)[p.key] = check_value(p.section, p.key, value)
-    return merge(RunConfig(workload=rc.workload, options=dict(rc.options), train=dict(rc.train), fit=dict(rc.fit)),
-                 over)
+    return merge(RunConfig(workload=rc.workload, options=dict(rc.options), optimizers=dict(rc.optimizers),
+                           train=dict(rc.train), fit=dict(rc.fit)), over)
 
 
 def tree_text(rc: RunConfig, header: list[str]) -> str:
     """A RunConfig as a config file (what `gputrain fit --config` reads back)."""
-    tables = {"options": rc.options, "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
+    optimizers = {name: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+                  for name, values in rc.optimizers.items()}
+    tables = {"options": rc.options, **({"optimizers": optimizers} if optimizers else {}), "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
               "fit": rc.fit}
     return dumps({"workload": rc.workload}, tables, header=header)

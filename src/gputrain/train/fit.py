@@ -10,6 +10,7 @@ from torch import nn
 from gputrain.config import TrainConfig
 from gputrain.io.history import History
 from gputrain.runtime import distributed
+from gputrain.train.optimizer_set import NamedOptimizers
 from gputrain.train.trainer import Trainer
 
 
@@ -87,8 +88,12 @@ def workload_config(workload, config: TrainConfig | None = None, full_batch: boo
 
 def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None, *,
                  callbacks: Sequence[Any] | None = None, scheduler: Callable[[Any], Any] | None = None,
-                 on_ready: Callable[[], None] | None = None) -> tuple[History, nn.Module]:
+                 on_ready: Callable[[], None] | None = None,
+                 optimizers: NamedOptimizers | None = None) -> tuple[History, nn.Module]:
     """Train a Workload with its defaults under `config`; returns (history, trained model).
+
+    A workload with a step of its own (step_fn) trains with its named optimizers and schedulers;
+    `optimizers`: those optimizers with the run's settings ([optimizers.NAME]), else as it makes them.
 
     on_ready: called once the run is set up and every check passed (a resume's checkpoint loaded
     and found to fit), before the first step: where a caller writes what belongs to a run that goes
@@ -98,6 +103,13 @@ def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool |
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     data = workload.make_data()
     model = workload.make_model()
+    own: dict[str, Any] = {}
+    if workload.step_fn is not None:
+        own = {"step_fn": workload.step_fn, "scheduler": scheduler if scheduler is not None else workload.schedulers,
+               "optimizer": optimizers if optimizers is not None else
+               NamedOptimizers(workload.optimizers) if workload.optimizers is not None else None}
+    else:
+        own = {"scheduler": scheduler}
     history = _train(lambda: Trainer(model, data, config=config, task=workload.task, callbacks=callbacks,
-                                     scheduler=scheduler, **workload.loss_kwargs()), on_ready)
+                                     **own, **workload.loss_kwargs()), on_ready)
     return history, model

@@ -140,3 +140,79 @@ class SchedulerSet:
             raise ValueError(f"the checkpoint's schedulers do not match this run's ({sorted(self.schedulers)})")
         for name, s in self.schedulers.items():
             s.load_state_dict(saved[name])
+
+
+# The settings a run may give each named optimizer ([optimizers.NAME] in a config file, a sweep's
+# optimizers.NAME.KEY): set on every param group, where the optimizer has the key.
+OPTIMIZER_SETTINGS = ("lr", "betas", "weight_decay", "momentum", "eps")
+
+
+def check_optimizer_setting(name: str, key: str, value: Any) -> Any:
+    """`value` of [optimizers.NAME] `key`, checked (betas a tuple of two numbers in [0, 1), the others a
+    number >= 0, lr > 0); ConfigError naming the key otherwise."""
+    what = f"[optimizers.{name}] {key}"
+    if key not in OPTIMIZER_SETTINGS:
+        raise ConfigError(f"unknown key {key!r} in [optimizers.{name}]: the keys are {', '.join(OPTIMIZER_SETTINGS)}")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+    if key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(number(b) and 0 <= b < 1 for b in value)):
+            raise ConfigError(f"{what} must be two numbers in [0, 1), e.g. [0.5, 0.999], got {value!r}")
+        return tuple(float(b) for b in value)
+    if not number(value) or value < 0 or (key == "lr" and value == 0):
+        raise ConfigError(f"{what} must be a number {'above' if key == 'lr' else 'at least'} 0, got {value!r}")
+    return float(value)
+
+
+class NamedOptimizers:
+    """A workload's named optimizers, made from the model when the run sets up, with the run's
+    settings applied.
+
+    make: {name: optimizer or callable model -> optimizer}, or one callable model -> {name: optimizer}.
+    settings: {name: {key: value}} (keys of OPTIMIZER_SETTINGS), set on every param group of that
+    optimizer once it is built, so that the workload's own values hold where none is given. After
+    the build, `used` holds the values each optimizer trains with (defaults included) where its
+    groups agree: what the run's config.toml records."""
+
+    def __init__(self, make: Any, settings: Mapping[str, Mapping[str, Any]] | None = None):
+        self.make = make
+        self.settings = {name: dict(values) for name, values in (settings or {}).items()}
+        self.used: dict[str, dict[str, Any]] = {}
+
+    def build(self, model: nn.Module) -> OptimizerSet:
+        spec = self.make(model) if callable(self.make) and not isinstance(self.make, Mapping) else self.make
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"the workload's optimizers gave a {type(spec).__name__}: give {{name: optimizer or "
+                              "callable model -> optimizer}, or a callable model -> {name: optimizer}")
+        optimizers = OptimizerSet.build(spec, model)
+        unknown = sorted(set(self.settings) - set(optimizers.optimizers))
+        if unknown:
+            raise ConfigError(f"[optimizers] names {', '.join(unknown)}, which this workload has not: its optimizers "
+                              f"are {', '.join(optimizers.optimizers)}")
+        for name, opt in optimizers.optimizers.items():
+            for key, value in self.settings.get(name, {}).items():
+                if any(key not in g for g in opt.param_groups):
+                    raise ConfigError(f"[optimizers.{name}] {key}: {type(opt).__name__} takes no {key} (its settings: "
+                                      f"{', '.join(k for k in OPTIMIZER_SETTINGS if k in opt.param_groups[0])})")
+                for group in opt.param_groups:
+                    if isinstance(group[key], torch.Tensor):  # a tensor lr (capturable): changed in place
+                        group[key].fill_(value)
+                    else:
+                        group[key] = value
+            self.used[name] = _agreed(opt)
+        return optimizers
+
+
+def _agreed(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The settings of OPTIMIZER_SETTINGS that every param group of `opt` holds with one value."""
+    out: dict[str, Any] = {}
+    for key in OPTIMIZER_SETTINGS:
+        values: list[Any] = [float(v) if isinstance(v, torch.Tensor) else v
+                             for v in (g.get(key) for g in opt.param_groups)]
+        first = values[0]
+        if first is None or any(v != first for v in values):
+            continue
+        out[key] = tuple(float(b) for b in first) if isinstance(first, (tuple, list)) else float(first)
+    return out

@@ -61,7 +61,7 @@ from gputrain.runtime.precision import RunPrecision
 from gputrain.train.carried_state import CarriedState
 from gputrain.train.loss import LossRule
 from gputrain.train.optimizer_calls import optimizer_stepper
-from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
+from gputrain.train.optimizer_set import NamedOptimizers, OptimizerSet, SchedulerSet
 from gputrain.train.step import TrainStep
 
 
@@ -327,8 +327,8 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
     if config.compile:
         raise ConfigError("compile=True compiles the model gputrain calls, but your step_fn calls it: compile the "
                           "parts inside your step instead (torch.compile(model.generator)) and leave compile off")
-    if isinstance(spec, Mapping):
-        optimizers = OptimizerSet.build(spec, module)
+    if isinstance(spec, (Mapping, NamedOptimizers)):  # a workload's: made from the model, the run's settings set
+        optimizers = spec.build(module) if isinstance(spec, NamedOptimizers) else OptimizerSet.build(spec, module)
         described = f"{optimizers.describe()} (yours, stepped by step_fn)"
     else:  # one optimizer, named "optimizer": as make_optimizer describes it ("Adam (given)", the default AdamW)
         one, made = make_optimizer(spec, module.parameters(), lr=config.lr, weight_decay=config.weight_decay,

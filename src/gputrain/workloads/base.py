@@ -28,10 +28,20 @@ class Workload:
     compute_loss: Callable[[nn.Module, Any], Any] | None = None
     metrics: dict[str, Any] | None = None
     num_items: Callable[[Any], Any] | None = None
+    # A step of your own (train/own_step.py; fit's step_fn): fn(step, batch), with its optimizers by name,
+    # {name: optimizer or callable model -> optimizer} or one callable model -> {name: optimizer}, and
+    # schedulers {name: callable optimizer -> scheduler}. eval_part: the model's attribute (a submodule,
+    # e.g. "generator") that eval / predict / export use when no --part is given.
+    step_fn: Callable[[Any, Any], Any] | None = None
+    optimizers: Any = None
+    schedulers: dict[str, Callable[[Any], Any]] | None = None
+    eval_part: str | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS} or None, got {self.task!r}")
+        if (self.optimizers is not None or self.schedulers is not None) and self.step_fn is None:
+            raise ValueError("optimizers / schedulers by name are for a step of your own: give step_fn too")
 
     def loss_kwargs(self) -> dict[str, Any]:
         """What fit needs besides data and config: loss_fn, compute_loss, metrics, num_items."""
