@@ -383,13 +383,13 @@ def _callbacks(args) -> list:
 def _workload_to_train(args, options: dict) -> tuple[str, dict]:
     """(workload spec, options) this command trains: as given, else (resuming a run) the run's own
     from its workload.json, else the default. A resume without --option keeps the run's options."""
-    from gputrain.workloads.from_run import recorded_workload
+    from gputrain.workloads.from_run import recorded_workload, stored_spec
 
     target = Path(args.run_dir) if args.run_dir else \
         resumed_run_dir(Path(args.resume)) if isinstance(args.resume, str) and Path(args.resume).exists() else None
     recorded = recorded_workload(target) if args.resume and target is not None else None
     name = args.workload or (recorded["workload"] if recorded else DEFAULT_WORKLOAD)
-    if recorded and recorded["workload"] == name and not options:
+    if recorded and recorded["workload"] in (name, stored_spec(name)) and not options:
         options = dict(recorded["options"])
     return name, options
 
@@ -397,10 +397,10 @@ def _workload_to_train(args, options: dict) -> tuple[str, dict]:
 def _check_run_dir_owner(run_dir: Path, spec: str, name: str) -> None:
     """Refuse, before anything is written, a run directory that another workload's run owns (its
     workload.json says so): training or resuming there would mix two models' checkpoints."""
-    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload
+    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload, stored_spec
 
     recorded = recorded_workload(run_dir)
-    if recorded is None or recorded["workload"] == spec or recorded.get("name") == name:
+    if recorded is None or recorded["workload"] in (spec, stored_spec(spec)) or recorded.get("name") == name:
         return
     owner = recorded["workload"]
     raise ConfigError(f"{run_dir} belongs to a run of {owner} ({run_dir / WORKLOAD_FILE}), not {spec}: resume it with "
@@ -429,11 +429,11 @@ def _record_workload(run_dir: Path, spec: str, name: str, options: dict) -> None
     """RUN_DIR/workload.json: what `gputrain eval / predict / export RUN_DIR` rebuild the model from,
     and what tells a later `gputrain fit` whose run directory this is."""
     from gputrain.io.atomic import atomic_file
-    from gputrain.workloads.from_run import WORKLOAD_FILE
+    from gputrain.workloads.from_run import WORKLOAD_FILE, stored_spec
 
     try:
         with atomic_file(run_dir / WORKLOAD_FILE, "w") as f:
-            f.write(json.dumps({"workload": spec, "name": name, "options": options}, indent=2) + "\n")
+            f.write(json.dumps({"workload": stored_spec(spec), "name": name, "options": options}, indent=2) + "\n")
     except OSError:
         return  # the run's preflight (io/preflight.py) says what is wrong with the directory, and how to fix it
 

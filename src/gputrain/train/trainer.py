@@ -218,9 +218,12 @@ class Trainer:
         mode = self.control.metric_direction(cfg.best_metric).mode if cfg.best_metric and cfg.best_mode == "auto" \
             else cfg.best_mode  # "auto": gputrain/metric_direction.py's rule, with the run's metrics
         store = CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
+        if cfg.resume is True:  # a resume finds a checkpoint or refuses, before the run directory is made
+            checkpointing.check_resume_target(store)
         if self.is_main:  # a resumed run's checkpoints count as room already taken
             preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last,
                               store.bytes_held())
+            store.check_writable()
         distributed.barrier(self.dist)
         return store
 
