@@ -698,3 +698,24 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
     assert re.search(r"--out \S+p.pt: cannot write the predictions \(torch.save's write failed: the disk is full, or "
                      r"a file-size limit was reached\); nothing was written", lines[0]), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Path, tmp_path: Path):
+    """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2; the
+    same command with room goes on in the folder it left (no trial had run)."""
+    if not HAS_OPTUNA:
+        pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+
+    argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(held / "sweep46.toml"), "--sweep-dir",
+            str(tmp_path / "s")]
+    proc = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240, preexec_fn=limit)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(r"cannot write the sweep's study \S+/study.db \(.*\): free disk space \(or raise the file-size "
+                     r"limit\) and run the sweep again", lines[0]), lines[0]
+    again = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]

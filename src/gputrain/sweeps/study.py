@@ -125,7 +125,10 @@ def check_study(sweep_dir: Path) -> None:
                               "start this sweep in another --sweep-dir")
         return
     problem = _database_problem(db)
-    if problem is not None and (trials or problem != "empty (0 bytes)"):
+    # With no trial yet, a database without the study (a sweep stopped while creating it, a full disk)
+    # is made whole by the next start; one that is not SQLite or is damaged is refused all the same.
+    unfinished = problem is not None and problem.startswith(("empty", "missing the study's", "without the study"))
+    if problem is not None and (trials or not unfinished):
         raise ConfigError(f"{db} is {problem}{held}: restore it from a copy, or start this sweep in another "
                           "--sweep-dir")
 
@@ -170,13 +173,20 @@ def release(fd: int) -> None:
 def create_or_load(sweep_dir: Path, direction: str, metric: str):
     """The sweep's study, made on the first run (direction "min" or "max"), loaded on the next."""
     optuna = import_optuna()
+    from sqlalchemy.exc import OperationalError
+
     with access(sweep_dir):
-        study = optuna.create_study(storage=storage(sweep_dir), study_name=STUDY_NAME, load_if_exists=True,
-                                    direction="minimize" if direction == "min" else "maximize")
-        if not study.metric_names:
-            with warnings.catch_warnings():  # "experimental since Optuna 3.2": the name is for Optuna's readers
-                warnings.simplefilter("ignore")
-                study.set_metric_names([metric])
+        try:
+            study = optuna.create_study(storage=storage(sweep_dir), study_name=STUDY_NAME, load_if_exists=True,
+                                        direction="minimize" if direction == "min" else "maximize")
+            if not study.metric_names:
+                with warnings.catch_warnings():  # "experimental since Optuna 3.2": the name is for Optuna's readers
+                    warnings.simplefilter("ignore")
+                    study.set_metric_names([metric])
+        except OperationalError as exc:  # "database or disk is full", "disk I/O error" (a file-size limit)
+            why = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+            raise ConfigError(f"cannot write the sweep's study {sweep_dir / DB_FILE} ({why}): free disk space (or "
+                              "raise the file-size limit) and run the sweep again") from None
     return study
 
 
