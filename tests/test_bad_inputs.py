@@ -11,7 +11,9 @@ compares the directory it names with its own snapshot.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 HAS_PROC = Path("/proc/self").is_dir()  # a tree no one can create files in, not even root (Linux)
+HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 HAS_ONNX = all(__import__("importlib.util").util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 
 USER_WORKLOADS = '''
@@ -101,11 +104,14 @@ def gputrain(cwd: Path, *argv: str, timeout: float = 120, **env: str) -> subproc
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every file and folder below `folder`: its sha256, or "dir"."""
+    """Every file and folder below `folder`: its sha256, or "dir" (Python's __pycache__ left out: importing a
+    user workload writes there)."""
     out = {}
     for path in sorted(folder.rglob("*")):
-        rel = str(path.relative_to(folder))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        rel = path.relative_to(folder)
+        if "__pycache__" in rel.parts:
+            continue
+        out[str(rel)] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
     return out
 
 
@@ -160,7 +166,7 @@ class Case:
     absent: str | None = None  # a path the command must not leave behind
     env: tuple[tuple[str, str], ...] = ()
     rc: int = 2
-    needs: str | None = None  # "proc" | "onnx": skipped (with the reason) where missing
+    needs: str | None = None  # "proc" | "onnx" | "optuna": skipped (with the reason) where missing
 
 
 SRUN = (("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "localhost"))
@@ -402,11 +408,19 @@ def test_the_table_covers_every_subcommand():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_gets_one_line_and_changes_nothing(case: Case, work: Path):
+    check_case(case, work)
+
+
+def check_case(case: Case, work: Path) -> None:
+    """Run `case` in `work`: one line on stderr, its exit status, nothing on stdout, and every file in
+    `work` (every run directory, sweep and data file of the table) byte-identical afterwards, none added."""
     if case.needs == "proc" and not HAS_PROC:
         pytest.skip("needs /proc (Linux) for a folder no one can write to")
     if case.needs == "onnx" and not HAS_ONNX:
         pytest.skip("needs onnx and onnxruntime (pip install 'gputrain[export]')")
-    before = snapshot(work / case.run) if case.run else None
+    if case.needs == "optuna" and not HAS_OPTUNA:
+        pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
+    before = snapshot(work)
     proc = gputrain(work, *case.argv, **dict(case.env))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -415,11 +429,10 @@ def test_bad_input_gets_one_line_and_changes_nothing(case: Case, work: Path):
     assert proc.stdout == "", f"a refused command printed on stdout:\n{proc.stdout[-3000:]}"
     command = case.argv[0] if case.argv[0] != "train" else ""
     assert lines[0].startswith((f"gputrain {command}: error: ", "gputrain: error: ")), lines[0]
-    import re
-
     assert re.search(case.says, lines[0]), f"{case.says!r} not in:\n{lines[0]}"
-    if before is not None:
-        assert snapshot(work / case.run) == before, f"{case.run} changed"
+    after = snapshot(work)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"{case.id} changed {changed[:8]}"
     if case.absent:
         assert not (work / case.absent).exists(), f"{case.absent} was left behind"
 
@@ -463,3 +476,329 @@ def test_the_users_model_failing_keeps_its_traceback_with_a_note(work: Path):
         assert (f"gputrain {argv[0]}: the model raised while running on --data test (x (16, 4) float32, "
                 "labels (16,) int64, like fails-when-asked's data)") in proc.stderr
     assert not (work / "fails.pt").exists()
+
+
+# ---------------------------------------------------------------- what a run holds: damaged runs and sweeps
+
+FROZEN_WORKLOAD = '''
+import torch
+from torch import nn
+
+from gputrain.workloads.base import DataSplits, Workload
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return DataSplits(train=(x, (x[:, 0] > 0).long()), test=(x[:16], (x[:16, 0] > 0).long()))
+
+
+def frozen(layers="1"):
+    """Three Linear layers, the first `layers` frozen: a trainable-only checkpoint of the rest."""
+    def model():
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        for layer in [m for m in net if isinstance(m, nn.Linear)][:int(layers)]:
+            layer.requires_grad_(False)
+        return net
+    return Workload(name="frozen", description="test", make_data=_data, make_model=model,
+                    loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 16})
+'''
+
+BROKEN_WORKLOADS = {  # a user's workload module that cannot be loaded: as it would be named in workload.json
+    "brk_syntax": "def make(:\n    pass\n",
+    "brk_import": "import nosuch_package_of_the_user\n\n\ndef make():\n    pass\n",
+}
+
+
+
+@pytest.fixture(scope="module")
+def held(work: Path) -> Path:
+    """`work` with damaged copies of its digits run (no checkpoints, an empty checkpoints folder, a file
+    in its place, a folder as `latest`), a run of a frozen base, runs whose workload module cannot be
+    loaded, and a finished one-trial sweep with copies whose study.db is missing, empty, renamed,
+    damaged or not SQLite, or whose lock is a folder."""
+    common = ("--device", "cpu", "--precision", "fp32", "--no-tensorboard", "--progress", "off", "--quiet")
+    for name, damage in (("nockpt", "rm"), ("emptyckpt", "empty"), ("ckptfile", "file"), ("latestdir", "latest")):
+        run = work / name
+        shutil.copytree(work / "digits", run)
+        if damage in ("rm", "empty", "file"):
+            shutil.rmtree(run / "checkpoints")
+        if damage == "empty":
+            (run / "checkpoints").mkdir()
+        if damage == "file":
+            (run / "checkpoints").write_text("a file where the checkpoints folder is expected\n")
+        if damage == "latest":
+            (run / "checkpoints" / "latest").unlink()
+            (run / "checkpoints" / "latest").mkdir()
+    (work / "resume-new.toml").write_text('workload = "digits-cnn"\n\n[train]\nresume = true\nrun_dir = "brand-new"\n'
+                                          'steps = 2\ndevice = "cpu"\n')
+    proc = gputrain(work, "fit", "digits-cnn", "--run-dir", "dcp-missing-shard", "--steps", "2", "--log-every", "2",
+                    "--checkpoint-format", "dcp", *common, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    next((work / "dcp-missing-shard" / "checkpoints").glob("step-*.dcp/*.distcp")).unlink()
+    (work / "frozenwl.py").write_text(FROZEN_WORKLOAD)
+    proc = gputrain(work, "fit", "frozenwl.py:frozen", "--run-dir", "frozen1", "--steps", "4", *common, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for module, text in BROKEN_WORKLOADS.items():
+        (work / f"{module}.py").write_text(text)
+        shutil.copytree(work / "digits", work / module)
+        (work / module / "workload.json").write_text(f'{{"workload": "{module}.py:make", "name": "digits-cnn", '
+                                                     '"options": {}}\n')
+        (work / f"{module}.toml").write_text(f'workload = "{module}.py:make"\n\n[train]\nsteps = 2\n')
+    if HAS_OPTUNA:
+        from test_sweep import SWEEP  # iris-mlp, 20 steps a trial: one trial here
+
+        (work / "sweep46.toml").write_text(SWEEP.replace("trials = 8", "trials = 1").replace("workers = 2", "workers = 1"))
+        proc = gputrain(work, "sweep", "--config", "sweep46.toml", "--sweep-dir", "sweep", timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        db = (work / "sweep" / "study.db").read_bytes()
+        for name in ("nodb", "emptydb", "renamed", "dropped", "truncated", "notsqlite", "lockdir", "accessdir"):
+            shutil.copytree(work / "sweep", work / f"sweep-{name}")
+        (work / "sweep-nodb" / "study.db").unlink()
+        (work / "sweep-emptydb" / "study.db").write_bytes(b"")
+        (work / "sweep-renamed" / "study.db").rename(work / "sweep-renamed" / "study.db.old")
+        import sqlite3
+
+        con = sqlite3.connect(work / "sweep-dropped" / "study.db")
+        con.execute("DROP TABLE trial_values")
+        con.commit()
+        con.close()
+        (work / "sweep-truncated" / "study.db").write_bytes(db[: len(db) // 2])
+        (work / "sweep-notsqlite" / "study.db").write_text("not a database\n" * 20)
+        for name, lock in (("lockdir", "sweep.lock"), ("accessdir", "study.lock")):
+            (work / f"sweep-{name}" / lock).unlink(missing_ok=True)
+            (work / f"sweep-{name}" / lock).mkdir()
+    return work
+
+
+_NO_CKPT = r"resume from {run}: no checkpoint to resume from \({run}/checkpoints {why}\)"
+_HELD = r"writing there would destroy what the run holds; give another path"
+
+CASES_HELD = [
+    # ---------------------------------------------------------------- an output path is never what the run holds
+    Case("export-out-onto-its-checkpoint", ("export", "digits", "--out", "digits/checkpoints/step-000004.pt"),
+         r"--out digits/checkpoints/step-000004.pt is in the checkpoints of the run digits: " + _HELD),
+    Case("predict-out-onto-its-checkpoint",
+         ("predict", "digits", "--data", "test", "--out", "digits/checkpoints/step-000004.pt"),
+         r"is in the checkpoints of the run digits: " + _HELD + r", e.g. digits/predictions.pt"),
+    Case("report-out-onto-its-history", ("report", "digits", "--out", "digits/history.json"),
+         r"--out digits/history.json is the record history.json of the run digits: " + _HELD),
+    Case("export-onnx-onto-its-workload-json", ("export", "digits", "--format", "onnx", "--out", "digits/workload.json"),
+         r"is the record workload.json of the run digits: " + _HELD + r", e.g. digits/model.onnx"),
+    Case("export-hf-onto-its-checkpoints", ("export", "digits", "--format", "hf", "--out", "digits/checkpoints"),
+         r"--out digits/checkpoints is in the checkpoints of the run digits"),
+    # ---------------------------------------------------------------- a resume finds a checkpoint or refuses
+    Case("fit-resume-run-without-checkpoints", ("fit", "digits-cnn", "--resume", "nockpt", "--steps", "6"),
+         _NO_CKPT.format(run="nockpt", why="is missing") + r", and the run directory holds an earlier run "
+         r"\(config.toml, curves.png, .*\) that a new start would overwrite"),
+    Case("fit-resume-empty-checkpoints", ("fit", "digits-cnn", "--resume", "emptyckpt", "--steps", "6"),
+         _NO_CKPT.format(run="emptyckpt", why="holds no checkpoint")),
+    Case("fit-resume-checkpoints-a-file", ("fit", "digits-cnn", "--resume", "ckptfile", "--steps", "6"),
+         _NO_CKPT.format(run="ckptfile", why="is a file, not a folder")),
+    Case("fit-config-resume-into-a-new-run-dir", ("fit", "--config", "resume-new.toml"),
+         _NO_CKPT.format(run="brand-new", why="is missing") + r": drop --resume \(resume=True\) to start a new run",
+         absent="brand-new"),
+    # ---------------------------------------------------------------- a checkpoint that cannot be written
+    Case("fit-resume-latest-a-folder", ("fit", "digits-cnn", "--resume", "latestdir", "--steps", "6"),
+         r"latestdir/checkpoints/latest is a folder where the store writes a file .*: remove it"),
+    Case("fit-checkpoints-a-file", ("fit", "digits-cnn", "--run-dir", "ckptfile", "--steps", "6"),
+         r"ckptfile/checkpoints is a file where the run keeps its checkpoints \(a folder\)"),
+    # ---------------------------------------------------------------- a frozen base's fingerprint
+    Case("eval-one-more-frozen-layer", ("eval", "frozen1", "--option", "layers=2"),
+         r"trained on another frozen base: 2 tensor\(s\) frozen in the model \S*frozenwl.py:frozen builds were not "
+         r"frozen in the run that wrote it \(2.weight, 2.bias\)"),
+    Case("export-one-more-frozen-layer", ("export", "frozen1", "--option", "layers=2", "--out", "f.safetensors"),
+         r"trained on another frozen base: 2 tensor\(s\) frozen", absent="f.safetensors"),
+    Case("fit-resume-one-more-frozen-layer", ("fit", "frozenwl.py:frozen", "--resume", "frozen1", "--option", "layers=2",
+                                              "--steps", "6", "--device", "cpu"),
+         r"trained on another frozen base: 2 tensor\(s\) frozen in this run's model"),
+    # ---------------------------------------------------------------- a sweep's study
+    *[Case(f"sweep-resume-study-db-{name}", ("sweep", "--sweep-dir", f"sweep-{name}"), says, needs="optuna")
+      for name, says in (
+          ("nodb", r"sweep-nodb/study.db is missing; sweep-nodb/trials holds 1 trial\(s\) \(trial-0000\) that a new "
+                   r"study would train over: put the sweep's study.db back"),
+          ("renamed", r"sweep-renamed/study.db is missing; .*\(was it renamed or moved\?\)"),
+          ("emptydb", r"sweep-emptydb/study.db is empty \(0 bytes\); .* restore it from a copy"),
+          ("dropped", r"sweep-dropped/study.db is missing the study's table\(s\) trial_values"),
+          ("truncated", r"sweep-truncated/study.db is damaged"),
+          ("notsqlite", r"sweep-notsqlite/study.db is not an SQLite database"),
+          ("lockdir", r"cannot open the sweep's lock file sweep-lockdir/sweep.lock \(a folder is in its place\)"),
+          ("accessdir", r"cannot open the sweep's lock file sweep-accessdir/study.lock \(a folder is in its place\)"))],
+    Case("sweep-dir-below-a-file", ("sweep", "--config", "sweep46.toml", "--sweep-dir", "in-the-way/s"),
+         r"--sweep-dir in-the-way/s: in-the-way is a file, not a folder", needs="optuna"),
+    Case("sweep-dir-in-proc", ("sweep", "--config", "sweep46.toml", "--sweep-dir", "/proc/gputrain-sweep"),
+         r"--sweep-dir /proc/gputrain-sweep: cannot write in /proc", needs="optuna"),
+]
+
+
+NPROC = ("--nproc", "2", "--steps", "6")
+ONE_PROCESS = (("OMP_NUM_THREADS", "1"),)
+
+CASES_HELD += [
+    # ---------------------------------------------------------------- refusals in --nproc 2 workers: once, no torchrun traceback
+    Case("fit-nproc-missing-device", ("fit", "digits-cnn", *NPROC, "--device", "cuda:7", "--no-save"),
+         r"^gputrain fit: error: cuda requested"),
+    Case("fit-nproc-resume-another-workloads-run", ("fit", "iris-mlp", *NPROC, "--resume", "digits", "--run-dir", "digits"),
+         r"digits belongs to a run of digits-cnn"),
+    Case("fit-nproc-resume-a-dcp-with-a-missing-shard",
+         ("fit", "digits-cnn", *NPROC, "--device", "cpu", "--resume", "dcp-missing-shard"),
+         r"dcp-missing-shard.*step-000002.dcp.*__0_0.distcp"),
+    Case("fit-nproc-fsdp-on-a-trainable-only-checkpoint",
+         ("fit", "frozenwl.py:frozen", *NPROC, "--device", "cpu", "--shard", "--resume", "frozen1"),
+         r"holds only the trainable parameters .*which a sharded \(FSDP\) run cannot take: resume it without --shard"),
+    # ---------------------------------------------------------------- a user's workload module that cannot be loaded
+    *[Case(f"{surface}-{module.replace('_', '-')}", argv, says)
+      for module, says in (("brk_syntax", r"the workload module \S*brk_syntax.py does not compile: invalid syntax "
+                                          r"\(\S*brk_syntax.py, line 1\); fix it"),
+                           ("brk_import", r"importing '\S*brk_import.py' failed: it needs the module "
+                                          r"'nosuch_package_of_the_user', which is not installed"))
+      for surface, argv in (("fit-module-function", ("fit", f"{module}.py:make", "--steps", "2")),
+                            ("fit-config", ("fit", "--config", f"{module}.toml")),
+                            ("fit-resume", ("fit", "--resume", module, "--steps", "6")), ("eval", ("eval", module)),
+                            ("predict", ("predict", module, "--data", "test", "--out", "p46.pt")),
+                            ("export", ("export", module, "--out", "m46.onnx")))],
+    # ---------------------------------------------------------------- the environment
+    Case("fit-master-port-with-spaces", ("fit", "digits-cnn", "--no-save"),
+         r"MASTER_PORT=' 29511 ' is not an integer from 1 to 65535", env=(*TORCHRUN, ("MASTER_PORT", " 29511 "))),
+    Case("fit-master-port-full-width-digits", ("fit", "digits-cnn", "--no-save"),
+         r"MASTER_PORT='２９５１１' is not an integer from 1 to 65535", env=(*TORCHRUN, ("MASTER_PORT", "２９５１１"))),
+    Case("fit-local-world-size-not-a-number", ("fit", "digits-cnn", "--no-save"),
+         r"LOCAL_WORLD_SIZE='x' is not an integer from 1 to 2",
+         env=(*TORCHRUN, ("MASTER_PORT", "29511"), ("LOCAL_WORLD_SIZE", "x"))),
+    Case("fit-slurm-ntasks-per-node-in-another-form", ("fit", "digits-cnn", "--no-save"),
+         r"SLURM_NTASKS_PER_NODE='2\(x3\)' is not an integer >= 1", env=(*SRUN, ("SLURM_NTASKS_PER_NODE", "2(x3)"))),
+    Case("fit-master-addr-no-such-host", ("fit", "digits-cnn", "--no-save"),
+         r"MASTER_ADDR='no such host!' does not resolve \(.*\): set it to the host name or address of rank 0's",
+         env=(*TORCHRUN[:3], ("MASTER_ADDR", "no such host!"), ("MASTER_PORT", "29511"))),
+    Case("fit-gputrain-cache-a-file", ("fit", "mnist1d-cnn", "--no-save", "--steps", "1"),
+         r"cannot write gputrain's cache file in-the-way/mnist1d-\S+ \(in-the-way is a file, not a folder\): set "
+         r"GPUTRAIN_CACHE to a folder you can write", env=(("GPUTRAIN_CACHE", "in-the-way"),)),
+    Case("fit-home-unwritable", ("fit", "mnist1d-cnn", "--no-save", "--steps", "1"),
+         r"cannot write gputrain's cache file /proc/gputrain-home/.cache/gputrain/\S+ \(.*\): set GPUTRAIN_CACHE",
+         env=(("HOME", "/proc/gputrain-home"), ("XDG_CACHE_HOME", ""), ("GPUTRAIN_CACHE", ""),
+              ("MPLCONFIGDIR", "/tmp/gputrain-test-matplotlib")), needs="proc"),
+    # ---------------------------------------------------------------- messages
+    *[Case(f"{command}-checkpoints-a-file", (command, "ckptfile", *extra),
+           r"ckptfile/checkpoints is a file, not the run's checkpoints folder")
+      for command, extra in (("eval", ()), ("predict", ("--data", "test", "--out", "p46.pt")),
+                             ("export", ("--out", "m46.safetensors")))],
+]
+
+
+@pytest.mark.parametrize("case", CASES_HELD, ids=[c.id for c in CASES_HELD])
+def test_what_a_run_holds_is_never_lost(case: Case, held: Path):
+    check_case(case, held)
+
+
+def _fails_with_its_fix(step_fn, optimizer=None) -> BaseException:
+    """What `fit` raises for a step of your own that misuses the API (2 steps of a tiny model)."""
+    from torch import nn
+
+    from gputrain import TrainConfig, fit
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Exception) as exc_info:
+        fit(nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), step_fn=step_fn, config=TrainConfig(device="cpu", steps=2, batch_size=16),
+            optimizer=optimizer or {"a": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)})
+    return exc_info.value
+
+
+def _loss(step, batch):
+    return torch.nn.functional.cross_entropy(step.model(batch[0]), batch[1])
+
+
+def _dict_with_an_int_key(step, batch):
+    loss = _loss(step, batch)
+    step.backward(loss)
+    step.step()
+    return {1: loss}
+
+
+def _backward_of_none(step, batch):
+    step.backward(None)
+    step.step()
+
+
+def _step_twice(step, batch):
+    step.backward(_loss(step, batch))
+    step.step("a")
+    step.step("a")
+
+
+@pytest.mark.parametrize("step_fn, error, says", [
+    (_dict_with_an_int_key, "DataError", r"step_fn returned a dict with the key\(s\) \[1\]: name each loss with a string"),
+    (_backward_of_none, "TypeError", r"step.backward\(loss\) takes the loss tensor your step_fn computed \(a scalar\), "
+                                     r"got NoneType"),
+    (3, "DataError", r"step_fn must be a function fn\(step, batch\) .*, got int 3: pass the function itself"),
+    (_step_twice, "ConfigError", r"step.step\('a'\) was called twice in one call of step_fn: each optimizer steps once"),
+], ids=["dict-key-not-a-name", "backward-of-none", "step-fn-not-callable", "step-twice-in-one-step"])
+def test_a_step_of_your_own_that_misuses_the_api_says_the_fix(step_fn, error, says):
+    exc = _fails_with_its_fix(step_fn)
+    assert type(exc).__name__ == error and re.search(says, str(exc)), f"{type(exc).__name__}: {exc}"
+
+
+def test_a_workload_builder_that_raises_keeps_its_traceback_with_a_note(held: Path, tmp_path: Path):
+    """An exception in the user's own builder is their code's: its traceback stays, with gputrain's note,
+    on every surface that builds the workload; and the run it was named by is left as it was."""
+    (held / "brk_raise.py").write_text("def make():\n    raise ValueError('the builder failed on purpose')\n")
+    run = held / "brk_raise"
+    if not run.exists():
+        shutil.copytree(held / "digits", run)
+        (run / "workload.json").write_text('{"workload": "brk_raise.py:make", "name": "digits-cnn", "options": {}}\n')
+    before = snapshot(run)
+    for argv in (("fit", "brk_raise.py:make", "--steps", "2", "--run-dir", str(tmp_path / "r")),
+                 ("fit", "--resume", "brk_raise", "--steps", "6"), ("eval", "brk_raise"),
+                 ("predict", "brk_raise", "--data", "test", "--out", str(tmp_path / "p.pt")),
+                 ("export", "brk_raise", "--out", str(tmp_path / "m.safetensors"))):
+        proc = gputrain(held, *argv)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" in proc.stderr and "ValueError: the builder failed on purpose" in proc.stderr
+        assert "gputrain: the workload function brk_raise.py:make raised while building the workload" in proc.stderr
+    assert snapshot(run) == before and list(tmp_path.iterdir()) == []
+
+
+def test_a_file_workloads_run_is_found_from_another_folder(held: Path):
+    """workload.json keeps a file workload with its absolute path: eval from another folder finds it."""
+    assert json.loads((held / "frozen1" / "workload.json").read_text())["workload"] == \
+        f"{(held / 'frozenwl.py').resolve()}:frozen"
+    proc = gputrain(held / "a-folder", "eval", "../frozen1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["step"] == 4
+
+
+def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp_path: Path):
+    """torch.save's failed write (a RuntimeError, not an OSError) on a full disk: here a file-size limit."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # in torch.save's writer: its RuntimeError
+
+    proc = subprocess.run([sys.executable, "-m", "gputrain", "predict", "digits", "--data", "test", "--out",
+                           str(tmp_path / "p.pt")], cwd=work, env=_env(), capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(r"--out \S+p.pt: cannot write the predictions \(torch.save's write failed: the disk is full, or "
+                     r"a file-size limit was reached\); nothing was written", lines[0]), lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Path, tmp_path: Path):
+    """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2; the
+    same command with room goes on in the folder it left (no trial had run)."""
+    if not HAS_OPTUNA:
+        pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+
+    argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(held / "sweep46.toml"), "--sweep-dir",
+            str(tmp_path / "s")]
+    proc = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240, preexec_fn=limit)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(r"cannot write the sweep's study \S+/study.db \(.*\): free disk space \(or raise the file-size "
+                     r"limit\) and run the sweep again", lines[0]), lines[0]
+    again = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]

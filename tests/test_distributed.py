@@ -442,10 +442,10 @@ def test_launch_torchrun_runs_gputrain_under_torchrun(monkeypatch):
         def wait(self, timeout=None):
             return 0
 
-    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
     assert D.launch_torchrun(2, ["fit", "mnist1d-mlp", "--steps", "5"], max_restarts=1) == 0
     cmd = seen["cmd"]
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "gputrain.runtime.launch"]  # torchrun, quiet about a refusal
     assert "--nproc-per-node=2" in cmd and "--max-restarts=1" in cmd
     assert cmd[-6:] == ["-m", "gputrain", "fit", "mnist1d-mlp", "--steps", "5"]
     assert int(seen["env"]["OMP_NUM_THREADS"]) >= 1
@@ -470,7 +470,7 @@ def test_launch_torchrun_reports_a_stop_signal_in_the_shells_code(monkeypatch, s
             return torchrun_code
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
     assert D.launch_torchrun(2, ["fit"]) == expected
     assert sent == ([signal.SIGTERM] if signalled else [])  # passed on to torchrun
     assert signal.getsignal(signal.SIGTERM) is before
@@ -495,8 +495,8 @@ def test_launch_torchrun_puts_back_the_default_for_a_sigterm_handler_installed_f
             return 0
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(D.subprocess, "Popen", FakePopen)
-    monkeypatch.setattr(D.signal, "signal", signal_over_a_c_handler)
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(signal, "signal", signal_over_a_c_handler)
     try:
         assert D.launch_torchrun(2, ["fit"]) == 0
         assert installed[-1] is signal.SIG_DFL

@@ -265,6 +265,12 @@ def test_a_resume_on_another_base_is_refused_with_the_reason(tmp_path):
     with pytest.raises(CheckpointError, match=r"2 tensor\(s\) it left out as frozen are not frozen in this run's "
                                               r"model \(base_model\.model\.transformer\.ln_f\.weight, "):
         fit(unfrozen, _tokens(), config=_lora_cfg(tmp_path, resume=True))
+    one_more_frozen = _lora()  # the same seed, one more layer frozen: its adapter weights would be the base's
+    one_more_frozen.base_model.model.transformer.h[1].attn.c_attn.lora_A.default.requires_grad_(False)
+    with pytest.raises(CheckpointError, match=r"another frozen base: 1 tensor\(s\) frozen in this run's model were "
+                                              r"not frozen in the run that wrote it \(base_model\.model\.transformer"
+                                              r"\.h\.1\.attn\.c_attn\.lora_A\.default\.weight\)"):
+        fit(one_more_frozen, _tokens(), config=_lora_cfg(tmp_path, resume=True))
     # the same base resumes
     fit(_lora(), _tokens(), config=_lora_cfg(tmp_path, resume=True))
 

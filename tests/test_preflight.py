@@ -116,3 +116,50 @@ def test_estimate_uses_each_dtype_and_counts_tied_weights_once():
     assert estimate_checkpoint_bytes(model, "adamw") == 1000 * 64 * 2 * 3 + METADATA_BYTES
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'.*give one of adadelta, adagrad"):
         estimate_checkpoint_bytes(model, "lion")
+
+
+# ---------------------------------------------------------------- what a run holds, and what it cannot write
+
+
+def test_an_output_path_is_never_a_file_the_run_holds(tmp_path):
+    from gputrain.io.preflight import check_output_dir, check_output_file, run_held
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("history.json", "workload.json", "config.toml", "events.out.tfevents.1.host.0"):
+        (run / name).write_text("{}")
+    for path in (run / "checkpoints" / "step-000004.pt", run / "checkpoints" / "new.pt", run / "history.json",
+                 run / "workload.json", run / "events.out.tfevents.1.host.0", tmp_path / "run" / ".." / "run" / "config.toml"):
+        with pytest.raises(ConfigError, match=r"--out .* writing there would destroy what the run holds; give another "
+                                              r"path, e.g. .*run/model.onnx"):
+            check_output_file(path, "--out", example="model.onnx", run_dir=run)
+    with pytest.raises(ConfigError, match="in the checkpoints of the run"):
+        check_output_dir(run / "checkpoints", "--out", run_dir=run)
+    assert run_held(tmp_path, run) is not None  # a folder above the run holds it
+    for path in (run / "report.html", run / "predictions.pt", run / "export" / "model.onnx", tmp_path / "p.pt"):
+        assert check_output_file(path, "--out", run_dir=run) == path  # the commands' own outputs
+
+
+def test_a_file_size_limit_below_a_checkpoint_is_said_before_the_run(tmp_path, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (100 << 10, resource.RLIM_INFINITY))
+    with pytest.raises(ConfigError) as exc_info:
+        preflight_run_dir(tmp_path / "run", needed_bytes=2 << 20)
+    assert _one_line(exc_info) == ("a checkpoint of this run takes about 2.0 MiB, but this process may write no file "
+                                   "over 100.0 KiB (its file-size limit, ulimit -f): raise the limit (ulimit -f "
+                                   "unlimited) before starting the run")
+    preflight_run_dir(tmp_path / "run", needed_bytes=50 << 10)  # below the limit: fine
+
+
+def test_a_checkpoint_store_that_cannot_be_written_is_said_before_the_run(tmp_path):
+    store = CheckpointStore(tmp_path / "run")
+    store.check_writable()  # nothing there yet: made at the first save
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoints is a file where the run keeps its checkpoints"):
+        store.check_writable()
+    (tmp_path / "run" / "checkpoints").unlink()
+    (tmp_path / "run" / "checkpoints" / "latest").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"checkpoints/latest is a folder where the store writes a file"):
+        store.check_writable()

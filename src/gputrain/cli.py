@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as exc:  # a stop signal: checkpointed; the last line says how to resume
         print(f"gputrain {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
-    except GputrainError as exc:
-        print(f"gputrain {args.command}: error: {exc}", file=sys.stderr)
+    except GputrainError as exc:  # said once under fit --nproc (runtime/launch.py)
+        __import__("gputrain.runtime.launch").runtime.launch.say_refusal(f"gputrain {args.command}: error: {exc}")
         return 2
     except KeyboardInterrupt:
         print(f"gputrain {args.command}: interrupted", file=sys.stderr)

@@ -67,7 +67,10 @@ class Params(Callback):
 model = Pair()
 optimizers = {"student": lambda m: torch.optim.SGD(m.student.parameters(), lr=0.1, momentum=0.9),
               "head": lambda m: torch.optim.SGD(m.head.parameters(), lr=0.05, momentum=0.9)}
-cfg = TrainConfig(device="cpu", batch_size=batch, steps=steps, log_every=2, seed=1, run_dir=run_dir, resume=True,
+# A resume finds a checkpoint or refuses: resume only a run that has one (a one-process start has no launcher
+# to start it again).
+resumable = os.path.isdir(os.path.join(run_dir, "checkpoints"))
+cfg = TrainConfig(device="cpu", batch_size=batch, steps=steps, log_every=2, seed=1, run_dir=run_dir, resume=resumable,
                   checkpoint_every=2, stop_at_step=stop_at, loggers=("csv",),
                   shard=os.environ.get("SHARD") == "1")
 h = fit(model, (x, y), step_fn=step_fn, optimizer=optimizers, config=cfg, callbacks=[Params()])

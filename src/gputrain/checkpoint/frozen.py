@@ -146,7 +146,9 @@ class FrozenBase:
 
     def header(self) -> dict[str, Any]:
         """The checkpoint's `frozen` entry: what a resume checks the base against."""
-        return {"fingerprint": base_digest(self.digests), "tensors": dict(self.digests), "parameters": self.frozen}
+        own = self.module.state_dict()
+        return {"fingerprint": base_digest(self.digests), "tensors": dict(self.digests), "parameters": self.frozen,
+                "shapes": {k: list(own[k].shape) for k in self.keys}}
 
     def trainable_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """`state` (the module's state_dict) without the frozen weights."""
@@ -174,12 +176,35 @@ class FrozenBase:
                 f"{where}the checkpoint holds only the trainable parameters, and {len(not_frozen)} tensor(s) it left "
                 f"out as frozen are not frozen in {model} ({_names(not_frozen)}): freeze the same parameters "
                 "(requires_grad=False) as the run that wrote it")
+        also_frozen = [k for k in self.digests if k not in tensors]
+        if also_frozen:  # trained (and saved) by the run that wrote it, part of the base here: another base
+            raise CheckpointError(
+                f"{where}the checkpoint was trained on another frozen base: {len(also_frozen)} tensor(s) frozen in "
+                f"{model} were not frozen in the run that wrote it ({_names(also_frozen)}); it holds only the "
+                f"trainable parameters, so it fits only the base it was trained on: freeze the same parameters "
+                f"(requires_grad=False) as that run, or {advice}")
         differ = [k for k in tensors if tensors[k] != self.digests[k]]
         if differ:
             raise CheckpointError(
                 f"{where}the checkpoint was trained on another frozen base: {len(differ)} of {len(tensors)} frozen "
-                f"tensors differ from {model} ({_names(differ)}); it holds only the trainable parameters, so it "
-                f"fits only the base weights it was trained on: {advice}")
+                f"tensors differ from {model} ({_names(differ)}{_shapes(saved, differ, self.module)}); it holds only "
+                f"the trainable parameters, so it fits only the base weights it was trained on: {advice}")
+        if saved.get("fingerprint") not in (None, base_digest(self.digests)):
+            raise CheckpointError(f"{where}the checkpoint's frozen-base fingerprint does not match its own tensor "
+                                  "digests (the checkpoint was changed after it was written): use a full checkpoint "
+                                  "or start a new run")
+
+
+def _shapes(saved: dict, keys: list[str], module: nn.Module) -> str:
+    """"; shape ... in the checkpoint, ... here" for the first key whose recorded shape differs."""
+    shapes = saved.get("shapes")
+    if not isinstance(shapes, dict):
+        return ""
+    own = module.state_dict()
+    for k in keys:
+        if k in shapes and list(shapes[k]) != list(own[k].shape):
+            return f"; {k}: shape {tuple(shapes[k])} in the checkpoint, {tuple(own[k].shape)} here"
+    return ""
 
 
 def _names(keys: list[str]) -> str:

@@ -9,9 +9,10 @@ Trainer passes itself.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -21,12 +22,13 @@ from gputrain.checkpoint import sharded
 from gputrain.checkpoint.format import check_model_state, load_checkpoint, write_checkpoint
 from gputrain.checkpoint.parts import RunCheckpoint, global_batch
 from gputrain.checkpoint.sharded_save import DcpCheckpointer
-from gputrain.checkpoint.store import CheckpointStore
+from gputrain.checkpoint.store import LEGACY_NAME, CheckpointStore
 from gputrain.config import TrainConfig
 from gputrain.data.checks import first_step_note
 from gputrain.data.stream import BatchStream
 from gputrain.errors import CheckpointError, StopRequested, user_frame
 from gputrain.io.history import History
+from gputrain.io.preflight import RUN_RECORDS, preflight_run_dir
 from gputrain.runtime import distributed
 from gputrain.runtime.distributed import DistInfo
 from gputrain.runtime.speed import choices_made
@@ -151,7 +153,8 @@ def save_checkpoint(t: Saving, path: Path | None = None) -> Path | None:
                 path = _store(t).save(state, t.state.step, metrics=metrics)
         except OSError as exc:  # a full disk, a vanished folder: the previous checkpoint is untouched
             where = path or _store(t).folder
-            previous = f"the previous checkpoint {t.last_checkpoint} is intact" if t.last_checkpoint else \
+            earlier = t.last_checkpoint or _newest_kept(t)  # a resumed run's own, before this run saved
+            previous = f"the previous checkpoint {earlier} is intact" if earlier else \
                 "no earlier checkpoint of this run exists"
             raise CheckpointError(f"could not write the checkpoint of step {t.state.step} to {where}: "
                                   f"{exc.strerror or exc}; {previous}. Free space (or choose another --run-dir) "
@@ -162,6 +165,15 @@ def save_checkpoint(t: Saving, path: Path | None = None) -> Path | None:
     t.last_checkpoint = str(path)
     t.checkpointer.record_file_save(t.state.step, time.perf_counter() - start)
     return path
+
+
+def _newest_kept(t: Saving) -> Path | None:
+    """The newest checkpoint file or folder already in the run's store (not verified), if any."""
+    try:
+        kept = t.store.list() if t.store is not None else []
+    except OSError:
+        return None
+    return kept[-1] if kept else None
 
 
 def _store(t: Saving | Resuming) -> CheckpointStore:
@@ -199,7 +211,7 @@ def resume(t: Resuming) -> None:
         state = _load_run_state(t, path)
     else:
         found = _find_checkpoint(t)
-        if found is None:
+        if found is None:  # check_resume_target let it start: a restart, or a job's first start
             log.info("no checkpoint in %s: starting a new run", t.run_dir)
             return
         state, path = found
@@ -217,6 +229,57 @@ def resume(t: Resuming) -> None:
                 f"{t.total_steps} steps: there is nothing to train (give more steps= or epochs= to train on)")
         log.warning("%s", done)
         t.warnings.append(done)
+
+def open_run_store(run_dir: Path, config: TrainConfig, best_mode: str, *, is_main: bool,
+                   checkpoint_bytes: int) -> CheckpointStore:
+    """The run's checkpoint store, its directory checked before anything is written there: a resume
+    finds a checkpoint or refuses (`check_resume_target`); on the main process the directory is
+    preflighted (created, writable, room for `keep_last` checkpoints of `checkpoint_bytes`, a resumed
+    run's own counting as room already taken) and the store's files checked writable."""
+    store = CheckpointStore(run_dir, keep_last=config.keep_last, best_metric=config.best_metric, best_mode=best_mode)
+    if config.resume is True:
+        check_resume_target(store)
+    if is_main:
+        preflight_run_dir(run_dir, checkpoint_bytes, config.keep_last, store.bytes_held())
+        store.check_writable()
+    return store
+
+
+def check_resume_target(store: CheckpointStore, env: Mapping[str, str] = os.environ) -> None:
+    """resume=True: refuse, before anything is written, a run directory that holds no checkpoint to
+    resume from (a resume finds a checkpoint or refuses). Its files are listed, not verified (the
+    resume verifies them: none verifying is refused there).
+
+    A restarted start (torchrun's TORCHELASTIC_RESTART_COUNT or Slurm's SLURM_RESTART_COUNT above 0)
+    goes on from scratch: its first start stopped before its first checkpoint. The first start of a
+    job a launcher may start again (torchrun's workers, a Slurm job: both pass --resume on every start)
+    goes on in a new or empty run directory, never in one that holds an earlier run's records
+    (history.json, config.toml, ...), which a new start would overwrite."""
+    run_dir = store.run_dir
+    if store.candidates() or (run_dir / LEGACY_NAME).is_file() or _restart_count(env) > 0:
+        return
+    folder = store.folder
+    where = (f"{folder} is a file, not a folder" if folder.exists() and not folder.is_dir()
+             else f"{folder} is missing" if not folder.exists() else f"{folder} holds no checkpoint")
+    held = sorted(p.name for p in run_dir.glob("*") if p.name in RUN_RECORDS or p.name.startswith("events.out."))
+    if held:
+        named = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise CheckpointError(f"resume from {run_dir}: no checkpoint to resume from ({where}), and the run directory "
+                              f"holds an earlier run ({named}) that a new start would overwrite: resume a run "
+                              "directory that has checkpoints, or start a new run with another --run-dir and no "
+                              "--resume")
+    if env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID"):
+        log.info("no checkpoint in %s: the first start of this job begins the run", run_dir)
+        return
+    raise CheckpointError(f"resume from {run_dir}: no checkpoint to resume from ({where}): drop --resume "
+                          "(resume=True) to start a new run there, or resume a run directory (or checkpoint file) "
+                          "that has one")
+
+
+def _restart_count(env: Mapping[str, str]) -> int:
+    counts = [env.get("TORCHELASTIC_RESTART_COUNT", ""), env.get("SLURM_RESTART_COUNT", "")]
+    return max((int(c) for c in counts if c.strip().isdigit()), default=0)
+
 
 def _model_state(t: Resuming, state: dict[str, Any], path: Path) -> dict[str, Any]:
     """The checkpoint's weights as the model takes them: a trainable-only checkpoint's (checkpoint/frozen.py)

@@ -42,6 +42,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -247,6 +248,27 @@ class CheckpointStore:
             except OSError:
                 pass
         return total
+
+    def check_writable(self) -> None:
+        """Raise ConfigError, in one line, when no checkpoint could be written here, before a run
+        trains toward its first save: the checkpoints folder is a file, `latest` or `index.json` is a
+        folder, or the folder takes no new file (permissions, a read-only disk)."""
+        if self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError(f"{self.folder} is a file where the run keeps its checkpoints (a folder): move it away, "
+                              "or choose another --run-dir")
+        for name, what in ((LATEST, "the name of the newest checkpoint"), (INDEX, "which checkpoint is the best")):
+            if (self.folder / name).is_dir():
+                raise ConfigError(f"{self.folder / name} is a folder where the store writes a file ({what}): remove "
+                                  "it, or choose another --run-dir")
+        if not self.folder.is_dir():
+            return  # made at the first save, in a run directory the preflight wrote in
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".gputrain-write-probe.", dir=self.folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise ConfigError(f"cannot write in {self.folder} ({exc.strerror or exc}): fix its permissions, or choose "
+                              "another --run-dir") from None
 
     # ------------------------------------------------------------ finding
 

@@ -27,9 +27,9 @@ def run(args) -> int:
 
     if args.out:  # before the model is built: a bad --out costs nothing
         if args.format == "hf":
-            check_output_dir(args.out, "--out")
+            check_output_dir(args.out, "--out", run_dir=args.run_dir)
         else:
-            check_output_file(args.out, "--out", example=DEFAULT_NAMES[args.format])
+            check_output_file(args.out, "--out", example=DEFAULT_NAMES[args.format], run_dir=args.run_dir)
     r = trained.load(args)
     out = Path(args.out) if args.out else r.run_dir / "export" / DEFAULT_NAMES[args.format]
     info: dict = {"format": args.format, "path": str(out), "weights": r.weights, "step": r.step,

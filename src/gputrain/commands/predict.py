@@ -30,7 +30,7 @@ def run(args) -> int:
     from gputrain.workloads.run_data import run_data
 
     if args.out:  # before the model is built or run: a bad --out costs nothing
-        check_output_file(args.out, "--out", example="predictions.pt")
+        check_output_file(args.out, "--out", example="predictions.pt", run_dir=args.run_dir)
     r = trained.load(args)
     out = Path(args.out) if args.out else r.run_dir / "predictions.pt"
     data = run_data(r, args.data, targets=False)
@@ -40,9 +40,11 @@ def run(args) -> int:
                           batch_size=args.batch_size, device=args.device)
     try:
         save_outputs(outputs, out)
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write the predictions ({exc.strerror or exc}); nothing was written: "
-                          "free space or choose another --out") from None
+    except (OSError, RuntimeError) as exc:  # torch.save says a failed write as a RuntimeError (a full disk: .pt)
+        why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else \
+            "torch.save's write failed: the disk is full, or a file-size limit was reached"
+        raise ConfigError(f"--out {out}: cannot write the predictions ({why}); nothing was written: free space or "
+                          "choose another --out") from None
     print(trained.describe(r))
     shape = f"{tuple(outputs.shape)} {outputs.dtype}" if isinstance(outputs, torch.Tensor) else describe(outputs)
     print(f"predictions {shape} -> {out}")

@@ -19,7 +19,7 @@ def run(args) -> int:
 
     if args.out or Path(args.run_dir).is_dir():  # a missing RUN_DIR is write_report's to explain
         check_output_file(args.out or Path(args.run_dir) / REPORT_NAME, "--out" if args.out else "RUN_DIR",
-                          example=REPORT_NAME)
+                          example=REPORT_NAME, run_dir=args.run_dir)
     try:
         path = write_report(args.run_dir, out=args.out)
     except OSError as exc:  # a full disk, a file that cannot be read: the page is written whole or not at all

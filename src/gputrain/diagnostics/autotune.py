@@ -171,8 +171,13 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
 
     data = _read_cache(path)
     data[key] = entry
-    with atomic_file(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
+    try:
+        with atomic_file(path, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+    except OSError as exc:  # the choice measured stands; only its reuse by the next run is lost
+        from gputrain.workloads.datasets import cache_error
+
+        log.warning("autotune: the choice is used but not kept: %s", cache_error(path, exc))
 
 
 def _batch_note(config) -> str:

@@ -64,6 +64,11 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
 
     if needed_bytes <= 0:
         return
+    limit = file_size_limit()
+    if limit is not None and needed_bytes > limit:
+        raise ConfigError(f"a checkpoint of this run takes about {_size(needed_bytes)}, but this process may write no "
+                          f"file over {_size(limit)} (its file-size limit, ulimit -f): raise the limit (ulimit -f "
+                          "unlimited) before starting the run")
     copies = keep_last + 2
     required = needed_bytes * copies
     held = held_bytes
@@ -77,27 +82,69 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
             "checkpoints")
 
 
-def check_output_file(path: str | os.PathLike, flag: str = "--out", example: str = "out.pt") -> Path:
-    """Raise ConfigError, in one line, unless a file can be written at `path`: it is no folder, and
-    the nearest folder that exists above it is a folder in which files can be created (folders
-    missing in between are made when the file is written). Checked by creating and removing a
-    probe file there: permissions, a read-only disk and /proc-like trees all answer. Creates nothing
-    that stays. Returns the path."""
+def file_size_limit() -> int | None:
+    """The largest file this process may write, in bytes (RLIMIT_FSIZE, `ulimit -f`); None: no limit."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_output_file(path: str | os.PathLike, flag: str = "--out", example: str = "out.pt",
+                      run_dir: str | os.PathLike | None = None) -> Path:
+    """Raise ConfigError, in one line, unless a file can be written at `path`: it is no folder, not a
+    file the run in `run_dir` holds (run_held), and the nearest folder that exists above it is a
+    folder in which files can be created (folders missing in between are made when the file is
+    written). Checked by creating and removing a probe file there: permissions, a read-only disk and
+    /proc-like trees all answer. Creates nothing that stays. Returns the path."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name, e.g. {path / example}")
+    _refuse_run_held(path, flag, run_dir, example)
     _probe_folder(path.parent, flag, path)
     return path
 
 
-def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+def check_output_dir(path: str | os.PathLike, flag: str = "--out", run_dir: str | os.PathLike | None = None) -> Path:
     """Raise ConfigError, in one line, unless `path` is a folder (or can be made one) in which files
-    can be created; creates nothing that stays. Returns the path."""
+    can be created, and neither holds nor is what the run in `run_dir` holds; creates nothing that
+    stays. Returns the path."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path} is a file, but a folder is needed there: give a folder's path")
+    _refuse_run_held(path, flag, run_dir, "export")
     _probe_folder(path, flag, path)
     return path
+
+
+# What a run directory holds that a later command must never write over: its checkpoints (the folder
+# and everything in it) and the records `gputrain fit` wrote. report.html, predictions.pt and export/
+# are the outputs of report, predict and export, written again by each.
+RUN_RECORDS = ("history.json", "workload.json", "config.toml", "metrics.csv", "metrics.jsonl", "curves.png")
+CHECKPOINTS = "checkpoints"
+
+
+def run_held(path: str | os.PathLike, run_dir: str | os.PathLike) -> str | None:
+    """What of the run in `run_dir` the path `path` is (or holds, for a folder), said as "the record
+    history.json of the run R", "in the checkpoints of the run R", ...; None when it is none of them.
+    Paths are compared resolved (symbolic links, ..)."""
+    run, target = Path(run_dir).resolve(), Path(path).resolve()
+    if target == run or target in run.parents:
+        return f"the run directory {run_dir} (or a folder above it)"
+    if target.parent == run and (target.name in RUN_RECORDS or target.name.startswith("events.out.tfevents")):
+        return f"the record {target.name} of the run {run_dir}"
+    if target == run / CHECKPOINTS or run / CHECKPOINTS in target.parents:
+        return f"in the checkpoints of the run {run_dir}"
+    return None
+
+
+def _refuse_run_held(path: Path, flag: str, run_dir: str | os.PathLike | None, example: str) -> None:
+    held = run_held(path, run_dir) if run_dir is not None and Path(run_dir).is_dir() else None
+    if held is not None:
+        raise ConfigError(f"{flag} {path} is {held}: writing there would destroy what the run holds; give another "
+                          f"path, e.g. {Path(run_dir or '.') / example}")
 
 
 def _probe_folder(folder: Path, flag: str, target: Path) -> None:

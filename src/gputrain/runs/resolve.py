@@ -131,13 +131,13 @@ def _place(workload_name: str, run_dir: str | None, resume: bool | str, no_save:
 def _workload_to_train(name: str | None, options: dict, train: dict) -> tuple[str, dict]:
     """(workload spec, options) the run trains: as stated, else (resuming a run) the run's own from
     its workload.json, else the default. A resume without options keeps the run's options."""
-    from gputrain.workloads.from_run import recorded_workload
+    from gputrain.workloads.from_run import recorded_workload, stored_spec
 
     run_dir, resume = train.get("run_dir"), train.get("resume")
     target = Path(run_dir) if run_dir else \
         resumed_run_dir(Path(resume)) if isinstance(resume, str) and Path(resume).exists() else None
     recorded = recorded_workload(target) if resume and target is not None else None
     chosen: str = name or (recorded["workload"] if recorded else DEFAULT_WORKLOAD)
-    if recorded and recorded["workload"] == chosen and not options:
+    if recorded and recorded["workload"] in (chosen, stored_spec(chosen)) and not options:
         options = dict(recorded["options"])
     return chosen, options

@@ -103,10 +103,10 @@ def spec_callbacks(spec: RunSpec) -> list:
 def check_run_dir_owner(run_dir: Path, spec: str, name: str) -> None:
     """Refuse, before anything is written, a run directory that another workload's run owns (its
     workload.json says so): training or resuming there would mix two models' checkpoints."""
-    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload
+    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload, stored_spec
 
     recorded = recorded_workload(run_dir)
-    if recorded is None or recorded["workload"] == spec or recorded.get("name") == name:
+    if recorded is None or recorded["workload"] in (spec, stored_spec(spec)) or recorded.get("name") == name:
         return
     owner = recorded["workload"]
     raise ConfigError(f"{run_dir} belongs to a run of {owner} ({run_dir / WORKLOAD_FILE}), not {spec}: resume it with "
@@ -172,10 +172,10 @@ def _record(run_dir: Path, spec: RunSpec, name: str) -> None:
     and what tells a later run whose directory this is) and RUN_DIR/config.toml (the spec, which
     `gputrain fit --config` repeats)."""
     from gputrain.io.atomic import write_text
-    from gputrain.workloads.from_run import WORKLOAD_FILE
+    from gputrain.workloads.from_run import WORKLOAD_FILE, stored_spec
 
     try:
-        write_text(run_dir / WORKLOAD_FILE, json.dumps({"workload": spec.workload.name, "name": name,
+        write_text(run_dir / WORKLOAD_FILE, json.dumps({"workload": stored_spec(spec.workload.name), "name": name,
                                                         "options": spec.workload.options}, indent=2) + "\n")
         write_text(run_dir / CONFIG_FILE, spec_text(spec, record=True, workload_name=name))
     except OSError:

@@ -19,10 +19,6 @@ import datetime
 import functools
 import gc
 import os
-import signal
-import subprocess
-import sys
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -32,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.runtime.launch import launch_torchrun  # noqa: F401  (fit --nproc's launcher, by its usual name)
 from gputrain.runtime.torch_compat import compiled_inner
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -447,53 +444,3 @@ def all_gather_object(obj: Any, info: DistInfo) -> list[Any]:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
-
-
-# ---------------------------------------------------------------- launching
-
-
-def launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run `python -m gputrain <argv>` (argv starts with the subcommand, e.g. ["fit", ...]) in
-    `nproc` processes on this machine through torchrun; returns torchrun's exit code.
-
-    Ctrl-C and SIGTERM reach torchrun, which stops its workers; this waits for it to finish.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    if max_restarts:
-        cmd.append(f"--max-restarts={max_restarts}")
-    cmd += ["-m", "gputrain", *argv]
-    env = dict(os.environ)
-    # torchrun would set 1 (with a warning); share the cores between the processes instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    proc = subprocess.Popen(cmd, env=env)
-    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
-    stopped_by: list[int] = []  # the stop signal this launcher received, if any
-
-    def forward(signum, _frame):
-        stopped_by.append(signum)
-        proc.send_signal(signum)
-
-    previous = signal.signal(signal.SIGTERM, forward) if in_main_thread else None
-    try:
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            # From a terminal torchrun got the same SIGINT and is stopping its workers: give it
-            # time; a SIGINT sent to this process alone is passed on as SIGTERM.
-            stopped_by.append(signal.SIGINT)
-            try:
-                code = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                code = proc.wait()
-    finally:
-        if in_main_thread:
-            # None: a handler installed from C, which Python cannot put back; the default is the closest.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-    if code < 0:
-        return 128 - code  # killed by signal N: the shell's 128 + N
-    if code != 0 and stopped_by:
-        # torchrun exits 1 when a signal stops it (its SignalException), whatever its workers did;
-        # a scheduler reads 128 + N as "stopped by signal N" (the workers checkpointed on their way out).
-        return 128 + int(stopped_by[0])
-    return code

@@ -43,10 +43,9 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, lo
     raw = env.get(name, "")
     if not raw.strip() and default is not None:
         return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = None
+    # ASCII digits alone: int() would take " 29511 " and full-width digits, which torch's C++ side and
+    # other tools reading the same variable do not.
+    value = int(raw) if re.fullmatch(r"[+-]?[0-9]+", raw) else None
     if value is None or value < low or (high is not None and value > high):
         bounds = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
         raise ConfigError(f"the environment variable {name}={raw!r} is not {bounds}: fix or unset it (torchrun, srun "
@@ -55,10 +54,28 @@ def env_int(env: Mapping[str, str], name: str, default: int | None = None, *, lo
 
 
 def launcher_numbers(env: Mapping[str, str], world: int) -> tuple[int, int, int]:
-    """RANK, LOCAL_RANK and MASTER_PORT of one process of `world` (torchrun's, or slurm_task's as_env()).
-    Raises ConfigError naming the first that is malformed or out of range."""
-    return (env_int(env, "RANK", high=world - 1), env_int(env, "LOCAL_RANK"),
-            env_int(env, "MASTER_PORT", low=1, high=65535))
+    """RANK, LOCAL_RANK and MASTER_PORT of one process of `world` (torchrun's, or slurm_task's as_env()),
+    with LOCAL_WORLD_SIZE when set, and MASTER_ADDR resolved. Raises ConfigError naming the first that
+    is malformed or out of range, or the address that does not resolve (before any rendezvous, which
+    would retry it until its timeout)."""
+    rank = env_int(env, "RANK", high=world - 1)
+    local_world = env_int(env, "LOCAL_WORLD_SIZE", world, low=1, high=world)
+    numbers = (rank, env_int(env, "LOCAL_RANK", high=local_world - 1), env_int(env, "MASTER_PORT", low=1, high=65535))
+    resolve_master_addr(env.get("MASTER_ADDR", ""), numbers[2])
+    return numbers
+
+
+def resolve_master_addr(addr: str, port: int) -> None:
+    """Raise ConfigError, in one line, when MASTER_ADDR names no host this machine can resolve."""
+    import socket
+
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise ConfigError(f"the environment variable MASTER_ADDR={addr!r} does not resolve ({why}): set it to the "
+                          "host name or address of rank 0's machine, or unset it (torchrun, srun and `gputrain fit "
+                          "--nproc` set it themselves)") from None
 
 
 @dataclass(frozen=True)
@@ -146,7 +163,9 @@ def slurm_task(env: Mapping[str, str] | None = None) -> SlurmTask | None:
     if world <= 1:
         return None
     rank = env_int(env, "SLURM_PROCID", high=world - 1)
-    local_rank = env_int(env, "SLURM_LOCALID", 0)
+    # SLURM_NTASKS_PER_NODE is one number (the "2(x3)" form is SLURM_TASKS_PER_NODE's): checked when set
+    per_node = env_int(env, "SLURM_NTASKS_PER_NODE", world, low=1)
+    local_rank = env_int(env, "SLURM_LOCALID", 0, high=per_node - 1)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if env.get("MASTER_ADDR"):
         addr = env["MASTER_ADDR"]

@@ -166,8 +166,7 @@ def run_plan(plan: SweepPlan, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run a checked plan: lock the directory, record sweep.toml, open the study, queue interrupted
     trials again, run the workers, write the report."""
     folder, settings = plan.sweep_dir, plan.settings
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = studies.hold_sweep(folder)
+    lock = studies.open_sweep(folder)  # made, locked and its study checked before anything is written
     try:
         _write_sweep_file(plan)
         study = studies.create_or_load(folder, plan.direction, settings.metric)

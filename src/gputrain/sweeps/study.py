@@ -57,7 +57,7 @@ def storage(sweep_dir: str | Path):
 @contextlib.contextmanager
 def access(sweep_dir: str | Path) -> Iterator[None]:
     """Hold SWEEP_DIR/study.lock: the study's one reader or writer at a time."""
-    fd = os.open(Path(sweep_dir) / ACCESS_FILE, os.O_RDONLY | os.O_CREAT, 0o644)  # to lock, never written
+    fd = _lock_file(Path(sweep_dir) / ACCESS_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -68,7 +68,7 @@ def access(sweep_dir: str | Path) -> Iterator[None]:
 def hold_sweep(sweep_dir: Path) -> int:
     """Lock SWEEP_DIR/sweep.lock for this sweep (and the workers given the descriptor); a ConfigError
     when another sweep holds it. Returns the descriptor (closed by `release`)."""
-    fd = os.open(sweep_dir / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+    fd = _lock_file(sweep_dir / LOCK_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,6 +76,93 @@ def hold_sweep(sweep_dir: Path) -> int:
         raise ConfigError(f"{sweep_dir}: another gputrain sweep is running there (it holds {sweep_dir / LOCK_FILE}); "
                           "wait for it, or stop it and run this again to resume") from None
     return fd
+
+
+def _lock_file(path: Path) -> int:
+    """A descriptor of the lock file `path` (created when missing; locked, never written)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        what = "a folder is in its place" if path.is_dir() else exc.strerror or type(exc).__name__
+        raise ConfigError(f"cannot open the sweep's lock file {path} ({what}): remove what is there, or give another "
+                          "--sweep-dir") from None
+
+
+def open_sweep(sweep_dir: Path) -> int:
+    """Make the sweep's folder, lock it (`hold_sweep`) and check what it holds (`check_study`) before
+    anything is written there; ConfigError in one line when any of it fails. Returns the lock's
+    descriptor (closed by `release`)."""
+    from gputrain.io.preflight import check_output_dir
+
+    check_output_dir(sweep_dir, "--sweep-dir")  # below a file, in /proc, read-only: said before anything is made
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--sweep-dir {sweep_dir}: cannot create it ({exc.strerror or exc}): give another "
+                          "--sweep-dir") from None
+    fd = hold_sweep(sweep_dir)
+    try:
+        check_study(sweep_dir)
+    except BaseException:
+        release(fd)
+        raise
+    return fd
+
+
+def check_study(sweep_dir: Path) -> None:
+    """Refuse (ConfigError, one line) a sweep folder whose study.db cannot carry on the sweep its trials/
+    began: missing (deleted, renamed) while trials exist, emptied, not SQLite, damaged, or without
+    the study's tables. A new study there would run its trials again over trials/trial-NNNN and lose
+    the old ones' values. Read-only: the database is opened with SQLite's mode=ro."""
+    db = sweep_dir / DB_FILE
+    folder = sweep_dir / TRIALS_DIR
+    trials = sorted(p.name for p in folder.glob("trial-*")) if folder.is_dir() else []
+    held = (f"; {folder} holds {len(trials)} trial(s) ({trials[0]}{', ...' if len(trials) > 1 else ''}) that a new "
+            "study would train over") if trials else ""
+    if not db.exists() and not db.is_symlink():
+        if trials:
+            raise ConfigError(f"{db} is missing{held}: put the sweep's {DB_FILE} back (was it renamed or moved?), or "
+                              "start this sweep in another --sweep-dir")
+        return
+    problem = _database_problem(db)
+    # With no trial yet, a database without the study (a sweep stopped while creating it, a full disk)
+    # is made whole by the next start; one that is not SQLite or is damaged is refused all the same.
+    unfinished = problem is not None and problem.startswith(("empty", "missing the study's", "without the study"))
+    if problem is not None and (trials or not unfinished):
+        raise ConfigError(f"{db} is {problem}{held}: restore it from a copy, or start this sweep in another "
+                          "--sweep-dir")
+
+
+def _database_problem(db: Path) -> str | None:
+    """What keeps `db` from being this sweep's Optuna study, or None when it is one."""
+    import sqlite3
+
+    if db.is_dir():
+        return "a folder, not a database file"
+    try:
+        if db.stat().st_size == 0:
+            return "empty (0 bytes)"
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                return "not an SQLite database"
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    except (OSError, sqlite3.Error) as exc:
+        return f"unreadable ({exc})"
+    try:
+        check = con.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            return f"damaged (SQLite's quick_check: {check[0] if check else 'no answer'})"
+        tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [t for t in ("studies", "trials", "trial_params", "trial_values") if t not in tables]
+        if missing:
+            return f"missing the study's table(s) {', '.join(missing)}"
+        if con.execute("SELECT 1 FROM studies WHERE study_name = ?", (STUDY_NAME,)).fetchone() is None:
+            return f"without the study {STUDY_NAME!r}"
+    except sqlite3.Error as exc:  # "database disk image is malformed", "file is not a database"
+        return f"damaged ({exc})"
+    finally:
+        con.close()
+    return None
 
 
 def release(fd: int) -> None:
@@ -86,13 +173,20 @@ def release(fd: int) -> None:
 def create_or_load(sweep_dir: Path, direction: str, metric: str):
     """The sweep's study, made on the first run (direction "min" or "max"), loaded on the next."""
     optuna = import_optuna()
+    from sqlalchemy.exc import OperationalError
+
     with access(sweep_dir):
-        study = optuna.create_study(storage=storage(sweep_dir), study_name=STUDY_NAME, load_if_exists=True,
-                                    direction="minimize" if direction == "min" else "maximize")
-        if not study.metric_names:
-            with warnings.catch_warnings():  # "experimental since Optuna 3.2": the name is for Optuna's readers
-                warnings.simplefilter("ignore")
-                study.set_metric_names([metric])
+        try:
+            study = optuna.create_study(storage=storage(sweep_dir), study_name=STUDY_NAME, load_if_exists=True,
+                                        direction="minimize" if direction == "min" else "maximize")
+            if not study.metric_names:
+                with warnings.catch_warnings():  # "experimental since Optuna 3.2": the name is for Optuna's readers
+                    warnings.simplefilter("ignore")
+                    study.set_metric_names([metric])
+        except OperationalError as exc:  # "database or disk is full", "disk I/O error" (a file-size limit)
+            why = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+            raise ConfigError(f"cannot write the sweep's study {sweep_dir / DB_FILE} ({why}): free disk space (or "
+                              "raise the file-size limit) and run the sweep again") from None
     return study
 
 

@@ -75,6 +75,9 @@ class LossRule:
             raise DataError(f"loss_fn must be callable (outputs, targets) -> loss, got {type(loss_fn).__name__}")
         if compute_loss is not None and not callable(compute_loss):
             raise DataError(f"compute_loss must be callable (model, batch) -> loss, got {type(compute_loss).__name__}")
+        if step_fn is not None and not callable(step_fn):
+            raise DataError(f"step_fn must be a function fn(step, batch) that calls step.backward(loss) and "
+                            f"step.step(), got {type(step_fn).__name__} {step_fn!r}: pass the function itself")
         self.loss_fn = loss_fn
         self.compute_loss = compute_loss
         self.step_fn = step_fn  # a step of your own (train/own_step.py): training does not use this rule

@@ -81,6 +81,7 @@ class StepContext:
         self.backwards = 0
         self.steps = 0
         self.index_read = False  # step_fn read step.index: a CUDA graph would freeze its branch
+        self.stepped: set[str] = set()  # the optimizers step() was called for in this call of step_fn
 
     @property
     def index(self) -> int:
@@ -101,6 +102,9 @@ class StepContext:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
         """Backward of `loss` times this micro-batch's share, through the scaler in fp16, outside autocast."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"step.backward(loss) takes the loss tensor your step_fn computed (a scalar), got "
+                            f"{type(loss).__name__}: e.g. loss = loss_fn(step.model(x), y); step.backward(loss)")
         self.backwards += 1
         owner = self._owner
         scaled = loss if self.weight == 1.0 else loss * self.weight
@@ -113,6 +117,10 @@ class StepContext:
         """On the last micro-batch: sync, unscale, clip, step the optimizer and its scheduler, clear its
         gradients. Before it: nothing (the gradients accumulate)."""
         name = self._name(name)
+        if name in self.stepped:  # a second update from the same gradients: surely not what was meant
+            raise ConfigError(f"step.step({name!r}) was called twice in one call of step_fn: each optimizer steps "
+                              "once per step; call step.backward for each of its losses first, then step.step once")
+        self.stepped.add(name)
         self.steps += 1
         if self.is_last:
             self._owner.step_optimizer(name)
@@ -195,6 +203,7 @@ class OwnStep(TrainStep):
         step_losses: dict[str, torch.Tensor] = {}
         for i, piece in enumerate(pieces):
             ctx.weight, ctx.is_last, ctx.micro_index = counts[i] / total, i == last, i
+            ctx.stepped = set()
             with distributed.no_sync(self.model, sync=ctx.is_last or not self.sharded):
                 if self._autocast is None:
                     out = self.step_fn(ctx, piece)
@@ -227,6 +236,10 @@ class OwnStep(TrainStep):
                 isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
             raise DataError(f"step_fn returned {type(out).__name__}: return the loss (a scalar tensor) or a dict "
                             "of named scalar losses, e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
+        unnamed = [k for k in out if not isinstance(k, str)]
+        if unnamed:
+            raise DataError(f"step_fn returned a dict with the key(s) {unnamed[:3]!r}: name each loss with a string, "
+                            "e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
         return dict(out)
 
     def _keep_named(self, losses: dict[str, torch.Tensor]) -> None:

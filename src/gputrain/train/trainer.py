@@ -224,16 +224,13 @@ class Trainer:
                                             self.config.async_checkpoint)
         if self.run_dir is None:
             return None
-        from gputrain.checkpoint.store import CheckpointStore
-        from gputrain.io.preflight import estimate_checkpoint_bytes, preflight_run_dir
+        from gputrain.io.preflight import estimate_checkpoint_bytes
 
         cfg = self.config
         mode = self.control.metric_direction(cfg.best_metric).mode if cfg.best_metric and cfg.best_mode == "auto" \
             else cfg.best_mode  # "auto": gputrain/metric_direction.py's rule, with the run's metrics
-        store = CheckpointStore(self.run_dir, keep_last=cfg.keep_last, best_metric=cfg.best_metric, best_mode=mode)
-        if self.is_main:  # a resumed run's checkpoints count as room already taken
-            preflight_run_dir(self.run_dir, estimate_checkpoint_bytes(self.module, self.optimizer), cfg.keep_last,
-                              store.bytes_held())
+        store = checkpointing.open_run_store(self.run_dir, cfg, mode, is_main=self.is_main,
+                                             checkpoint_bytes=estimate_checkpoint_bytes(self.module, self.optimizer))
         distributed.barrier(self.dist)
         return store
 

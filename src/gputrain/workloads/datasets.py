@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gputrain.errors import DataError
+from gputrain.errors import ConfigError, DataError
 from gputrain.io.atomic import atomic_file
 from gputrain.workloads.base import DataSplits
 
@@ -52,6 +52,15 @@ def cache_root() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "gputrain"
     return Path.home() / ".cache" / "gputrain"
+
+
+def cache_error(path: Path, exc: OSError) -> ConfigError:
+    """The one line for a cache file that cannot be written: where, why, and how to choose another folder."""
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    why = f"{blocking} is a file, not a folder" if blocking is not None else exc.strerror or type(exc).__name__
+    return ConfigError(f"cannot write gputrain's cache file {path} ({why}): set "
+                       "GPUTRAIN_CACHE to a folder you can write (the cache is $GPUTRAIN_CACHE, else "
+                       "$XDG_CACHE_HOME/gputrain, else ~/.cache/gputrain)")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -149,8 +158,11 @@ def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = MNIST1D_SEED) -
         generated = _generate_mnist1d(num_samples, seed)
         arrays = {k: np.asarray(generated[k], np.int64 if k.startswith("y") else np.float32)
                   for k in ("x", "y", "x_test", "y_test")}
-        with atomic_file(path, "wb") as f:  # a reader never sees half a file
-            np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only, as np.load reads them
+        try:
+            with atomic_file(path, "wb") as f:  # a reader never sees half a file
+                np.savez(f, allow_pickle=False, **arrays)  # numeric arrays only, as np.load reads them
+        except OSError as exc:  # a read-only or missing HOME, GPUTRAIN_CACHE naming a file
+            raise cache_error(path, exc) from None
     t = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64 if k.startswith("y") else np.float32))
          for k, v in arrays.items()}
     return DataSplits(train=(t["x"], t["y"]), test=(t["x_test"], t["y_test"]))

@@ -76,6 +76,9 @@ def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | Non
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
     store = CheckpointStore(run_dir)
+    if store.folder.exists() and not store.folder.is_dir():
+        raise ConfigError(f"{store.folder} is a file, not the run's checkpoints folder: the run has no checkpoint to "
+                          "load; restore the folder from a copy, or give --checkpoint FILE")
     passed_over = [] if skipped is None else skipped
     if which == "best":
         best = store.best_path()
@@ -150,6 +153,15 @@ def recorded_workload(run_dir: Path) -> dict[str, Any] | None:
         return None
     options = data.get("options")
     return {**data, "options": dict(options) if isinstance(options, dict) else {}}
+
+
+def stored_spec(spec: str) -> str:
+    """A workload spec as RUN_DIR/workload.json keeps it: a file workload (path/to/file.py:function)
+    with its absolute path, so that eval / predict / export find it from any folder; others as given."""
+    module_part, sep, attr = spec.rpartition(":")
+    if sep and module_part.endswith(".py"):
+        return f"{Path(module_part).expanduser().resolve()}:{attr}"
+    return spec
 
 
 def workload_spec(run_dir: Path, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -399,6 +399,31 @@ def _import_module(module_name: str):
                       f"searched on sys.path and in {cwd}) or a file (path/to/file.py:function)")
 
 
+def _import_user_module(module_part: str, looks_like_file: bool):
+    """The user's module (a file, or a dotted name): a syntax error in it, or a module it imports that
+    is not installed, is one line naming the file and what to do; any other error raised while it is
+    imported keeps its traceback, with a note."""
+    try:
+        if looks_like_file:
+            return _import_from_file(Path(module_part).expanduser())
+        return _import_module(module_part)
+    except SyntaxError as exc:
+        where = f"{exc.filename or module_part}, line {exc.lineno}" if exc.lineno else (exc.filename or module_part)
+        raise ConfigError(f"the workload module {module_part} does not compile: {exc.msg} ({where}); fix it, or "
+                          "name another workload") from None
+    except ModuleNotFoundError as exc:
+        if not looks_like_file:
+            raise  # _import_module said it already
+        raise ConfigError(f"importing {module_part!r} failed: it needs the module {exc.name!r}, which is not "
+                          "installed") from None
+    except ConfigError:
+        raise
+    except Exception as exc:
+        exc.add_note(f"gputrain: importing the workload module {module_part} raised; the error is in that module "
+                     "(above)")
+        raise
+
+
 def load_user_workload(spec: str, **options: Any) -> Workload:
     """Import "pkg.module:function" (or "path/to/file.py:function") and return function(**options).
 
@@ -411,7 +436,7 @@ def load_user_workload(spec: str, **options: Any) -> Workload:
         raise ConfigError(f"a user workload is given as module:function (e.g. mypkg.tasks:make_workload "
                           f"or ./tasks.py:make_workload), got {spec!r}")
     looks_like_file = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-    module = _import_from_file(Path(module_part).expanduser()) if looks_like_file else _import_module(module_part)
+    module = _import_user_module(module_part, looks_like_file)
     if not hasattr(module, attr):
         found = sorted(n for n, v in vars(module).items()
                        if not n.startswith("_") and (callable(v) or isinstance(v, Workload))
@@ -432,7 +457,13 @@ def load_user_workload(spec: str, **options: Any) -> Workload:
         raise ConfigError(f"{spec} cannot take the options {', '.join(sorted(options)) or '(none)'}: {exc}") from None
     except ValueError:
         pass  # no signature (a builtin): let the call decide
-    result = target(**options)
+    try:
+        result = target(**options)
+    except Exception as exc:  # the user's own code: its traceback stays, with what gputrain was doing
+        given = f" with the options {', '.join(f'{k}={v!r}' for k, v in options.items())}" if options else ""
+        exc.add_note(f"gputrain: the workload function {spec} raised while building the workload{given}; the "
+                     "error is in that function (above)")
+        raise
     if not isinstance(result, Workload):
         raise ConfigError(f"{spec} returned {type(result).__name__}; it must return a gputrain.workloads.Workload "
                           "(name, description, make_data, make_model, loss_fn, ...)")
