@@ -97,12 +97,12 @@ def _stop_signals(name: str, value: Any) -> None:
 
 
 def _compile_mode(name: str, value: Any) -> None:
-    """None, or a mode torch.compile knows (torch._inductor.list_mode_options, and "default")."""
+    """None, or a mode torch.compile knows (runtime/torch_compat.compile_modes)."""
     if value is None:
         return
-    import torch._inductor
+    from gputrain.runtime.torch_compat import compile_modes
 
-    modes = list(dict.fromkeys(["default", *torch._inductor.list_mode_options()]))
+    modes = compile_modes()
     if value not in modes:
         raise ConfigError(f"unknown compile_mode {value!r}: torch.compile's modes are {', '.join(modes)}")
 

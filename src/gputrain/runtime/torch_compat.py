@@ -151,6 +151,8 @@ _ENTRIES = [
     Private("torch._dynamo.external_utils.__file__", "runtime/recompiles.py",
             f"{CHECKED}: the file that wraps a compiled module's forward",
             "a recompiled module's forward is named by its function and file, not as \"a compiled module's forward\""),
+    Private("torch._inductor.list_mode_options", "config.py", f"{CHECKED}: torch.compile's modes",
+            "the modes torch 2.10-2.13 take: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
     Private("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "runtime/distributed.py, checkpoint/format.py",
             CHECKED, "none needed at run time: a model without it is taken as not compiled",
             _find_compiled_module_attr),
@@ -242,6 +244,15 @@ def missing() -> list[str]:
 def compilation_metrics_log() -> collections.deque | None:
     """Dynamo's live deque of compilation records (read, never copied), or None."""
     return resolve("torch._dynamo.utils._compilation_metrics")
+
+
+def compile_modes() -> list[str]:
+    """The modes torch.compile takes ("default" first); imports torch._inductor (seconds): call it only
+    when a mode is given."""
+    list_modes = resolve("torch._inductor.list_mode_options")
+    known = list_modes() if list_modes is not None else ["reduce-overhead", "max-autotune",
+                                                          "max-autotune-no-cudagraphs"]
+    return list(dict.fromkeys(["default", *known]))
 
 
 def compilation_metrics() -> list:

@@ -226,4 +226,4 @@ def apply_recompute(model: nn.Module, targets: list[str] | None = None) -> list[
 def recompute_for_run(module: nn.Module, recompute: bool | Sequence[str]) -> list[str]:
     """TrainConfig.recompute applied to `module` (True: every repeated block; else the names given):
     the modules whose activations are recomputed in backward."""
-    return apply_recompute(module, None if recompute is True else list(recompute))
+    return apply_recompute(module, None if isinstance(recompute, bool) else list(recompute))
