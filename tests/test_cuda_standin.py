@@ -281,6 +281,7 @@ def _cuda_run(config: TrainConfig):
     from gputrain.train.eval_points import EvalPoints
     from gputrain.train.guards import SpikeDetector
     from gputrain.train.loss import LossRule
+    from gputrain.train.startup_costs import StartupClock
     from gputrain.train.state import RunState
 
     device = pick_device(config.device)
@@ -297,6 +298,7 @@ def _cuda_run(config: TrainConfig):
         state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None,
         checkpoint=types.SimpleNamespace(parts={}), checkpointer=types.SimpleNamespace(timings=[]),
         train_step=types.SimpleNamespace(splits=1), spikes=SpikeDetector(None, 10, 3, "warn"), recomputed=[],
+        startup=StartupClock(),  # the time before the first step (no step in a stand-in: "no step yet")
         task="classification", control=types.SimpleNamespace(metric_direction=lambda key: metric_direction(
             key, config.metric_modes)),
         # The graph wrapper as graph_status reads it (no capture failed); its CUDA side needs a real GPU.
