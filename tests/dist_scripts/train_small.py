@@ -68,8 +68,11 @@ y = (x[:, :3].sum(1) > 0).long()
 torch.manual_seed(0)  # the same initial weights in every process and every run
 # SGD with momentum: optimizer state that a resume must carry over exactly.
 model = Planted()
+# A resume finds a checkpoint or refuses: resume a run that has one, or the start of a launched job (torchrun's
+# workers, which a restart starts again).
+resume = os.path.isdir(os.path.join(run_dir, "checkpoints")) or "TORCHELASTIC_RUN_ID" in os.environ
 cfg = TrainConfig(device="cpu", batch_size=batch, accumulate=accumulate, steps=steps, log_every=2, seed=1,
-                  shard=shard, run_dir=run_dir, resume=True, checkpoint_every=2 if fail == "kill-once" else None)
+                  shard=shard, run_dir=run_dir, resume=resume, checkpoint_every=2 if fail == "kill-once" else None)
 h = fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), config=cfg)
 if rank == 0:
     with open(os.path.join(run_dir, "result.json"), "w") as f:
