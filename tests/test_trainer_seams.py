@@ -14,7 +14,7 @@ from gputrain import TrainConfig, fit
 from gputrain.runtime.timing import NO_CLOCK
 from gputrain.train import Trainer
 
-PARTS = ["model", "optimizer", "scaler", "scheduler", "rng", "run", "data", "history", "callbacks"]
+PARTS = ["model", "optimizer", "scaler", "scheduler", "rng", "run", "data", "history", "callbacks", "carried"]
 
 
 def _trainer(**overrides) -> Trainer:

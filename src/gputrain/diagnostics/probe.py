@@ -121,9 +121,12 @@ class StepProbe:
 
             self.recomputed = apply_recompute(self.module, None if cfg.recompute is True else list(cfg.recompute))
         self.model = self.module
-        if cfg.compile:
-            # Compiling a Module gives an OptimizedModule (a Module); torch's stub only says "a callable".
-            self.model = cast(nn.Module, torch.compile(self.module, mode=cfg.compile_mode or None))
+        if cfg.compile:  # whole or regional, as the trainer compiles (train/compiling.py), with its reason
+            from gputrain.runtime.compile_regions import compile_model
+
+            done = compile_model(self.module, regional=cfg.compile == "regional", mode=cfg.compile_mode)
+            self.model = cast(nn.Module, done.model)
+            self.speed.reasons["compile"] = f"{self.speed.reasons['compile']}; {done.reason}"
         self.optimizer, self.optimizer_desc = make_optimizer(
             factory, self.model.parameters(), lr=0.0, weight_decay=cfg.weight_decay, device=device,
             fused=cfg.fused_optimizer, capturable=self.speed.cuda_graphs)
