@@ -243,6 +243,8 @@ class LayoutGate:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []
         nchw_model = copy.deepcopy(self.module)
+        # torch's stub of Module.to lists no memory_format keyword, which Module.to takes and applies to 4-D
+        # tensors (run by tests/test_channels_last.py on the CPU): the ignore is for the stub only.
         nhwc_model = copy.deepcopy(self.module).to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
         nhwc = to_nhwc(batch)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
