@@ -7,7 +7,7 @@ evaluation) and pass/fail against the bars below, which must hold on a 2-core CP
 Two training loops:
   trainer    gputrain's own trainer (`gputrain.train.fit_workload`, what `gputrain fit` runs)
   reference  a small loop here with the trainer's semantics: AdamW(lr, weight_decay), the schedule
-             from gputrain.train.optim (linear warm-up; cosine to 0; onecycle), a seeded reshuffle each
+             from gputrain.train.optim.build (linear warm-up; cosine to 0; onecycle), a seeded reshuffle each
              epoch, the last partial batch kept, uint8 images normalized per batch
 --loop auto (the default) takes the trainer when it imports and the reference loop otherwise.
 
@@ -82,7 +82,7 @@ def run_with_trainer(fit_workload, workload, config: TrainConfig) -> dict[str, A
 def run_reference(workload, config: TrainConfig) -> dict[str, Any]:
     """The trainer's semantics in a few lines, on the CPU in fp32."""
     from gputrain.data import BatchTransform, epoch_seed
-    from gputrain.train.optim import make_scheduler
+    from gputrain.train.optim.build import make_scheduler
 
     torch.manual_seed(config.seed)
     data = workload.make_data()

@@ -50,7 +50,7 @@ ASSUMPTIONS = {
 }
 MODELS = {"7B": 7e9, "70B": 70e9}
 GPUS = (8, 64, 512)
-AGREE_EVERY = 10  # train/trainer.py SIGNAL_SYNC_EVERY
+AGREE_EVERY = 10  # train/loop/trainer.py SIGNAL_SYNC_EVERY
 
 
 def sha256_rate(mb: int = 256) -> float:

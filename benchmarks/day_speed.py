@@ -115,7 +115,7 @@ def graphed_ratio(workload: str, batch: int | None, device: torch.device, warmup
     import step_probe
 
     from gputrain import TrainConfig
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
     from gputrain.workloads import get_workload
 
     wl = get_workload(workload, **({"n": 10000} if workload == "synthetic-cifar" else {}))

@@ -101,7 +101,7 @@ def cases(device: str, steps: int) -> dict[str, Callable[[], dict[str, Any]]]:
 def count_case(make: Callable[[], dict[str, Any]], device: str, steps: int) -> dict[str, Any]:
     """Build the trainer, run WARMUP steps, then count the next `steps` iterations' syncs (host reads)."""
     from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     kwargs = make()
     trainer = Trainer(kwargs.pop("model"), kwargs.pop("train_data"), **kwargs)

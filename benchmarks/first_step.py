@@ -10,7 +10,7 @@ another through inductor's on-disk caches. Measured per case:
                  intervals' seconds per step), the hand loop's steps after the 4th (median)
 
 gputrain's end of the first step is the run's own timestamp (summary "startup": `ended_at`, taken
-after one device sync at the end of the first step, train/startup_costs.py); the hand loop's is
+after one device sync at the end of the first step, train/loop/startup_costs.py); the hand loop's is
 its own clock after the first `optimizer.step()` (CPU: nothing is asynchronous).
 
 Models (tiny, for 2 CPU cores; random data of the real shapes, fp32):

@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     so = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules["step_overhead"] = so
     spec.loader.exec_module(so)  # type: ignore[union-attr]
-    from gputrain.train.optim import make_optimizer
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.optim.build import make_optimizer
+    from gputrain.train.loop.trainer import Trainer
 
     case = so.cases(False)[args.case]
     torch.manual_seed(0)

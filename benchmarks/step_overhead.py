@@ -296,7 +296,7 @@ def _patched(obj, name: str, value):
 def _variant(name: str, trainer, stack: contextlib.ExitStack) -> list[str]:
     """Switch one of gputrain's per-step additions off in `trainer`; returns what was patched
     (empty: this tree has nothing to switch off for that variant)."""
-    from gputrain.train import step as step_mod
+    from gputrain.train.step import train_step as step_mod
 
     step = trainer.train_step
     cls = type(step)
@@ -340,7 +340,7 @@ def gputrain_steady(case: Case, variant: str, warmup: int, steps: int, log_every
     run at each of its log points and taken out of its time: returns (gputrain, minimal) seconds
     per step for each log interval after the warm-up, side by side in time, and what was patched.
     None: this tree has nothing to switch off for the variant."""
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     torch.manual_seed(0)
     model = case.make_model()
@@ -436,7 +436,7 @@ def count_ops(case: Case, variant: str) -> dict[str, Any] | None:
         with OpCounter() as c:
             m.step()
         return {"ops": c.total, "kernels": c.kernels, "log_point_kernels": 0, "detail": dict(c.ops)}
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(case.make_model(), _data(case), loss_fn=case.loss_fn, config=_config(case, 100, 50))

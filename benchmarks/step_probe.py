@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import train_speed as ts  # noqa: E402
 
 from gputrain import TrainConfig  # noqa: E402
-from gputrain.train.trainer import Trainer  # noqa: E402
+from gputrain.train.loop.trainer import Trainer  # noqa: E402
 from gputrain.workloads import get_workload  # noqa: E402
 
 BATCH = {"iris-mlp": None, "synthetic-cifar": 64, "mnist1d-cnn": 64, "digits-cnn": 64}

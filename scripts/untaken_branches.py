@@ -6,7 +6,7 @@ Reads coverage.py's JSON report with branch data (7.x, `branch = true`: per file
 source files it names, and prints one line per untaken branch:
 
     cuda   runtime/devices.py::synchronizer: if device.type == 'cuda' -> true   (line 297; device.type == 'cuda')
-    other  train/early_stopping.py::EarlyStopping.improved: if self.mode == 'min' -> false   (line 61)
+    other  train/loop/early_stopping.py::EarlyStopping.improved: if self.mode == 'min' -> false   (line 61)
 
 The checklist check (`--checklist docs/gpu_checklist.md`) exits 1 naming each CUDA-only untaken
 branch that the page lacks and each branch the page names that is no longer an untaken branch
@@ -25,7 +25,7 @@ left out (they run at import).
 
 The name of a branch
 --------------------
-`PATH::QUALNAME: KEYWORD CONDITION -> SIDE`, e.g. `train/optim.py::make_optimizer: elif device.type == 'cuda' -> true`:
+`PATH::QUALNAME: KEYWORD CONDITION -> SIDE`, e.g. `train/optim/build.py::make_optimizer: elif device.type == 'cuda' -> true`:
 PATH relative to the package, QUALNAME coverage.py's dotted name of the function, the condition as
 `ast.unparse` writes it (so reformatting and edits elsewhere in the file leave the name alone), SIDE
 `true`/`false` for `if`/`elif`/`while`, `body`/`exit` for `for`, `case PATTERN` for `match`. A

@@ -313,7 +313,7 @@ def capture_graphs(monkeypatch):
     fails, every step runs eagerly on the same optimizer). `CaptureGraphs.instances` lists the
     backends made."""
     import gputrain.runtime.speed as speed
-    import gputrain.train.graphs as graphs
+    import gputrain.train.step.graphs as graphs
     from graph_capture import CaptureGraphs
 
     monkeypatch.setattr(speed, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))

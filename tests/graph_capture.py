@@ -1,4 +1,4 @@
-"""A CUDA graph on the CPU, with CUDA's capture semantics: the stand-in for `train/graphs.py`'s
+"""A CUDA graph on the CPU, with CUDA's capture semantics: the stand-in for `train/step/graphs.py`'s
 `CudaGraphs` in the CPU suite.
 
 A CUDA graph is a recorded list of kernels whose arguments and memory are fixed at capture; the
@@ -198,7 +198,7 @@ class CapturedGraph:
 
 
 class CaptureGraphs:
-    """`train/graphs.py`'s CudaGraphs, on the CPU, with capture semantics (see the module docstring)."""
+    """`train/step/graphs.py`'s CudaGraphs, on the CPU, with capture semantics (see the module docstring)."""
 
     instances: list["CaptureGraphs"] = []  # every backend made while the fixture is active
 

@@ -198,7 +198,7 @@ def test_bench_all_memory(bench_all):
     # the same bytes per sample at every batch size (activations are linear in the batch)
     per = [x["saved_bytes_per_sample"] for x in plain]
     assert max(per) / min(per) < 1.2
-    assert ckpt, "gputrain.train.recompute.apply_recompute should be available"
+    assert ckpt, "gputrain.train.step.recompute.apply_recompute should be available"
     assert all(x["activations_vs_plain"] < 0.8 for x in ckpt)
     if not CUDA:
         assert all(x["peak_bytes"] is None for x in r["rows"])

@@ -16,7 +16,7 @@ from torch import nn
 import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError
-from gputrain.train.callbacks import Callback, CallbackList
+from gputrain.train.loop.callbacks import Callback, CallbackList
 from helpers import data, mlp, params
 
 
@@ -224,7 +224,7 @@ def test_a_callback_changes_the_learning_rate_and_a_resume_keeps_it(tmp_path, sc
 def test_a_failing_run_tells_every_callback_and_raises_its_own_error(caplog):
     """on_exception reaches each callback (the base class's no-op too) with the run's error; a hook
     that fails itself is logged, and the run's first error is the one raised."""
-    from gputrain.train.guards import NonFiniteError
+    from gputrain.train.loop.guards import NonFiniteError
 
     x, y = data()
     seen = []
@@ -315,7 +315,7 @@ def test_a_bad_scheduler_is_refused_with_a_message():
 
 
 def test_the_linear_schedule_decays_to_zero_after_its_warmup():
-    from gputrain.train.optim import make_schedule
+    from gputrain.train.optim.build import make_schedule
 
     f = make_schedule("linear", total_steps=10, warmup_steps=2)
     assert [round(f(s), 3) for s in range(10)] == [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
@@ -325,7 +325,7 @@ def test_the_linear_schedule_decays_to_zero_after_its_warmup():
 
 
 def test_early_stopping_counts_evaluations_without_improvement():
-    from gputrain.train.early_stopping import EarlyStopping
+    from gputrain.train.loop.early_stopping import EarlyStopping
 
     class Run:
         step = 0
@@ -348,7 +348,7 @@ def test_early_stopping_counts_evaluations_without_improvement():
 
 
 def test_early_stopping_needs_eval_data():
-    from gputrain.train.early_stopping import EarlyStopping
+    from gputrain.train.loop.early_stopping import EarlyStopping
 
     x, y = data()
     with pytest.raises(ConfigError, match="no eval data"):
@@ -361,7 +361,7 @@ def test_early_stopping_needs_eval_data():
 
 def test_ema_is_the_average_of_the_weights_after_each_step():
     """The update the step runs equals ema = decay_t * ema + (1 - decay_t) * w, step after step."""
-    from gputrain.train.ema import EMA
+    from gputrain.train.loop.ema import EMA
 
     x, y = data()
     seen = []
@@ -414,11 +414,11 @@ def test_ema_runs_inside_the_captured_step():
     from graph_capture import CaptureGraphs
 
     from gputrain.runtime.precision import RunPrecision, resolve_precision
-    from gputrain.train.ema import EMA
-    from gputrain.train.graphs import GraphedStep
-    from gputrain.train.loss import LossRule
-    from gputrain.train.optim import make_optimizer
-    from gputrain.train.step import TrainStep
+    from gputrain.train.loop.ema import EMA
+    from gputrain.train.step.graphs import GraphedStep
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.optim.build import make_optimizer
+    from gputrain.train.step.train_step import TrainStep
 
     x, y = data(32)
 
@@ -461,7 +461,7 @@ def test_ema_runs_inside_the_captured_step():
 @pytest.mark.gpu
 def test_ema_inside_a_real_cuda_graph_equals_the_eager_average():
     """On a GPU: the EMA update captured with the step (CUDA graphs on) gives the eager run's average."""
-    from gputrain.train.ema import EMA
+    from gputrain.train.loop.ema import EMA
 
     x, y = data(512)
 
@@ -538,7 +538,7 @@ def test_public_names():
 def test_the_base_hooks_are_no_ops_a_subclass_may_leave_alone(tmp_path):
     """A callback that saves state but defines no loader, and one that opts in to every step without
     an on_step of its own, run to the end: the base class's hooks do nothing and say nothing."""
-    from gputrain.train.callbacks import Callback
+    from gputrain.train.loop.callbacks import Callback
 
     class SavesOnly(Callback):
         def on_checkpoint_save(self, run):

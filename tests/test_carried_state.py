@@ -1,4 +1,4 @@
-"""State a step carries between steps (train/carried_state.py): pytorch/examples' word language model
+"""State a step carries between steps (train/step/carried_state.py): pytorch/examples' word language model
 carries its LSTM's hidden state from batch to batch; stopped at any step (stop_at_step, or SIGTERM)
 and resumed, it ends bit-equal to the straight run, with a step of your own (`step.state`) and with
 the built-in loss rule (`fit(..., state=carry)`), in the one-file and the sharded format."""
@@ -136,7 +136,7 @@ def test_an_object_registered_by_the_step_after_the_resume_gets_its_saved_state(
 def test_bad_state_is_one_clear_line(tmp_path):
     with pytest.raises(ConfigError, match="state= is a list: give a dict"):
         _run("rule", TrainConfig(**CFG), carry=[1, 2])  # type: ignore[arg-type]
-    from gputrain.train.carried_state import CarriedState
+    from gputrain.train.step.carried_state import CarriedState
 
     carried = CarriedState({"hidden": torch.zeros(2)}, torch.device("cpu"))
     assert list(carried) == ["hidden"] and [v.shape for v in carried.values()] == [(2,)]  # a mapping
@@ -178,7 +178,7 @@ def test_a_checkpoint_written_before_carried_state_resumes_with_the_state_as_it_
     """An older checkpoint has no "carried" part: the run's carried state keeps its value."""
     from gputrain.checkpoint.parts import RunCheckpoint
     from gputrain.runtime.distributed import DistInfo
-    from gputrain.train.carried_state import CarriedState
+    from gputrain.train.step.carried_state import CarriedState
 
     carried = CarriedState({"hidden": torch.ones(2)}, torch.device("cpu"))
     RunCheckpoint({"carried": carried}, DistInfo(enabled=False), dict).load_state_dict({"step": 3})

@@ -1,4 +1,4 @@
-"""channels_last decided from the model's own first step (train/layout.py): refused with the op and the
+"""channels_last decided from the model's own first step (train/step/layout.py): refused with the op and the
 file:line that refused it, kept only where it runs, agrees and (on the CPU) is measured at least as fast,
 a later NHWC failure retried once in the user's layout, and the user's memory format given back."""
 
@@ -13,7 +13,7 @@ import gputrain
 from gputrain.data.checks import first_step_note
 from gputrain.runtime import speed as speed_mod
 from gputrain.runtime.speed import SpeedSwitches, choices_made
-from gputrain.train import layout
+from gputrain.train.step import layout
 
 VIEW_LINE = "x = x.view(-1, 4 * 2 * 2)"
 

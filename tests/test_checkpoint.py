@@ -17,7 +17,7 @@ from gputrain.checkpoint.format import FORMAT, VERSION, check_model_state, load_
 from gputrain.checkpoint.rng import capture_rng_state, restore_rng_state
 from gputrain.config import TrainConfig
 from gputrain.errors import CheckpointError
-from gputrain.train.optim import make_optimizer, make_scheduler
+from gputrain.train.optim.build import make_optimizer, make_scheduler
 
 
 def _state(value=1.0, schedule="cosine"):
@@ -224,7 +224,7 @@ def test_cuda_rng_state_round_trip(tmp_path):
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "onecycle"])
 def test_lr_schedule_matches_lambdalr_and_loads_its_state(schedule):
     """gputrain's LRSchedule gives LambdaLR's lrs step for step and resumes from a LambdaLR state."""
-    from gputrain.train.optim import make_schedule
+    from gputrain.train.optim.build import make_schedule
 
     def opt():
         return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)

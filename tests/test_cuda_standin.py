@@ -268,7 +268,7 @@ def test_speed_switches_on_an_h100_and_a_v100(fake_cuda):
 
 
 def _cuda_run(config: TrainConfig):
-    """A stand-in for a CUDA run with what the run summary reads (train/run_summary.py's `Finished`),
+    """A stand-in for a CUDA run with what the run summary reads (train/loop/run_summary.py's `Finished`),
     every part decided under the stand-in by gputrain's own functions (device, precision, placement,
     speed); the loop's figures are given (2 log points)."""
     from gputrain.data.placement import column_placement
@@ -277,12 +277,12 @@ def _cuda_run(config: TrainConfig):
     from gputrain.runtime.distributed import SINGLE
     from gputrain.runtime.precision import RunPrecision, resolve_precision
     from gputrain.runtime.speed import decide_speed
-    from gputrain.train.callbacks import CallbackList
-    from gputrain.train.eval_points import EvalPoints
-    from gputrain.train.guards import SpikeDetector
-    from gputrain.train.loss import LossRule
-    from gputrain.train.startup_costs import StartupClock
-    from gputrain.train.state import RunState
+    from gputrain.train.loop.callbacks import CallbackList
+    from gputrain.train.evaluation.points import EvalPoints
+    from gputrain.train.loop.guards import SpikeDetector
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.loop.startup_costs import StartupClock
+    from gputrain.train.loop.state import RunState
 
     device = pick_device(config.device)
     precision = RunPrecision(resolve_precision(config.precision, device), device)
@@ -311,7 +311,7 @@ def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):
 
     from gputrain.report.run_outputs import RunOutputs
     from gputrain.report.summary import summary_rows
-    from gputrain.train import run_summary
+    from gputrain.train.loop import run_summary
     from gputrain.runtime.devices import take_peak_memory
 
     gpu = fake_cuda()
@@ -358,7 +358,7 @@ def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):
 
 def test_cuda_run_on_a_v100_reports_fp16_and_graphs_off(fake_cuda):
     from gputrain.report.html import render_report
-    from gputrain.train import run_summary
+    from gputrain.train.loop import run_summary
 
     fake_cuda(capability=(7, 0), count=4)
     t = _cuda_run(TrainConfig(device="cuda:3", steps=200, data_on_device=False))

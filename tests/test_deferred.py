@@ -1,4 +1,4 @@
-"""Resident batches assembled inside the step's CUDA graph (data/deferred.py, train/graphs.py).
+"""Resident batches assembled inside the step's CUDA graph (data/deferred.py, train/step/graphs.py).
 
 On the CPU the stand-in for CudaGraphs with CUDA's capture semantics (tests/graph_capture.py: the
 ops recorded once, re-issued on replay, no Python) checks what every replay reads: the start position the host wrote, this epoch's order and
@@ -15,10 +15,10 @@ from gputrain.data import BatchStream, BatchTransform
 from gputrain.data.deferred import DeferredBatch, materialize, num_samples
 from gputrain.data.resident import ResidentRows, TensorBatches
 from gputrain.runtime.precision import RunPrecision, resolve_precision
-from gputrain.train.graphs import WARMUP_STEPS, GraphedStep
-from gputrain.train.loss import LossRule
-from gputrain.train.optim import make_optimizer
-from gputrain.train.step import TrainStep
+from gputrain.train.step.graphs import WARMUP_STEPS, GraphedStep
+from gputrain.train.step.loss import LossRule
+from gputrain.train.optim.build import make_optimizer
+from gputrain.train.step.train_step import TrainStep
 
 from graph_capture import CaptureGraphs
 
@@ -218,7 +218,7 @@ def test_deferred_batch_contract_is_abstract():
 
 def test_the_trainer_defers_only_when_a_graph_runs_the_step():
     from gputrain import TrainConfig
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     trainer = Trainer(_model(), _images(), loss_fn=nn.CrossEntropyLoss(),
                       config=TrainConfig(device="cpu", batch_size=32, steps=2, cuda_graphs=True))

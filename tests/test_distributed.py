@@ -422,6 +422,22 @@ def test_cuda_under_torchrun_without_cuda_is_a_device_error(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+def test_the_device_before_the_trainer_is_the_one_the_trainer_will_take(monkeypatch, fake_cuda):
+    """process_device (autotune, the batch-size search, profile) decides as init_distributed will:
+    one process takes pick_device's answer; the second of two torchrun processes on a node with two
+    GPUs takes cuda:1, where pick_device("auto") alone would say cuda:0."""
+    from gputrain.runtime.devices import pick_device
+
+    fake_cuda(count=2)
+    _torchrun_env(monkeypatch)
+    assert D.process_device("auto") == pick_device("auto") == torch.device("cuda", 0)
+    assert D.process_device("cpu") == torch.device("cpu")
+    _torchrun_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    assert D.process_device("auto") == torch.device("cuda", 1)
+    assert D.process_device("cuda:0") == torch.device("cuda", 1)  # one GPU per process, as the trainer does
+    assert not torch.distributed.is_initialized()  # decided without joining a group
+
+
 def test_rank_helpers_read_the_environment_without_a_process_group(monkeypatch):
     calls = []
     report = D.rank_zero_only(lambda x: calls.append(x) or "done")

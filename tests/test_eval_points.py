@@ -8,7 +8,7 @@ from helpers import data, mlp
 from torch import nn
 
 from gputrain import TrainConfig, fit
-from gputrain.train.eval_points import EvalPoints
+from gputrain.train.evaluation.points import EvalPoints
 
 
 def _evaluated(h):

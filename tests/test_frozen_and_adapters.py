@@ -1,7 +1,7 @@
 """Fine-tuning with frozen parts: the optimizer holds only what trains, weight decay spares biases and
 normalization weights, checkpoints of a frozen base hold the trainable weights and a fingerprint of
 the base (and resume exactly, on that base only), PEFT's LoRA trains and exports as PEFT does, and
-`memory` and the summary count trainable and frozen parameters (checkpoint/frozen.py, train/optim.py)."""
+`memory` and the summary count trainable and frozen parameters (checkpoint/frozen.py, train/optim/build.py)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_weight_decay_groups_false_decays_every_trainable_parameter():
 
 
 def test_optimizer_groups_of_the_default_adamw():
-    from gputrain.train.optim import make_optimizer
+    from gputrain.train.optim.build import make_optimizer
 
     model = NormNet()
     kw = {"lr": 0.01, "device": torch.device("cpu")}
@@ -122,7 +122,7 @@ def test_decay_groups_keep_the_graph_path_exact(capture_graphs):
     from graph_capture import CaptureGraphs, EagerGraphs
 
     from gputrain.diagnostics.syncs import watch_host_reads
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     config = _cfg(weight_decay=0.1, steps=24, log_every=8, schedule="cosine", warmup_steps=4, cuda_graphs="auto")
     trainer = Trainer(NormNet(), data(), compute_loss=_zero_grad_terms,

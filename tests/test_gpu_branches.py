@@ -100,9 +100,9 @@ def test_every_kind_of_data_reaches_the_gpu_whole_and_in_order(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_callback_sets_the_device_lr_that_the_graph_replays_read():
-    """train/callbacks.py's scale_schedule on a capturable optimizer: the lr is a CUDA tensor that the
+    """train/loop/callbacks.py's scale_schedule on a capturable optimizer: the lr is a CUDA tensor that the
     captured step reads, written in place (fill_), so the replays after the callback use the new rate."""
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     seen: dict = {}
 
@@ -129,9 +129,9 @@ def test_a_callback_sets_the_device_lr_that_the_graph_replays_read():
 
 @pytest.mark.gpu
 def test_the_built_in_schedule_writes_the_device_lr_between_replays():
-    """train/optim.py's LRSchedule on a capturable optimizer: each change is a fill_ of the lr tensor
+    """train/optim/build.py's LRSchedule on a capturable optimizer: each change is a fill_ of the lr tensor
     that the graph captured (a Python float would stay at its capture value)."""
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     start: dict = {}
 
@@ -240,8 +240,8 @@ def test_cuda_devices_match_by_index():
 
 @pytest.mark.gpu
 def test_adamw_without_the_fused_kernel_is_foreach_on_cuda_and_steps_as_the_for_loop_does():
-    """train/optim.py's make_optimizer with fused off on CUDA: the multi-tensor (foreach) AdamW."""
-    from gputrain.train.optim import make_optimizer
+    """train/optim/build.py's make_optimizer with fused off on CUDA: the multi-tensor (foreach) AdamW."""
+    from gputrain.train.optim.build import make_optimizer
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

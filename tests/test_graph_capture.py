@@ -48,7 +48,7 @@ def test_capture_launches_nothing_and_replay_runs_the_recorded_ops():
 
 def test_capture_leaves_the_tensors_it_only_reads_untouched_version_counters_included():
     """A tensor the step only reads keeps its version counter through capture, as on CUDA:
-    train/graphs.py compares the batch buffers' counters to see whether the step writes its own
+    train/step/graphs.py compares the batch buffers' counters to see whether the step writes its own
     inputs (then it copies every batch in); one the step writes gets its contents back."""
     from graph_capture import _version
 

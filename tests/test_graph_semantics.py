@@ -28,7 +28,7 @@ from gputrain import TrainConfig, fit
 from gputrain.data.splits import DataSplits
 from torch.utils.data import DataLoader, Dataset
 from gputrain.diagnostics.syncs import watch_host_reads
-from gputrain.train.trainer import Trainer
+from gputrain.train.loop.trainer import Trainer
 
 from graph_capture import CaptureGraphs, EagerGraphs
 from helpers import data, mlp, params
@@ -229,12 +229,12 @@ def test_the_stand_in_graph_freezes_python_numbers_as_a_gpu_does(capture_graphs,
     scheduler rule, OneCycleLR's momentum stays at its capture value on replay and the run ends
     elsewhere than the eager one."""
     import gputrain.runtime.speed as speed
-    import gputrain.train.graphs as graphs
+    import gputrain.train.step.graphs as graphs
 
     spec = CELLS["OneCycleLR with momentum"][0]
     monkeypatch.setattr(speed, "scheduler_blocker", lambda scheduler: None)
     monkeypatch.setattr(graphs._PythonValues, "changed", lambda self: None)
-    import gputrain.train.trainer as trainer_module
+    import gputrain.train.loop.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "scheduler_blocker", lambda scheduler: None)
     frozen = _train(spec)
@@ -247,7 +247,7 @@ def test_the_stand_in_graph_freezes_python_numbers_as_a_gpu_does(capture_graphs,
 def test_the_graph_switches_itself_off_when_a_python_number_changes(capture_graphs, monkeypatch, caplog):
     """With the scheduler rule left out, the graph's own check still catches the momentum written
     after capture: the run continues eagerly, says why, and ends where the eager run ends."""
-    import gputrain.train.trainer as trainer_module
+    import gputrain.train.loop.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "scheduler_blocker", lambda scheduler: None)
     spec = CELLS["OneCycleLR with momentum"][0]

@@ -7,7 +7,7 @@ from torch import nn
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError, GputrainError
-from gputrain.train.guards import NonFiniteError, SpikeDetector
+from gputrain.train.loop.guards import NonFiniteError, SpikeDetector
 from helpers import data, mlp, params
 
 

@@ -120,7 +120,7 @@ def test_evaluations_checkpoints_and_tracker_writes_stay_out_of_the_steps_faults
     fault a million each: the summary says 7 a step."""
     faults = _Faults(per_step=7, per_eval=1_000_000)
     from gputrain.report.run_outputs import RunOutputs
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     save, append = Trainer.save_checkpoint, RunOutputs.append
 
@@ -211,7 +211,7 @@ def test_advice_not_measured_to_pay_goes_to_the_report_only(monkeypatch, glibc, 
     printed; at 50% it is printed as well."""
     from gputrain.report.html import write_report
     from gputrain.runtime.host_memory import AllocatorAdvice
-    from gputrain.train import run_summary
+    from gputrain.train.loop import run_summary
 
     for share, printed in ((0.05, False), (0.5, True)):
         caplog.clear()

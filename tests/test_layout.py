@@ -5,6 +5,8 @@
 - io, data and runtime import no train, report or checkpoint (the floors under the trainer);
 - checkpoint imports no train or report: it sits on those floors, under the trainer, which hands it
   what it reads as Protocols;
+- inside train/, imports run one way: loop -> evaluation -> step -> optim (loop also uses step and
+  optim directly; modes.py sits beside them for loop and evaluation);
 - only cli.py and commands/ import gputrain.commands: a run is trained below the command line
   (gputrain/runs/), which the commands, the sweeps and the Python API call;
 - nothing outside io/ opens a file for writing: files are written whole or not at all through
@@ -58,7 +60,7 @@ def test_diagnostics_import_no_bench_or_commands():
 
 def test_the_floors_under_the_trainer_import_nothing_above_them():
     """io, data and runtime serve the trainer and the reports, never the other way round (export reads
-    a model's logits through gputrain/outputs.py, not train/loss.py)."""
+    a model's logits through gputrain/outputs.py, not train/step/loss.py)."""
     assert _offenders(("io", "data", "runtime"), ("gputrain.train", "gputrain.report", "gputrain.checkpoint")) == []
 
 
@@ -66,6 +68,26 @@ def test_the_checkpoint_package_sits_under_the_trainer():
     """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, run.py), so it
     imports nothing of train/ (nor the reports above it)."""
     assert _offenders(("checkpoint",), ("gputrain.train", "gputrain.report")) == []
+
+
+# train/'s sub-packages, each with those it must not import (the way runs loop -> evaluation -> step -> optim).
+TRAIN_ABOVE = {
+    "optim": ("gputrain.train.step", "gputrain.train.evaluation", "gputrain.train.loop"),
+    "step": ("gputrain.train.evaluation", "gputrain.train.loop"),
+    "evaluation": ("gputrain.train.loop",),
+}
+
+
+def test_train_is_by_concern_and_its_imports_run_one_way():
+    """The step knows nothing of the loop or evaluation, the optimizers nothing of the step: a part
+    that needs something from above is in the wrong place. Every module of train/ is in one of the
+    four concerns, except modes.py (the user's train/eval modes, used by the loop and evaluation)."""
+    train = ROOT / "train"
+    assert sorted(p.name for p in train.iterdir() if p.suffix == ".py") == ["__init__.py", "modes.py"]
+    assert sorted(p.name for p in train.iterdir() if p.is_dir() and p.name != "__pycache__") == [
+        "evaluation", "loop", "optim", "step"]
+    offenders = [o for sub, above in TRAIN_ABOVE.items() for o in _offenders((f"train/{sub}",), above)]
+    assert offenders == []
 
 
 def test_only_the_command_line_imports_the_commands():

@@ -15,7 +15,7 @@ from gputrain.diagnostics.estimate import estimate_memory, max_batch_from_estima
 from gputrain.diagnostics.probe import StepProbe, as_loss_rule, measure_step_memory
 from gputrain.diagnostics.memory_stats import memory_stats
 from gputrain.runtime.oom import free_after_oom, is_oom
-from gputrain.train.recompute import apply_recompute, recompute_units
+from gputrain.train.step.recompute import apply_recompute, recompute_units
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from torch import nn
 from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
 from gputrain.diagnostics.estimate import estimate_memory
 from gputrain.diagnostics.probe import StepProbe, measure_step_memory
-from gputrain.train.loss import LossRule
+from gputrain.train.step.loss import LossRule
 
 DICT_WL = textwrap.dedent("""
     import torch

@@ -1,4 +1,4 @@
-"""A step of your own (train/own_step.py): the GAN, distillation and gradient-penalty examples of
+"""A step of your own (train/step/own_step.py): the GAN, distillation and gradient-penalty examples of
 docs/examples/own_step.py train, resume bit-equal, read nothing on the host per step, replay from a
 CUDA graph (the CPU stand-in) like eager steps, and every misuse is one clear line."""
 
@@ -107,7 +107,7 @@ def test_the_gan_learns_the_digits_marginals():
 
 def test_a_step_of_your_own_reads_nothing_on_the_host_per_step():
     from gputrain.diagnostics.syncs import watch_host_reads
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     model, kw = _case("gan")
     trainer = Trainer(model, examples.digits(), config=TrainConfig(**{**CFG, "steps": 100, "log_every": 100}), **kw)
@@ -361,3 +361,71 @@ def test_zero_grad_clears_the_named_optimizers_gradients_only():
     cleared, kept = run(True)
     alone, _ = run(False)
     assert torch.equal(cleared, alone) and kept == {"b": True}
+
+
+def test_in_fp16_your_step_unscales_clips_and_steps_through_the_scaler_as_the_built_in_step():
+    """Your step's optimizers step through the built-in step's own code (TrainStep.clip and
+    step_optimizer_): in fp16 each optimizer's gradients are unscaled and clipped, each steps through
+    the GradScaler, and the scale is updated once, after both. Equal to torch's AMP recipe written by
+    hand (fp16 autocast and GradScaler on the CPU: gputrain refuses fp16 there for speed, not for
+    correctness, so the step is built directly)."""
+    from gputrain.runtime.precision import Precision, RunPrecision
+    from gputrain.train.optim.by_name import OptimizerSet
+    from gputrain.train.step.own_step import OwnStep
+
+    cpu = torch.device("cpu")
+    fp16 = Precision("fp16", torch.float16, True, False, "fp16 for the test")
+    torch.manual_seed(0)
+    model = examples.GAN()
+    ref = examples.GAN()
+    ref.load_state_dict(model.state_dict())
+    noise = [torch.randn(32, examples.NOISE) for _ in range(4)]
+    real = examples.digits(32)[0]
+
+    def losses(net, z):
+        fake = net.generator(z)
+        ones = torch.ones(32, 1)
+        d = F.binary_cross_entropy_with_logits(net.discriminator(real), ones) + \
+            F.binary_cross_entropy_with_logits(net.discriminator(fake.detach()), 1 - ones)
+        return d, lambda: F.binary_cross_entropy_with_logits(net.discriminator(fake), ones)
+
+    calls = iter(noise)
+
+    def step_fn(step, batch):
+        d, g = losses(step.model, next(calls))
+        step.backward(d)
+        step.step("discriminator")
+        g_loss = g()
+        step.backward(g_loss)
+        step.step("generator")
+        return {"d": d, "g": g_loss}
+
+    precision = RunPrecision(fp16, cpu)
+    own = OwnStep(step_fn, model, model, OptimizerSet(examples.gan_optimizers(model)), None, precision,
+                  device=cpu, max_grad_norm=0.5)
+    for _ in noise:
+        own([real])
+
+    opts = examples.gan_optimizers(ref)
+    scaler = torch.amp.GradScaler("cpu")
+    for z in noise:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            d, g = losses(ref, z)
+        scaler.scale(d.float()).backward()
+        for name in ("discriminator",):
+            scaler.unscale_(opts[name])
+            nn.utils.clip_grad_norm_(getattr(ref, name).parameters(), 0.5)
+            scaler.step(opts[name])
+        for p in ref.discriminator.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            g_loss = g()
+        scaler.scale(g_loss.float()).backward()
+        scaler.unscale_(opts["generator"])
+        nn.utils.clip_grad_norm_(ref.generator.parameters(), 0.5)
+        scaler.step(opts["generator"])
+        scaler.update()
+        for p in ref.parameters():
+            p.grad = None
+    assert precision.scaler.get_scale() == scaler.get_scale()
+    assert torch.equal(params(model), params(ref)), (params(model) - params(ref)).abs().max()

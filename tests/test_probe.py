@@ -10,7 +10,7 @@ from torch import nn
 from gputrain.config import TrainConfig
 from gputrain.diagnostics.probe import StepProbe, probe_batches
 from gputrain.train import Trainer
-from gputrain.train.loss import LossRule
+from gputrain.train.step.loss import LossRule
 
 FLAGS = ("fused", "foreach", "capturable", "weight_decay", "differentiable", "amsgrad", "betas", "eps")
 

@@ -64,7 +64,7 @@ def test_counts_agree_with_their_number_in_the_summary_and_the_report(tmp_path):
 def test_counted_says_one_thing_and_many_things():
     assert [counted(n, "save") for n in (0, 1, 2, 1234)] == ["0 saves", "1 save", "2 saves", "1,234 saves"]
     assert counted(1, "process", "processes") == "1 process" and counted(3, "process", "processes") == "3 processes"
-    from gputrain.train.run_summary import optimizer_reason
+    from gputrain.train.loop.run_summary import optimizer_reason
 
     assert optimizer_reason("AdamW (fused), stepped by step_fn") == "the default: AdamW, stepped by your step_fn"
     assert optimizer_reason("Adam (given), stepped by step_fn") == "given, stepped by your step_fn"

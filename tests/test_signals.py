@@ -17,7 +17,7 @@ import torch
 from gputrain.checkpoint import format as checkpoint
 from gputrain.checkpoint.store import CheckpointStore
 from gputrain.runtime.distributed import SINGLE, DistInfo
-from gputrain.train.signals import StopSignals, agree_to_stop
+from gputrain.train.loop.signals import StopSignals, agree_to_stop
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
@@ -60,7 +60,7 @@ def test_exit_codes_are_the_shells(sig, code, restore_handlers):
 
 def test_sigint_default_handler_is_not_chained(restore_handlers, caplog):
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with StopSignals() as stop, caplog.at_level(logging.WARNING, logger="gputrain.train.signals"):
+    with StopSignals() as stop, caplog.at_level(logging.WARNING, logger="gputrain.train.loop.signals"):
         _send(signal.SIGINT, stop)  # chained, it would raise KeyboardInterrupt in the middle of a step
         _send(signal.SIGINT, stop)
     assert stop.requested == signal.SIGINT and stop.count == 2
@@ -80,7 +80,7 @@ def test_an_earlier_python_handler_is_chained_and_put_back(restore_handlers, cap
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     with StopSignals() as stop:
         _send(signal.SIGTERM, stop)
-        with caplog.at_level(logging.WARNING, logger="gputrain.train.signals"):
+        with caplog.at_level(logging.WARNING, logger="gputrain.train.loop.signals"):
             _send(signal.SIGTERM, stop)  # their exception is logged, not raised into our code
         _send(signal.SIGUSR1, stop)  # SIG_IGN is not a callable to chain
     assert calls == [signal.SIGTERM, signal.SIGTERM]
@@ -135,7 +135,7 @@ def test_outside_the_main_thread_it_does_nothing(restore_handlers, caplog):
     seen = {}
 
     def worker():
-        with caplog.at_level(logging.DEBUG, logger="gputrain.train.signals"):
+        with caplog.at_level(logging.DEBUG, logger="gputrain.train.loop.signals"):
             with StopSignals() as stop:
                 seen["installed"] = stop.installed
                 seen["handler"] = signal.getsignal(signal.SIGTERM)

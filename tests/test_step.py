@@ -95,9 +95,9 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from gputrain.runtime.precision import RunPrecision, resolve_precision
-    from gputrain.train.loss import LossRule
-    from gputrain.train.optim import make_optimizer
-    from gputrain.train.step import TrainStep
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.optim.build import make_optimizer
+    from gputrain.train.step.train_step import TrainStep
 
     class Ops(TorchDispatchMode):
         VIEWS = ("aten.t.", "aten.detach.", "aten.view.", "aten.slice.", "aten.expand.", "aten.alias.", "profiler.")
@@ -149,8 +149,8 @@ def test_the_steps_bookkeeping_adds_a_few_device_ops():
 
 def _one_step(model, opt):
     from gputrain.runtime.precision import RunPrecision, resolve_precision
-    from gputrain.train.loss import LossRule
-    from gputrain.train.step import TrainStep
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.step.train_step import TrainStep
 
     return TrainStep(model, LossRule(nn.CrossEntropyLoss()), opt, RunPrecision(resolve_precision("fp32", CPU), CPU),
                      device=CPU)
@@ -183,7 +183,7 @@ def test_the_step_clears_every_gradient_of_the_optimizer_as_it_is_at_each_step()
 def test_a_cpu_step_adds_its_loss_in_place_and_keeps_no_tensor_per_step():
     """Kept 0-dim tensors between the step's activations made glibc's heap grow ~2 MB a step on the
     CPU: there every loss goes into the sum at once; the list (no op per step) is CUDA's."""
-    from gputrain.train.step import keeps_losses_in_a_list
+    from gputrain.train.step.train_step import keeps_losses_in_a_list
 
     x, y = data(16)
     model = mlp()
@@ -465,7 +465,7 @@ def test_graph_blockers_for_processes_fp16_global_hooks_and_the_cpu():
 # ---------------------------------------------------------------- schedules
 
 def test_schedule_values():
-    from gputrain.train.optim import make_schedule
+    from gputrain.train.optim.build import make_schedule
 
     const = make_schedule("constant", 100, 10)
     assert [const(s) for s in (0, 4, 9, 10, 99)] == pytest.approx([0.1, 0.5, 1.0, 1.0, 1.0])
@@ -483,7 +483,7 @@ def test_the_schedule_drives_the_optimizer_lr():
     h = fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=8, steps=20, lr=0.1, schedule="cosine", warmup_steps=4,
                                log_every=1))
-    from gputrain.train.optim import make_schedule
+    from gputrain.train.optim.build import make_schedule
 
     fn = make_schedule("cosine", 20, 4)
     assert [r["lr"] for r in h.records] == pytest.approx([0.1 * fn(s) for s in range(1, 21)])
@@ -614,8 +614,8 @@ def test_a_loss_scaler_scales_the_backward_and_unscales_before_the_update(pieces
     of the scaled loss and the update of the unscaled gradient, so one step equals the fp32 step.
     Without the scale in the backward the update is 1/scale of it; without the unscale, scale times."""
     from gputrain.runtime.precision import Precision, RunPrecision
-    from gputrain.train.loss import LossRule
-    from gputrain.train.step import TrainStep
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.step.train_step import TrainStep
 
     x, y = data(32)
     after = []

@@ -1,4 +1,4 @@
-"""step.index and step.micro_index in a step of your own (train/own_step.py), and named losses returned
+"""step.index and step.micro_index in a step of your own (train/step/own_step.py), and named losses returned
 on some steps only: an n_critic WGAN-GP that branches on step.index resumes bit-equal from a stop at
 any step, its generator loss is logged as the mean over the steps that returned it (and how many),
 nothing is read on the host per step, and a CUDA graph (the CPU stand-in) does not capture a step
@@ -122,7 +122,7 @@ def test_a_step_that_reads_step_index_reads_nothing_on_the_host_per_step():
     """Ten steps of the n_critic WGAN-GP, the generator's first step (its loss's first sums) among
     them: no host read; the log point reads them all."""
     from gputrain.diagnostics.syncs import watch_host_reads
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     model, kw = _wgan()
     trainer = Trainer(model, examples.digits(), config=TrainConfig(**{**CFG, "steps": 40, "log_every": 40}), **kw)

@@ -450,7 +450,7 @@ def test_the_reporter_reports_evaluations_and_prunes_with_no_extra_host_reads():
     assert [s for s, _ in watch.trial.reports] == [10, 20, 30, 40]  # the evaluations, not every log point
     assert watch.pruned_at is None and watch.records is not None
 
-    from gputrain.train.callbacks import CallbackList
+    from gputrain.train.loop.callbacks import CallbackList
 
     assert CallbackList([watch]).per_step == []  # log points only: the CUDA-graph decision is the same
 

@@ -200,7 +200,7 @@ def test_the_profiler_flag_is_read_live_and_taken_as_on_without_it(without):
 
 
 def test_without_the_hook_dicts_every_step_goes_through_torchs_wrapper(monkeypatch):
-    from gputrain.train import optimizer_calls
+    from gputrain.train.optim import calls as optimizer_calls
 
     opt = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=0.1)
     assert optimizer_calls._unwrapped_step(opt) is not None  # the shortcut on this torch
@@ -212,7 +212,7 @@ def test_without_the_hook_dicts_every_step_goes_through_torchs_wrapper(monkeypat
 
 
 def test_a_scaled_learning_rate_is_what_get_last_lr_reports(without):
-    from gputrain.train.callbacks import scale_schedule
+    from gputrain.train.loop.callbacks import scale_schedule
 
     opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)

@@ -203,7 +203,7 @@ def test_cuda_graphs_fall_back_on_cpu_with_a_reason():
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_graphed_step_matches_eager_on_gpu(schedule):
     """Graphs (one per batch shape: 50 and the last, partial 6) end where eager steps end."""
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     x, y = data(256)
     runs = {}
@@ -231,7 +231,7 @@ def test_graphed_steps_assemble_augmented_uint8_batches_like_eager_steps_on_gpu(
     """uint8 images normalized, crop-flipped and made channels_last inside the graph: the run ends
     where the eager run ends (same order and draws per epoch)."""
     from gputrain.data import BatchTransform
-    from gputrain.train.trainer import Trainer
+    from gputrain.train.loop.trainer import Trainer
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (200, 3, 16, 16), dtype=torch.uint8, generator=g)
@@ -257,10 +257,10 @@ def test_graphed_steps_assemble_augmented_uint8_batches_like_eager_steps_on_gpu(
 def test_graph_input_copies_are_skipped_only_for_unchanged_batches():
     """Full-batch training passes the same tensor each step: no copy; an in-place change is seen."""
     from gputrain.runtime.precision import RunPrecision, resolve_precision
-    from gputrain.train.graphs import GraphedStep
-    from gputrain.train.loss import LossRule
-    from gputrain.train.optim import make_optimizer
-    from gputrain.train.step import TrainStep
+    from gputrain.train.step.graphs import GraphedStep
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.optim.build import make_optimizer
+    from gputrain.train.step.train_step import TrainStep
 
     dev = torch.device("cuda")
     x, y = (t.to(dev) for t in data(64))

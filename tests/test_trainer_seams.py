@@ -134,7 +134,7 @@ def test_accumulation_marks_forward_and_backward_per_micro_batch():
 
 def test_eager_losses_are_kept_then_folded_every_fold_every_steps(monkeypatch):
     """No op per step for the loss; the kept list stays bounded; the sum read is every step's loss."""
-    from gputrain.train import step as step_module
+    from gputrain.train.step import train_step as step_module
 
     monkeypatch.setattr(step_module, "FOLD_EVERY", 4)
     t = _trainer()
@@ -161,7 +161,7 @@ def test_a_graphed_step_adds_each_loss_in_place():
     step to in-place sums before anything runs (kept losses already there are folded in)."""
     import types
 
-    from gputrain.train.graphs import GraphedStep
+    from gputrain.train.step.graphs import GraphedStep
 
     t = _trainer()
     t.train_step.keep_loss = t.train_step.pending.append  # the eager CUDA step's way (the CPU adds in place)

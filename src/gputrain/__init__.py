@@ -20,10 +20,10 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers (at run time __geta
     from gputrain.runs import fit_config
     from gputrain.sweeps import SweepResult, sweep
     from gputrain.train import Trainer, fit, fit_workload
-    from gputrain.train.callbacks import Callback, RunControl
-    from gputrain.train.early_stopping import EarlyStopping
-    from gputrain.train.ema import EMA
-    from gputrain.train.inference import evaluate, predict
+    from gputrain.train.loop.callbacks import Callback, RunControl
+    from gputrain.train.loop.early_stopping import EarlyStopping
+    from gputrain.train.loop.ema import EMA
+    from gputrain.train.evaluation.inference import evaluate, predict
     from gputrain.workloads import Workload, get_workload
 
 from gputrain.version import __version__
@@ -40,12 +40,12 @@ _LAZY = {
     "Workload": "gputrain.workloads",
     "get_workload": "gputrain.workloads",
     "memory_stats": "gputrain.diagnostics.memory_stats",
-    "Callback": "gputrain.train.callbacks",
-    "RunControl": "gputrain.train.callbacks",
-    "EarlyStopping": "gputrain.train.early_stopping",
-    "EMA": "gputrain.train.ema",
-    "evaluate": "gputrain.train.inference",
-    "predict": "gputrain.train.inference",
+    "Callback": "gputrain.train.loop.callbacks",
+    "RunControl": "gputrain.train.loop.callbacks",
+    "EarlyStopping": "gputrain.train.loop.early_stopping",
+    "EMA": "gputrain.train.loop.ema",
+    "evaluate": "gputrain.train.evaluation.inference",
+    "predict": "gputrain.train.evaluation.inference",
     "count_tokens": "gputrain.data.tokens",
     "sweep": "gputrain.sweeps",
     "SweepResult": "gputrain.sweeps",
@@ -55,7 +55,7 @@ _IMPORT_SECONDS = _time.perf_counter() - _IMPORT_STARTED  # torch's import inclu
 
 
 def import_seconds() -> float:
-    """Seconds `import gputrain` took in this process (train/startup_costs.py)."""
+    """Seconds `import gputrain` took in this process (train/loop/startup_costs.py)."""
     return _IMPORT_SECONDS
 
 

@@ -3,7 +3,7 @@
 Models return a tensor, an object with `.loss` / `.logits` (a Hugging Face `ModelOutput`), a
 Mapping with "loss" / "logits", or a tuple or list with one scalar tensor among its elements (the
 loss: nanoGPT's `(logits, loss)`, a Hugging Face model's `(loss, logits, ...)` with
-`return_dict=False`). Training (train/loss.py), evaluation, inference and export read outputs
+`return_dict=False`). Training (train/step/loss.py), evaluation, inference and export read outputs
 through these functions.
 """
 

@@ -1,4 +1,4 @@
-"""gputrain.train.signals.agree_to_stop in 2 processes over gloo; started by tests/test_signals.py.
+"""gputrain.train.loop.signals.agree_to_stop in 2 processes over gloo; started by tests/test_signals.py.
 
 usage: agree_to_stop.py RANK WORLD_SIZE STORE_FILE OUT_DIR
 
@@ -17,7 +17,7 @@ import time
 import torch.distributed as dist
 
 from gputrain.runtime.distributed import DistInfo
-from gputrain.train import signals
+from gputrain.train.loop import signals
 
 
 def main(rank, world, store_file, out_dir):

@@ -24,7 +24,7 @@ from torch import nn
 
 from gputrain import TrainConfig
 from gputrain.runtime import distributed
-from gputrain.train.trainer import Trainer
+from gputrain.train.loop.trainer import Trainer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")

@@ -76,7 +76,7 @@ def _trainer(features: int, width: int, classes: int, batch: int, device: torch.
 
 
 class Stepped(Protocol):
-    """What the grid reads of a Trainer (train/trainer.py): its step as the loop runs it, and
+    """What the grid reads of a Trainer (train/loop/trainer.py): its step as the loop runs it, and
     whether that step replays from a CUDA graph ("on", or "off: why")."""
 
     def train_one_step(self) -> None: ...
@@ -87,7 +87,7 @@ class Stepped(Protocol):
 def training_step(trainer: Stepped) -> Callable[[], None]:
     """The trainer's step as `fit` runs it; when graphed, warmed up and captured before timing."""
     if trainer.graph_status() == "on":  # cuda-only: graphs run on CUDA only
-        from gputrain.train.graphs import WARMUP_STEPS
+        from gputrain.train.step.graphs import WARMUP_STEPS
 
         for _ in range(WARMUP_STEPS + 1):  # eager warm-up steps, then the capture
             trainer.train_one_step()

@@ -10,12 +10,12 @@ its name; `RunCheckpoint` composes them, in load order:
   scaler      the precision's GradScaler state (`RunPrecision`)
   scheduler   the learning-rate schedule
   rng         every global random-number generator
-  run         the run's state (train/state.py: step, samples, loss since the last log point, ...), the stream's
+  run         the run's state (train/loop/state.py: step, samples, loss since the last log point, ...), the stream's
               position and the step's OOM splits
   data        the data position (data/stream.py); each rank's own, also saved as `data_ranks`
   history     the log records so far
   callbacks   each callback's own state (EMA weights, ...)
-  carried     what steps carry from one to the next (train/carried_state.py: fit's state=, step.state);
+  carried     what steps carry from one to the next (train/step/carried_state.py: fit's state=, step.state);
               each rank's own, also saved as `carried_ranks`
 
 plus, for readers of the file, the run's `step`, `epoch`, `batch_in_epoch`, `samples_seen`,
@@ -123,13 +123,13 @@ class Stateful(Protocol):
 
 
 class Splits(Protocol):
-    """The step's OOM splits (train/step.py): each micro-batch is cut into this many pieces."""
+    """The step's OOM splits (train/step/train_step.py): each micro-batch is cut into this many pieces."""
 
     splits: int
 
 
 class RunPart:
-    """The run state (train/state.py's RunState), with the position of the stream (`epoch`,
+    """The run state (train/loop/state.py's RunState), with the position of the stream (`epoch`,
     `batch_in_epoch`) and the step's OOM `splits`, which live on those objects while the run goes on."""
 
     def __init__(self, state: Stateful, stream: BatchStream, step: Splits):
@@ -179,7 +179,7 @@ class HistoryPart:
 
 
 class Callbacks(Protocol):
-    """The run's callbacks (train/callbacks.py's CallbackList): their states, given the run's control."""
+    """The run's callbacks (train/loop/callbacks.py's CallbackList): their states, given the run's control."""
 
     def state_dict(self, run: Any, /) -> dict[str, Any]: ...
 
@@ -187,7 +187,7 @@ class Callbacks(Protocol):
 
 
 class CallbacksPart:
-    """Each callback's own state, under its `state_key` (train/callbacks.py)."""
+    """Each callback's own state, under its `state_key` (train/loop/callbacks.py)."""
 
     def __init__(self, callbacks: Callbacks, control: Any):
         self.callbacks, self.control = callbacks, control
@@ -269,7 +269,7 @@ class PartsSource(Protocol):
     @property
     def module(self) -> nn.Module: ...  # the plain module
     @property
-    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optimizer_set.py)
+    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optim/by_name.py)
     @property
     def precision(self) -> Stateful: ...
     @property

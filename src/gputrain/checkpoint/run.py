@@ -37,7 +37,7 @@ log = logging.getLogger("gputrain")
 
 
 class Step(Protocol):
-    """The run's position (train/state.py's RunState): optimizer steps done."""
+    """The run's position (train/loop/state.py's RunState): optimizer steps done."""
 
     step: int
 
@@ -74,7 +74,7 @@ class Checkpointed(Place, Protocol):
     @property
     def model(self) -> nn.Module: ...  # as trained: wrapped for DDP/FSDP or compiled
     @property
-    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optimizer_set.py)
+    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optim/by_name.py)
 
 
 class Saving(Waiting, Checkpointed, Protocol):
@@ -119,13 +119,13 @@ class Stopping(Waiting, Place, Protocol):
     @property
     def module(self) -> nn.Module: ...
     @property
-    def loss(self) -> Callable[[nn.Module, Any], Any]: ...  # train/loss.py's LossRule: the note's forward
+    def loss(self) -> Callable[[nn.Module, Any], Any]: ...  # train/step/loss.py's LossRule: the note's forward
 
     def save_checkpoint(self, path: Path | None = None) -> Path | None: ...
 
 
 class Signals(Protocol):
-    """The stop signal received (train/signals.py's StopSignals)."""
+    """The stop signal received (train/loop/signals.py's StopSignals)."""
 
     @property
     def name(self) -> str | None: ...
@@ -300,7 +300,7 @@ def _model_state(t: Resuming, state: dict[str, Any], path: Path) -> dict[str, An
 
 def _check_decay_groups(t: Resuming, state: dict[str, Any], path: Path) -> None:
     """The default AdamW keeps biases and normalization weights in a group without weight decay
-    (train/optim.py); a checkpoint written with one group for all (before that, or with
+    (train/optim/build.py); a checkpoint written with one group for all (before that, or with
     weight_decay_groups=False) resumes only with the same layout, and the other way round."""
     saved = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
     live = t.optimizer.param_groups if isinstance(t.optimizer, torch.optim.Optimizer) else None
@@ -408,7 +408,7 @@ def _lost_worker(exc: BaseException) -> bool:
 def stop_for_signal(t: Stopping, signals: Signals, any_rank: Callable[[bool], bool]) -> None:
     """A stop signal came: checkpoint (every rank takes part; rank 0 writes), requeue a Slurm job that
     asked for it, and raise StopRequested with how to resume. `any_rank(flag)`: whether any rank's flag
-    is true (train/signals.py's agree_to_stop, a collective with several processes)."""
+    is true (train/loop/signals.py's agree_to_stop, a collective with several processes)."""
     st = t.state
     name = signals.name or "a stop signal (on another rank)"
     code = signals.exit_code or 143

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from gputrain.train.inference import evaluate
+    from gputrain.train.evaluation.inference import evaluate
     from gputrain.workloads.run_data import run_data
 
     r = trained.load(args)

@@ -59,7 +59,7 @@ def _example_inputs(r):
     import torch
 
     from gputrain.data import BatchTransform, make_loader
-    from gputrain.train.loss import is_pair
+    from gputrain.train.step.loss import is_pair
 
     splits = r.workload.make_data()
     data = splits.test if splits.test is not None else splits.train

@@ -69,8 +69,8 @@ def memory_report(args) -> dict[str, Any]:
     from gputrain.errors import ConfigError
     from gputrain.runtime.devices import pick_device
     from gputrain.runtime.oom import free_after_oom, is_oom
-    from gputrain.train.fit import workload_config
-    from gputrain.train.loss import LossRule
+    from gputrain.train.loop.fit import workload_config
+    from gputrain.train.step.loss import LossRule
     from gputrain.workloads import resolve_workload
 
     workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))

@@ -26,7 +26,7 @@ def run(args) -> int:
     from gputrain.batch import describe
     from gputrain.errors import ConfigError
     from gputrain.io.preflight import check_output_file
-    from gputrain.train.inference import predict, save_outputs
+    from gputrain.train.evaluation.inference import predict, save_outputs
     from gputrain.workloads.run_data import run_data
 
     if args.out:  # before the model is built or run: a bad --out costs nothing

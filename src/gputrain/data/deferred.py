@@ -8,7 +8,7 @@ A `DeferredBatch` carries only where its samples are (e.g. the first position in
 graph captures `build` together with the training step, so a replayed step reads the data where
 they lie and the host writes one scalar (or nothing) per step.
 
-The contract, for the graph wrapper (train/graphs.py):
+The contract, for the graph wrapper (train/step/graphs.py):
   key            hashable; batches with the same key have the same structure and shapes
   num_samples    the batch size (host metadata)
   new_inputs()   fresh tensors the graph will read each step (may be empty)

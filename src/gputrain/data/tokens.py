@@ -1,6 +1,6 @@
 """Counting the tokens a language-model loss averages over, for `fit(num_items=...)`.
 
-A step's gradient is the mean over its items when `num_items` counts them (train/step.py), so the
+A step's gradient is the mean over its items when `num_items` counts them (train/step/train_step.py), so the
 count must be exactly the positions the model's loss averages over. For a causal language model
 that shifts the labels itself (Hugging Face `*ForCausalLM`: position t predicts label t+1), the
 first label of each row is never predicted: `(labels != -100).sum()` counts one token per row too

@@ -48,7 +48,7 @@ def candidates(config, device: torch.device, model: nn.Module, include_compile: 
     CUDA: cuda_graphs on/off x precision (bf16, or fp16 without bf16; and fp32), plus channels_last
     with the low precision for conv nets: at most 6 sets, and 1 compiled set after them (<= 7).
     CPU/MPS: precision fp32/bf16 x channels_last on/off for conv nets (<= 4): the measurement that fit's
-    own first step makes for long runs (train/layout.py). A channels_last set whose step failed in NHWC
+    own first step makes for long runs (train/step/layout.py). A channels_last set whose step failed in NHWC
     (and ran again in the user's layout) is an error row, never the winner.
     `include_compile` is used by `autotune` (default: on CUDA only).
     """
@@ -101,7 +101,7 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if trainer.graph_status() == "on":  # cuda-only; eager warm-up steps, then the capture, stay out of the timing
-            from gputrain.train.graphs import WARMUP_STEPS as GRAPH_WARMUP
+            from gputrain.train.step.graphs import WARMUP_STEPS as GRAPH_WARMUP
 
             warmup = max(warmup, GRAPH_WARMUP + 2)
         t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         if device.type == "cuda":
             row["peak_memory"] = int(torch.cuda.max_memory_allocated(device))
         if overrides.get("channels_last") and not trainer.speed.channels_last:
-            # A step failed in NHWC and ran again in the user's layout (train/layout.py): this set is not NHWC.
+            # A step failed in NHWC and ran again in the user's layout (train/step/layout.py): this set is not NHWC.
             row["status"] = f"error: channels_last refused: {trainer.speed.reasons['channels_last']}"[:300]
         try:
             row["graphs"] = trainer.graph_status()
@@ -188,12 +188,13 @@ def _batch_note(config) -> str:
 
 def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Path | None = None,
              force: bool = False, include_compile: bool | None = None,
-             trial: Callable | None = None) -> tuple[Any, dict]:
-    """Try the candidates on `workload`, keep the fastest; returns (config with the choice, report)."""
-    from gputrain.runtime.devices import pick_device
+             trial: Callable | None = None, device: torch.device | None = None) -> tuple[Any, dict]:
+    """Try the candidates on `workload`, keep the fastest; returns (config with the choice, report).
+    device: the run's, where the caller decided it (runs/train.py); else config.device's."""
+    from gputrain.runtime.distributed import process_device
 
     trial = trial or run_trial
-    device = pick_device(config.device)
+    device = device if device is not None else process_device(config.device)
     config = config.replace(device=str(device))
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     key, parts = cache_key(workload, config, device)

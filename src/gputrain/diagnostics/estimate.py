@@ -9,7 +9,7 @@
   another batch size, and the largest batch that fits a budget.
 
 Everything returns plain data (dicts of bytes); `gputrain memory` renders it. Batches are cut with
-batch.py and turned into a loss by train/loss.py's rule (probe.as_loss_rule).
+batch.py and turned into a loss by train/step/loss.py's rule (probe.as_loss_rule).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from gputrain.diagnostics.probe import StepProbe, as_loss_rule
 from gputrain.diagnostics.saved_tensors import measure_saved, nbytes, side_effect_free, unique_parameters
 from gputrain.errors import ConfigError, DataError
 from gputrain.runtime.precision import Precision
-from gputrain.train.recompute import RecomputeUnit, recompute_units
-from gputrain.train.loss import LossRule
+from gputrain.train.step.recompute import RecomputeUnit, recompute_units
+from gputrain.train.step.loss import LossRule
 
 # Optimizer state tensors per parameter (each the parameter's shape and dtype).
 OPTIMIZER_STATES = {

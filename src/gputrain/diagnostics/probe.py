@@ -6,7 +6,7 @@ own parts, in the Trainer's order:
 - precision: `resolve_precision` in one `RunPrecision` (TF32 set; `close()` gives it back);
 - the speed switches: `decide_speed` (channels_last, cudnn.benchmark, compile, CUDA graphs),
   applied as the Trainer applies them; channels_last "auto" on a conv net is decided on the first
-  batch the probe steps, by fit's rule (train/layout.py: on the CPU only for runs of
+  batch the probe steps, by fit's rule (train/step/layout.py: on the CPU only for runs of
   `CPU_TIMED_MIN_STEPS` steps or more, so a memory probe of a short run keeps the user's layout);
 - recompute where the config asks for it, then torch.compile where it does;
 - the optimizer from `make_optimizer` with lr 0 (the weights do not change; its state takes its
@@ -37,11 +37,11 @@ from gputrain.errors import ConfigError
 from gputrain.outputs import loss_of
 from gputrain.runtime.precision import Precision, RunPrecision, resolve_precision
 from gputrain.runtime.speed import decide_speed
-from gputrain.train.graphs import WARMUP_STEPS, GraphedStep
-from gputrain.train.layout import LayoutGate, MemoryFormats
-from gputrain.train.loss import LossRule, call_model, is_pair
-from gputrain.train.optim import make_optimizer
-from gputrain.train.step import TrainStep
+from gputrain.train.step.graphs import WARMUP_STEPS, GraphedStep
+from gputrain.train.step.layout import LayoutGate, MemoryFormats
+from gputrain.train.step.loss import LossRule, call_model, is_pair
+from gputrain.train.optim.build import make_optimizer
+from gputrain.train.step.train_step import TrainStep
 
 # Optimizers besides the Trainer's AdamW whose state `gputrain memory --optimizer` can count, as the
 # factories a user would pass (lr 0).
@@ -117,11 +117,11 @@ class StepProbe:
         self.speed.apply(device)
         self.recomputed: list[str] = []
         if cfg.recompute:
-            from gputrain.train.recompute import apply_recompute
+            from gputrain.train.step.recompute import apply_recompute
 
             self.recomputed = apply_recompute(self.module, None if cfg.recompute is True else list(cfg.recompute))
         self.model = self.module
-        if cfg.compile:  # whole or regional, as the trainer compiles (train/compiling.py), with its reason
+        if cfg.compile:  # whole or regional, as the trainer compiles (train/loop/compiling.py), with its reason
             from gputrain.runtime.compile_regions import compile_model
 
             done = compile_model(self.module, regional=cfg.compile == "regional", mode=cfg.compile_mode)
@@ -135,7 +135,7 @@ class StepProbe:
                                     max_grad_norm=cfg.max_grad_norm, oom_recovery=False,
                                     params=list(self.module.parameters()), skip_nonfinite=cfg.on_nan == "skip")
         self._graphed: GraphedStep | None = None
-        # channels_last "auto" on a conv net: decided on the first batch, as fit decides it (train/layout.py).
+        # channels_last "auto" on a conv net: decided on the first batch, as fit decides it (train/step/layout.py).
         self.layout = LayoutGate(self.train_step, module=model, speed=self.speed, loss=loss, precision=self.precision,
                                  device=device, total_steps=cfg.steps or 0, optimizers=[self.optimizer],
                                  formats=formats)

@@ -95,7 +95,7 @@ class _PhaseClock:
 
 
 class Profiled(Protocol):
-    """What profile reads of the Trainer (train/trainer.py) it builds: the loop's own iterations,
+    """What profile reads of the Trainer (train/loop/trainer.py) it builds: the loop's own iterations,
     with phase marks or each step in a range of its own, one step's FLOPs, and the run's decisions."""
 
     device: torch.device
@@ -192,7 +192,8 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
     (detect_syncs; unsupported off CUDA), host_reads (count_host_reads), verdict (diagnose) and
     the files written. Raises ConfigError/DeviceError for an impossible config.
     """
-    from gputrain.runtime.devices import pick_device, synchronizer
+    from gputrain.runtime.devices import synchronizer
+    from gputrain.runtime.distributed import process_device
     from gputrain.runtime.precision import resolve_precision
 
     from gputrain.errors import ConfigError
@@ -205,7 +206,7 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
 
         workload = resolve_workload(workload)
     config = config or default_config(workload)
-    device = pick_device(config.device)
+    device = process_device(config.device)
     precision = resolve_precision(config.precision, device)
     sync = synchronizer(device)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gputrain-profile-"))

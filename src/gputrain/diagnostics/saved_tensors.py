@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from gputrain.runtime.precision import Precision
-from gputrain.train.recompute import RecomputeUnit
-from gputrain.train.loss import LossRule
+from gputrain.train.step.recompute import RecomputeUnit
+from gputrain.train.step.loss import LossRule
 from gputrain.train.modes import UserModes
 
 
@@ -125,7 +125,7 @@ def measure_saved(model: nn.Module, batch: Any, loss: LossRule, autocast_dtype: 
                   units: Sequence[RecomputeUnit] = ()) -> tuple[int, dict[str, int], dict[str, int]]:
     """One forward + loss under the meter: (saved bytes, saved bytes per unit, input bytes per unit).
 
-    batch: on `device`; loss: how it becomes a loss (train/loss.py); autocast_dtype: the run's
+    batch: on `device`; loss: how it becomes a loss (train/step/loss.py); autocast_dtype: the run's
     autocast (None: none); units: blocks (recompute.recompute_units) to attribute
     the bytes to, and whose inputs to count. The caller keeps it side-effect free (`side_effect_free`).
     """

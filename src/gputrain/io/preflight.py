@@ -192,7 +192,7 @@ def estimate_checkpoint_bytes(model: torch.nn.Module,
         optimizer = "adamw"
     if isinstance(optimizer, torch.optim.Optimizer):
         opt_bytes = _optimizer_bytes(optimizer)
-    elif hasattr(optimizer, "optimizers"):  # several by name (a step of your own: train/optimizer_set.py)
+    elif hasattr(optimizer, "optimizers"):  # several by name (a step of your own: train/optim/by_name.py)
         opt_bytes = sum(_optimizer_bytes(o) for o in getattr(optimizer, "optimizers").values())
     else:
         key = str(optimizer).strip().lower()

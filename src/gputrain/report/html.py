@@ -261,7 +261,7 @@ def _warnings(records: list[dict[str, Any]], s: dict[str, Any]) -> str:
     items: list[tuple[str, str]] = []  # (css class, text)
     for w in s.get("warnings") or []:
         items.append(("warn", str(w)))
-    for a in s.get("advice") or []:  # measured on this run, not printed in the terminal (train/run_summary.py)
+    for a in s.get("advice") or []:  # measured on this run, not printed in the terminal (train/loop/run_summary.py)
         items.append(("note", f"advice: {a}"))
     splits = s.get("oom_splits") or 1
     if isinstance(splits, (int, float)) and splits > 1:

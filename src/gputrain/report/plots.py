@@ -33,7 +33,7 @@ def plot_history(history, path: str | Path) -> Path | None:
     ax = fig.add_subplot(1, 2 if acc_keys else 1, 1)
     losses = []
     dots = {"marker": "o", "markersize": 3}
-    # a step of your own's named losses (train/own_step.py), beside their sum
+    # a step of your own's named losses (train/step/own_step.py), beside their sum
     named: list[tuple[str, str, dict[str, Any]]] = [(k, f"train {k.replace('_', ' ')}", {"linestyle": "--"}) for k in (history.summary or {}).get("step_losses") or {}
              if k != "loss"]
     for key, label, style in (("loss", "train loss", {}), *named, *[(k, k.replace("_", " "), dots) for k in loss_keys]):

@@ -1,5 +1,5 @@
 """The report's "Time to the first step" section: the run's measured setup parts (summary "startup",
-train/startup_costs.py), largest first, each with its share of the wall time from fit to the end of
+train/loop/startup_costs.py), largest first, each with its share of the wall time from fit to the end of
 the first optimizer step."""
 
 from __future__ import annotations

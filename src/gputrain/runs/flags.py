@@ -75,7 +75,7 @@ def stated(args: argparse.Namespace) -> RunConfig:
 def optimizer_settings(items: list[str]) -> dict[str, dict[str, Any]]:
     """{name: {key: value}} of the repeated `--optimizer NAME.KEY=VALUE` (betas as two numbers with a
     comma: 0.5,0.999), each checked as [optimizers.NAME] checks it; ConfigError naming the item."""
-    from gputrain.train.optimizer_set import check_optimizer_setting
+    from gputrain.train.optim.by_name import check_optimizer_setting
 
     out: dict[str, dict[str, Any]] = {}
     for item in items:

@@ -49,7 +49,7 @@ class WorkloadSpec:
     name: str = DEFAULT_WORKLOAD
     options: dict[str, Any] = field(default_factory=dict)
     # A workload with a step of its own: each named optimizer's settings ([optimizers.NAME]: lr, betas,
-    # weight_decay, ...; train/optimizer_set.py), set after the workload builds it. Recorded as the
+    # weight_decay, ...; train/optim/by_name.py), set after the workload builds it. Recorded as the
     # values the run used, the workload's defaults included.
     optimizers: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -103,8 +103,8 @@ def check_tree(source: TomlFile) -> RunConfig:
 
 
 def _check_optimizers(table: dict[str, Any], source: TomlFile) -> dict[str, dict[str, Any]]:
-    """[optimizers.NAME] tables: each a table of settings (train/optimizer_set.py checks each value)."""
-    from gputrain.train.optimizer_set import check_optimizer_setting
+    """[optimizers.NAME] tables: each a table of settings (train/optim/by_name.py checks each value)."""
+    from gputrain.train.optim.by_name import check_optimizer_setting
 
     out: dict[str, dict[str, Any]] = {}
     for name, values in table.items():

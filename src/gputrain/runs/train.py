@@ -36,7 +36,7 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     spec written out) are recorded; a refused run leaves no folder it made. callbacks: added to the
     spec's own (fit.early_stop, fit.ema): a sweep's trial reports through one.
     """
-    from gputrain.runtime.distributed import is_main_process
+    from gputrain.runtime.distributed import is_main_process, process_device
     from gputrain.train import fit_workload
 
     if workload is None:
@@ -47,19 +47,22 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     config = spec.train
     if config.run_dir:
         check_run_dir_owner(Path(config.run_dir), spec.workload.name, workload.name)
-    if "batch_size" in spec.auto:
-        config = _auto_batch_size(workload, config)
+    searched, tuned = "batch_size" in spec.auto, spec.fit.autotune or spec.fit.autotune_force
+    # The device decided once for what runs before the trainer, as the trainer will decide it.
+    device = process_device(config.device) if searched or tuned else None
+    if searched:
+        config = _auto_batch_size(workload, config, device)
     report = None
-    if spec.fit.autotune or spec.fit.autotune_force:
+    if tuned:
         from gputrain.diagnostics.autotune import autotune
 
-        config, report = autotune(workload, config, force=spec.fit.autotune_force)
+        config, report = autotune(workload, config, force=spec.fit.autotune_force, device=device)
     spec = RunSpec(spec.workload, config, spec.fit, tuple(k for k in spec.auto if k != "batch_size"),
                    spec.run_dir_stated)
     run_dir = Path(config.run_dir) if config.run_dir and is_main else None
     made = _missing_folders(run_dir) if run_dir is not None else []
 
-    from gputrain.train.optimizer_set import NamedOptimizers
+    from gputrain.train.optim.by_name import NamedOptimizers
 
     named = NamedOptimizers(workload.optimizers, spec.workload.optimizers) \
         if workload.step_fn is not None and workload.optimizers is not None else None
@@ -90,11 +93,11 @@ def spec_callbacks(spec: RunSpec) -> list:
     """The callbacks the run settings ask for: early_stop (patience, min_delta), ema."""
     callbacks: list = []
     if spec.fit.early_stop:
-        from gputrain.train.early_stopping import EarlyStopping
+        from gputrain.train.loop.early_stopping import EarlyStopping
 
         callbacks.append(EarlyStopping(spec.fit.early_stop, patience=spec.fit.patience, min_delta=spec.fit.min_delta))
     if spec.fit.ema is not None:
-        from gputrain.train.ema import EMA
+        from gputrain.train.loop.ema import EMA
 
         callbacks.append(EMA(spec.fit.ema))
     return callbacks
@@ -114,13 +117,11 @@ def check_run_dir_owner(run_dir: Path, spec: str, name: str) -> None:
                       "--run-dir (or none, for one under runs/)")
 
 
-def _auto_batch_size(workload, config):
-    """The largest micro-batch that fits on the GPU: a search, driven by out-of-memory errors, over the
-    step this run will train with (diagnostics/probe.py: the Trainer's optimizer and switches)."""
+def _auto_batch_size(workload, config, device):
+    """The largest micro-batch that fits on the GPU (`device`, the run's): a search, driven by
+    out-of-memory errors, over the step this run will train with (diagnostics/probe.py: the Trainer's
+    optimizer and switches)."""
     log = logging.getLogger("gputrain")
-    from gputrain.runtime.devices import pick_device
-
-    device = pick_device(config.device)
     if device.type != "cuda":
         log.warning("--batch-size auto needs a CUDA device (memory on %s is not bounded the same way): "
                     "using the workload's default %d", device.type, config.batch_size)
@@ -129,7 +130,7 @@ def _auto_batch_size(workload, config):
 
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
     from gputrain.diagnostics.probe import StepProbe, probe_batches
-    from gputrain.train.loss import LossRule
+    from gputrain.train.step.loss import LossRule
 
     model = workload.make_model().to(device)
     loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)

@@ -99,6 +99,23 @@ def _rank_device(device_spec: str, local_rank: int) -> torch.device:
     return device
 
 
+def process_device(device_spec: str = "auto") -> torch.device:
+    """The device this process trains on, as `init_distributed` will give it, decided without joining a
+    process group: for what a run does before its trainer (the batch-size search, autotune), so that
+    they use the device the trainer will. One process: `pick_device(device_spec)`; one of several
+    (a process group that exists, torchrun's or Slurm's environment): the rank's device."""
+    from gputrain.runtime.devices import pick_device
+    from gputrain.runtime.slurm import env_int, slurm_task
+
+    if dist.is_available() and dist.is_initialized():
+        return _rank_device(device_spec, env_int(os.environ, "LOCAL_RANK", dist.get_rank()))
+    task = slurm_task()
+    env: Mapping[str, str] = {**os.environ, **task.as_env()} if task is not None else os.environ
+    if env_int(env, "WORLD_SIZE", 1) <= 1:
+        return pick_device(device_spec)
+    return _rank_device(device_spec, env_int(env, "LOCAL_RANK", 0))
+
+
 def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes, or run as a single process.
 

@@ -3,7 +3,7 @@
 "auto" resolves to bf16 on a CUDA GPU with bf16 tensor cores, fp16 (with a GradScaler) on older
 CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError. An
 automatic autocast that the model's first step refuses becomes fp32 for the run (`fp32_instead`,
-`RunPrecision.change`: train/precision_gate.py).
+`RunPrecision.change`: train/step/precision_gate.py).
 
 `Precision` is the value; `RunPrecision` is the run's one object that owns what follows from it:
 the autocast context (`Precision.autocast` is the only place gputrain enters autocast), the loss
@@ -97,7 +97,7 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
 
 def fp32_instead(failed: Precision, why: str) -> Precision:
     """fp32 (no autocast, no loss scaling, TF32 off as for fp32) for a run whose automatic `failed`
-    precision the model's first step refused (train/precision_gate.py); `why` names the error."""
+    precision the model's first step refused (train/step/precision_gate.py); `why` names the error."""
     return Precision("fp32", None, False, False,
                      f"auto: fp32, since the first step failed under {failed.name} autocast and runs without it: {why}")
 
@@ -171,22 +171,31 @@ class RunPrecision:
     def autocast(self):
         return self.precision.autocast(self.device)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward on: times the loss scale in fp16, else itself."""
+        return self.scaler.scale(loss) if self.precision.use_scaler else loss
+
     def backward(self, loss: torch.Tensor) -> None:
-        if self.precision.use_scaler:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()  # what a disabled scaler does, without its pass-through calls
+        self.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+        self.scaler.unscale_(optimizer)  # a disabled scaler (not fp16) returns at once
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """optimizer.step() through the scaler (which skips steps with inf/NaN gradients in fp16)."""
+    def step(self, optimizer: torch.optim.Optimizer, update: bool = True) -> None:
+        """optimizer.step() through the scaler (which skips steps with inf/NaN gradients in fp16), then
+        the scale's update; `update=False` where several optimizers step from one backward (each steps,
+        then `update()` once)."""
         if not self.precision.use_scaler:
             optimizer.step()  # what a disabled scaler does, without its pass-through calls
             return
         self.scaler.step(optimizer)
-        self.scaler.update()
+        if update:
+            self.scaler.update()
+
+    def update(self) -> None:
+        """The loss scale's update after a step's optimizers stepped (fp16; else nothing)."""
+        if self.precision.use_scaler:
+            self.scaler.update()
 
     def change(self, precision: Precision) -> None:
         """The run's precision is `precision` from now on (in place: the step, the evaluator and the
@@ -213,6 +222,6 @@ class RunPrecision:
     def load_state_dict(self, state: dict) -> None:
         if not state and self.scaler.is_enabled():
             # Saved without loss scaling (an automatic fp16 that the first step turned into fp32,
-            # train/precision_gate.py): this run's scaler starts from its initial scale.
+            # train/step/precision_gate.py): this run's scaler starts from its initial scale.
             return
         self.scaler.load_state_dict(state)

@@ -8,7 +8,7 @@ torchrun. torchrun's own variables win when both are present (torchrun started i
 allocation).
 
 `sbatch --signal=USR1@120` makes Slurm send SIGUSR1 to every task 120 s before the time limit; the
-trainer then checkpoints and stops (train/signals.py), and `requeue_after_stop` puts a requeuable
+trainer then checkpoints and stops (train/loop/signals.py), and `requeue_after_stop` puts a requeuable
 job (`sbatch --requeue`) back in the queue with `scontrol requeue $SLURM_JOB_ID`. The next start
 runs the same script, whose `--resume RUN_DIR` continues from the newest checkpoint that verifies.
 `gputrain slurm` (commands/slurm.py) writes such a script.
@@ -203,7 +203,7 @@ def requeue_after_stop(local_signal: int | None, dist_info, env: Mapping[str, st
     """After a stop's checkpoint: when the stop was Slurm's SIGUSR1 (on any rank) in a Slurm job that
     is requeuable, rank 0 runs `scontrol requeue $SLURM_JOB_ID`. Returns True on the rank that
     requeued. `any_rank(flag)`: whether any rank's flag is true, a collective the caller provides with
-    several processes (train/signals.py's agree_to_stop), so every rank calls this at the same point.
+    several processes (train/loop/signals.py's agree_to_stop), so every rank calls this at the same point.
     """
     env = os.environ if env is None else env
     usr1 = any_rank(local_signal == signal.SIGUSR1)

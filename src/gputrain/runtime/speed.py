@@ -39,7 +39,7 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
                    step_hooks: Sequence[str] = ()) -> str | None:
     """Why the whole step cannot be captured in a CUDA graph, or None when it can.
 
-    step_hooks: the callbacks that asked for a hook after every step (train/callbacks.py); callbacks
+    step_hooks: the callbacks that asked for a hook after every step (train/loop/callbacks.py); callbacks
     that run at log points only do not change the answer.
 
     optimizer: None when gputrain builds it (then capturable), an Optimizer instance given by the
@@ -84,7 +84,7 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
 def scheduler_blocker(scheduler) -> str | None:
     """Why the run's scheduler keeps the step out of a CUDA graph, or None. A captured optimizer step
     keeps the Python numbers it was given; torch's OneCycleLR and CyclicLR (cycle_momentum=True, their
-    default) write beta1 / momentum as Python numbers every step. (train/graphs.py also switches graphs
+    default) write beta1 / momentum as Python numbers every step. (train/step/graphs.py also switches graphs
     off at the first replay after any such value changes; this says so before the run starts.)"""
     if getattr(scheduler, "cycle_momentum", False):
         return (f"the scheduler {type(scheduler).__name__} cycles the momentum (cycle_momentum=True): it writes the "
@@ -102,7 +102,7 @@ class SpeedSwitches:
     cuda_graphs: bool
     compile: bool
     reasons: dict[str, str] = field(default_factory=dict)
-    layout_probe: str | None = None  # "check" / "time": channels_last decided on the first batch (train/layout.py)
+    layout_probe: str | None = None  # "check" / "time": channels_last decided on the first batch (train/step/layout.py)
     _benchmark_before: bool | None = None
 
     def apply(self, device: torch.device) -> None:
@@ -132,8 +132,8 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
                  optimizer=None, step_hooks: Sequence[str] = (), own_step=None,
                  probe_layout: bool = False) -> SpeedSwitches:
     """Decide every switch once from the config ("auto" or a forced value), the model and the device.
-    own_step: your step_fn (train/own_step.py), captured only when cuda_graphs=True asks for it.
-    probe_layout: the caller runs the first step through train/layout.py's LayoutGate, which decides
+    own_step: your step_fn (train/step/own_step.py), captured only when cuda_graphs=True asks for it.
+    probe_layout: the caller runs the first step through train/step/layout.py's LayoutGate, which decides
     channels_last there ("auto" on a conv net); else the rule without a probe (`_layout`)."""
     cuda = device.type == "cuda"
     conv = has_conv(model)
@@ -184,7 +184,7 @@ def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layo
     A forced value stands. "auto": off without 2-D convolutions; on CUDA the first step checks that NHWC
     runs and gives the same loss, and cuDNN's NHWC kernels decide the rest (the CUDA rule; with several
     processes every rank takes the rule unprobed, so the ranks cannot disagree); on the CPU the first
-    step checks and times it (train/layout.py). A caller that runs no first step through a LayoutGate
+    step checks and times it (train/step/layout.py). A caller that runs no first step through a LayoutGate
     (probe_layout False) gets the CUDA rule on CUDA and NCHW elsewhere."""
     if value != "auto":
         reasons["channels_last"] = "requested"
@@ -220,7 +220,7 @@ def choices_made(speed: SpeedSwitches, precision_name: str, autocast_dtype: torc
     with the switch that turns it off (for the note after a failed first step); forced ones are the
     user's, except autocast, which is named either way ("as you requested": REQUESTED), since torch
     refuses some ops under it ("unsafe to autocast") and an automatic one the first step refuses is
-    already undone (train/precision_gate.py)."""
+    already undone (train/step/precision_gate.py)."""
     out = []
     if speed.channels_last and speed.reasons.get("channels_last") != "requested":
         out.append("channels_last (NHWC weights and inputs; off: channels_last=False, --channels-last off)")

@@ -156,22 +156,22 @@ _ENTRIES = [
     Private("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "runtime/distributed.py, checkpoint/format.py",
             CHECKED, "none needed at run time: a model without it is taken as not compiled",
             _find_compiled_module_attr),
-    # ---- the optimizer's per-step calls (train/optimizer_calls.py)
-    Private("torch.optim.Optimizer.profile_hook_step", "train/optimizer_calls.py",
+    # ---- the optimizer's per-step calls (train/optim/calls.py)
+    Private("torch.optim.Optimizer.profile_hook_step", "train/optim/calls.py",
             f"{CHECKED}: the wrapper around every optimizer class's step",
-            "optimizer.step() is called through torch's wrapper (its host time: see train/optimizer_calls.py)"),
-    Private("torch.optim.optimizer._global_optimizer_pre_hooks", "train/optimizer_calls.py", CHECKED,
+            "optimizer.step() is called through torch's wrapper (its host time: see train/optim/calls.py)"),
+    Private("torch.optim.optimizer._global_optimizer_pre_hooks", "train/optim/calls.py", CHECKED,
             "optimizer.step() is called through torch's wrapper"),
-    Private("torch.optim.optimizer._global_optimizer_post_hooks", "train/optimizer_calls.py", CHECKED,
+    Private("torch.optim.optimizer._global_optimizer_post_hooks", "train/optim/calls.py", CHECKED,
             "optimizer.step() is called through torch's wrapper"),
-    Private("torch.optim.Optimizer()._optimizer_step_pre_hooks/_optimizer_step_post_hooks", "train/optimizer_calls.py",
+    Private("torch.optim.Optimizer()._optimizer_step_pre_hooks/_optimizer_step_post_hooks", "train/optim/calls.py",
             CHECKED, "optimizer.step() is called through torch's wrapper",
             _instance_attributes(_tiny_optimizer, ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"))),
-    Private("torch.autograd.profiler._is_profiler_enabled", "train/optimizer_calls.py",
+    Private("torch.autograd.profiler._is_profiler_enabled", "train/optim/calls.py",
             f"{CHECKED}: a module-level bool, True while a profiler runs",
             "taken as always True: step() and zero_grad() go through torch's own calls"),
-    # ---- LR schedulers (train/callbacks.py)
-    Private("torch.optim.lr_scheduler.LRScheduler()._last_lr", "train/callbacks.py",
+    # ---- LR schedulers (train/loop/callbacks.py)
+    Private("torch.optim.lr_scheduler.LRScheduler()._last_lr", "train/loop/callbacks.py",
             f"{CHECKED}: what get_last_lr() returns",
             "after a callback scales the learning rate, get_last_lr() gives the old rate until the "
             "scheduler's next step", _find_last_lr),
@@ -187,20 +187,20 @@ _ENTRIES = [
     # ---- modules and batches
     Private("torch.utils._pytree", "batch.py", CHECKED,
             "none: importing gputrain fails, naming it", _find_pytree),
-    Private("torch.nn.modules.batchnorm._BatchNorm", "train/recompute.py", CHECKED,
+    Private("torch.nn.modules.batchnorm._BatchNorm", "train/step/recompute.py", CHECKED,
             "the public BatchNorm1d/2d/3d, SyncBatchNorm and their lazy forms"),
     Private("torch.nn.Module()." + "/".join(_MODULE_HOOKS), "runtime/speed.py", CHECKED,
             "every module is taken as hooked: no whole-step CUDA graph",
             _instance_attributes(lambda: nn.Linear(1, 1), _MODULE_HOOKS)),
     *[Private(path, "runtime/speed.py", CHECKED, "taken as registered: no whole-step CUDA graph")
       for path in _GLOBAL_MODULE_HOOKS],
-    # ---- ops without a public name (train/ema.py, train/step.py)
-    *[Private(f"torch.{name}", "train/ema.py, train/step.py", CHECKED,
+    # ---- ops without a public name (train/loop/ema.py, train/step/train_step.py)
+    *[Private(f"torch.{name}", "train/loop/ema.py, train/step/train_step.py", CHECKED,
               "a Python loop of the per-tensor op (one kernel per tensor)")
       for name in _FOREACH],
-    Private("torch._amp_foreach_non_finite_check_and_unscale_", "train/step.py", CHECKED,
+    Private("torch._amp_foreach_non_finite_check_and_unscale_", "train/step/train_step.py", CHECKED,
             "per tensor: isfinite().all() into the flag, then the multiply"),
-    Private("torch.Tensor._version", "train/graphs.py", CHECKED,
+    Private("torch.Tensor._version", "train/step/graphs.py", CHECKED,
             "None: a caller must take every batch as written (copy it in again)", _find_tensor_version),
     # ---- dispatch (diagnostics/syncs.py)
     Private("torch.utils._python_dispatch.TorchDispatchMode", "diagnostics/syncs.py", CHECKED,

@@ -283,7 +283,7 @@ def _check_sample(section: str, key: str, value: Any, fail) -> None:
         option_text(value)
         return
     if section == "optimizers":
-        from gputrain.train.optimizer_set import check_optimizer_setting
+        from gputrain.train.optim.by_name import check_optimizer_setting
 
         try:
             optimizer, setting = key.split(".")
@@ -307,7 +307,7 @@ def trial_config(rc: RunConfig, settings: SweepSettings, params: dict[str, Any])
         if p.section == "options":
             over.options[p.key] = value
         elif p.section == "optimizers":
-            from gputrain.train.optimizer_set import check_optimizer_setting
+            from gputrain.train.optim.by_name import check_optimizer_setting
 
             optimizer, key = p.key.split(".")
             over.optimizers.setdefault(optimizer, {})[key] = check_optimizer_setting(optimizer, key, value)

@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager
 
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.runs.stated import RunConfig
-from gputrain.train.callbacks import Callback
+from gputrain.train.loop.callbacks import Callback
 
 METRIC_MISSING = 2
 

@@ -28,7 +28,7 @@ class Workload:
     compute_loss: Callable[[nn.Module, Any], Any] | None = None
     metrics: dict[str, Any] | None = None
     num_items: Callable[[Any], Any] | None = None
-    # A step of your own (train/own_step.py; fit's step_fn): fn(step, batch), with its optimizers by name,
+    # A step of your own (train/step/own_step.py; fit's step_fn): fn(step, batch), with its optimizers by name,
     # {name: optimizer or callable model -> optimizer} or one callable model -> {name: optimizer}, and
     # schedulers {name: callable optimizer -> scheduler}. eval_part: the model's attribute (a submodule,
     # e.g. "generator") that eval / predict / export use when no --part is given.

@@ -26,7 +26,7 @@ from torch import nn
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.workloads.base import Workload
 
-EMA_KEY = "EMA"  # the EMA callback's state key in checkpoints (train/ema.py)
+EMA_KEY = "EMA"  # the EMA callback's state key in checkpoints (train/loop/ema.py)
 WORKLOAD_FILE = "workload.json"  # written by `gputrain fit` (commands/fit.py) when the run goes ahead
 
 

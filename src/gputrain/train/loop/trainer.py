@@ -42,27 +42,27 @@ from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.runtime.recompiles import RecompileWatcher
 from gputrain.runtime.speed import SpeedSwitches, decide_speed, scheduler_blocker
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
-from gputrain.train.evaluate import Evaluator, infer_task
-from gputrain.train.eval_points import EvalPoints
-from gputrain.train.graphs import GraphedStep
-from gputrain.train.guards import NonFiniteGuard, SpikeDetector, skips_nonfinite
-from gputrain.train import run_summary
-from gputrain.train.loop_pass import LoopPass
-from gputrain.train.layout import MemoryFormats, gate_step, run_optimizers
-from gputrain.train.precision_gate import gate_precision
-from gputrain.train.loss import LossRule
+from gputrain.train.evaluation.evaluate import Evaluator, infer_task
+from gputrain.train.evaluation.points import EvalPoints
+from gputrain.train.step.graphs import GraphedStep
+from gputrain.train.loop.guards import NonFiniteGuard, SpikeDetector
+from gputrain.train.loop import run_summary
+from gputrain.train.loop.loop_pass import LoopPass
+from gputrain.train.step.layout import MemoryFormats, gate_step, run_optimizers
+from gputrain.train.step.precision_gate import gate_precision
+from gputrain.train.step.loss import LossRule
 from gputrain.train.modes import UserModes
-from gputrain.train.callbacks import CallbackList, RunControl
-from gputrain.train.carried_state import CarriedState
-from gputrain.train.optim import make_optimizer, make_scheduler, make_user_scheduler
-from gputrain.train.optimizer_set import OptimizerSet, SchedulerSet
-from gputrain.train.recompute import recompute_for_run
-from gputrain.train.own_step import OwnStep, own_optimizers
-from gputrain.train.signals import agree_to_stop
-from gputrain.train.state import RunState
-from gputrain.train.startup_costs import StartupClock
-from gputrain.train.compiling import after_first_step, compile_counts, compile_for_run, compile_seconds
-from gputrain.train.step import TrainStep
+from gputrain.train.loop.callbacks import CallbackList, RunControl
+from gputrain.train.step.carried_state import CarriedState
+from gputrain.train.optim.build import make_optimizer, make_scheduler, make_user_scheduler
+from gputrain.train.optim.by_name import OptimizerSet, SchedulerSet
+from gputrain.train.step.recompute import recompute_for_run
+from gputrain.train.step.own_step import OwnStep, own_optimizers
+from gputrain.train.loop.signals import agree_to_stop
+from gputrain.train.loop.state import RunState
+from gputrain.train.loop.startup_costs import StartupClock
+from gputrain.train.loop.compiling import after_first_step, compile_counts, compile_for_run, compile_seconds
+from gputrain.train.step.train_step import TrainStep, skips_nonfinite
 
 log = logging.getLogger("gputrain")
 
@@ -72,7 +72,7 @@ SIGNAL_SYNC_EVERY = 10  # steps between the ranks' agreement on a stop signal (s
 class Trainer:
     """One training run. `fit` is the usual entry point; this class holds the run's parts and state.
 
-    Batches are turned into a loss by `LossRule` (train/loss.py): `compute_loss(model, batch)`, a
+    Batches are turned into a loss by `LossRule` (train/step/loss.py): `compute_loss(model, batch)`, a
     pair with `loss_fn`, or the model's own loss. `metrics` and `num_items` as in `fit`.
     """
 
@@ -82,7 +82,7 @@ class Trainer:
                  metrics: Mapping[str, Any] | None = None, num_items: Callable | None = None,
                  callbacks: Sequence[Any] | None = None, scheduler=None, collate_fn: Callable | None = None,
                  step_fn: Callable | None = None, state: Any = None):
-        self.startup = StartupClock()  # the time before the first step, by part (train/startup_costs.py)
+        self.startup = StartupClock()  # the time before the first step, by part (train/loop/startup_costs.py)
         self.config = config = config or TrainConfig()
         config.validate()
         model = distributed.unwrap_data_parallel(model)
@@ -90,10 +90,10 @@ class Trainer:
         self.is_main = self.dist.is_main
         seed_run(config.seed + self.dist.rank, self.device)
         self.loss = LossRule(loss_fn, compute_loss, step_fn=step_fn)
-        self.own_step = step_fn  # a step of your own (train/own_step.py): named optimizers, no DDP wrapper
+        self.own_step = step_fn  # a step of your own (train/step/own_step.py): named optimizers, no DDP wrapper
         self.task = task or (infer_task(loss_fn) if compute_loss is None else None)
         self.warnings: list[str] = []
-        self.callbacks = CallbackList(callbacks)  # hooks at log points (train/callbacks.py)
+        self.callbacks = CallbackList(callbacks)  # hooks at log points (train/loop/callbacks.py)
         self.control = RunControl(self)
         self._setup_precision()
         self.startup.mark("device and precision")
@@ -102,7 +102,7 @@ class Trainer:
         self._setup_data(train_data, eval_data, transform, collate_fn)
         self.startup.mark("data preparation")
         self._setup_optimizer(optimizer, scheduler)
-        self.carried = CarriedState(state, self.device)  # what steps carry to the next (train/carried_state.py)
+        self.carried = CarriedState(state, self.device)  # what steps carry to the next (train/step/carried_state.py)
         self.speed.refuse_graphs(self.carried.graph_blocker())  # state=: Python that a graph would run once
         self._setup_step(num_items)
         self.step_fn = gate_precision(self, gate_step(self))  # layout, automatic autocast: decided on the 1st batch
@@ -132,19 +132,19 @@ class Trainer:
                                                  use_scaler=self.precision.precision.use_scaler, optimizer=optimizer,
                                                  step_hooks=self.callbacks.per_step, own_step=self.own_step,
                                                  probe_layout=True)
-        self.memory_formats = MemoryFormats(model)  # the user's layouts: given back by close() (train/layout.py)
+        self.memory_formats = MemoryFormats(model)  # the user's layouts: given back by close() (train/step/layout.py)
         self.module = move(model, device)
         if self.speed.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
         self.speed.apply(device)  # cudnn.benchmark, given back by close()
-        # the modules whose activations are recomputed in backward (train/recompute.py)
+        # the modules whose activations are recomputed in backward (train/step/recompute.py)
         self.recomputed: list[str] = recompute_for_run(self.module, cfg.recompute) if cfg.recompute else []
-        # A step of your own is not DDP-wrapped: it averages its gradients per optimizer (train/own_step.py).
+        # A step of your own is not DDP-wrapped: it averages its gradients per optimizer (train/step/own_step.py).
         self.model = distributed.wrap_model(self.module, self.dist, device, shard=cfg.shard) \
             if self.own_step is None or cfg.shard else self.module
         self.eval_model = self.model  # evaluation runs uncompiled: no_grad and eval shapes would recompile
         self.recompiles: RecompileWatcher | None = None
-        if cfg.compile:  # whole or regional, the compile cache first (train/compiling.py)
+        if cfg.compile:  # whole or regional, the compile cache first (train/loop/compiling.py)
             self.startup.mark("model moves, wrapping and compile setup")
             compile_for_run(self)
 
@@ -167,7 +167,7 @@ class Trainer:
         self.total_steps = plan_steps(self.train_loader, steps=cfg.steps, epochs=cfg.epochs, accumulate=cfg.accumulate)
         self.batches_per_epoch = known_length(self.train_loader)  # None: an iterable without a length
         self.eval_points = EvalPoints(cfg.eval_every, self.batches_per_epoch, cfg.accumulate, self.total_steps,
-                                      cfg.log_every, has_eval=self.eval_loader is not None)  # train/eval_points.py
+                                      cfg.log_every, has_eval=self.eval_loader is not None)  # train/evaluation/points.py
         # The batch size the data really give (a user DataLoader's own), for the log and the summary.
         self.batch_size, why = batch_size_used(self.train_loader, cfg.batch_size,
                                                TrainConfig.__dataclass_fields__["batch_size"].default)
@@ -471,7 +471,7 @@ class Trainer:
         if self.recompiles is not None:
             self.recompiles.stop()
 
-    def _eval_due(self) -> bool:  # at epoch ends unless eval_every says otherwise (train/eval_points.py)
+    def _eval_due(self) -> bool:  # at epoch ends unless eval_every says otherwise (train/evaluation/points.py)
         return self.eval_points.due(self.state.step)
 
     def evaluate(self) -> dict[str, float]:
@@ -491,7 +491,7 @@ class Trainer:
     def save_checkpoint(self, path: Path | None = None) -> Path | None:
         return checkpointing.save_checkpoint(self, path)
 
-    # ------------------------------------------------------------ reporting (train/run_summary.py)
+    # ------------------------------------------------------------ reporting (train/loop/run_summary.py)
 
     def graph_status(self) -> str:
         return run_summary.graph_status(self.graphed, self.speed)

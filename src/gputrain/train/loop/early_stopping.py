@@ -13,7 +13,7 @@ from typing import Any
 
 from gputrain.errors import ConfigError
 from gputrain.metric_direction import Direction, metric_direction
-from gputrain.train.callbacks import Callback, RunControl
+from gputrain.train.loop.callbacks import Callback, RunControl
 
 
 class EarlyStopping(Callback):

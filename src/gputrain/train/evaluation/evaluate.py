@@ -23,7 +23,7 @@ from gputrain.errors import ConfigError
 from gputrain.outputs import logits_of
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
-from gputrain.train.loss import LossRule
+from gputrain.train.step.loss import LossRule
 from gputrain.train.modes import eval_mode
 
 

@@ -10,8 +10,8 @@ from torch import nn
 from gputrain.config import TrainConfig
 from gputrain.io.history import History
 from gputrain.runtime import distributed
-from gputrain.train.optimizer_set import NamedOptimizers
-from gputrain.train.trainer import Trainer
+from gputrain.train.optim.by_name import NamedOptimizers
+from gputrain.train.loop.trainer import Trainer
 
 
 def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, compute_loss: Callable | None = None,
@@ -37,15 +37,15 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
         over (e.g. non-padding tokens); the step's gradient is then the mean over items.
     optimizer: an optimizer, a callable params -> optimizer, or None for AdamW(config.lr).
     callbacks: objects with hooks at log points (gputrain.Callback, EarlyStopping, EMA; see
-        train/callbacks.py): they may stop the run, change the learning rate, keep state in checkpoints.
+        train/loop/callbacks.py): they may stop the run, change the learning rate, keep state in checkpoints.
     scheduler: a callable optimizer -> LRScheduler (any torch.optim.lr_scheduler), stepped after every
         optimizer step and checkpointed; None: config.schedule with config.warmup_steps.
-    step_fn: a step of your own, fn(step, batch) (train/own_step.py): it calls step.backward(loss) and
+    step_fn: a step of your own, fn(step, batch) (train/step/own_step.py): it calls step.backward(loss) and
         step.step(name) itself and returns its loss or {name: loss}; then optimizer may be
         {name: optimizer or callable model -> optimizer} and scheduler {name: callable optimizer ->
         scheduler}. Evaluation, when eval_data is given, still uses compute_loss or loss_fn.
     state: what your steps carry from one step to the next (an RNN's hidden state, a counter, a
-        memory bank; train/carried_state.py), by name: objects with state_dict() / load_state_dict(),
+        memory bank; train/step/carried_state.py), by name: objects with state_dict() / load_state_dict(),
         or tensors, numbers and containers of them. The run keeps this very dict: your compute_loss
         or loss_fn reads and assigns its entries (a step of your own also as `step.state`); the
         checkpoints save it and a resume puts it back.

@@ -2,7 +2,7 @@
 
 Both take data in the forms `fit` takes (tensor columns, a dict of tensors, a Dataset, a
 DataLoader, a workload's DataSplits, whose test split and normalization they use) plus a bare
-tensor of inputs, and turn batches into calls of the model by fit's rule (train/loss.py):
+tensor of inputs, and turn batches into calls of the model by fit's rule (train/step/loss.py):
 `compute_loss(model, batch)` when given; a pair `(inputs, targets)` with `loss_fn`; else the model
 called with the batch (`model(**batch)` for a dict, `model(*batch)` for a tuple, `model(batch)`).
 They run under the precision fit would pick for the device (bf16 autocast on recent GPUs, fp32 on
@@ -26,8 +26,8 @@ from gputrain.outputs import logits_of
 from gputrain.runtime import distributed
 from gputrain.runtime.devices import pick_device
 from gputrain.runtime.precision import RunPrecision, resolve_precision
-from gputrain.train.evaluate import Evaluator, infer_task
-from gputrain.train.loss import LossRule, call_model, is_pair
+from gputrain.train.evaluation.evaluate import Evaluator, infer_task
+from gputrain.train.step.loss import LossRule, call_model, is_pair
 from gputrain.train.modes import module_modes, set_modes
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from gputrain.errors import ConfigError
 from gputrain.runtime import torch_compat
-from gputrain.train.callbacks import Callback, RunControl
+from gputrain.train.loop.callbacks import Callback, RunControl
 
 STATE_KEY = "EMA"
 
@@ -133,7 +133,7 @@ class EMA(Callback):
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     """Parameters and buffers in a fixed order (the same for a module and its deepcopy). The tensors
     themselves, not detached aliases: fit may re-lay out the live weights through `.data` during the run
-    (channels_last decided on the first step, or given back after a failure, train/layout.py), and an
+    (channels_last decided on the first step, or given back after a failure, train/step/layout.py), and an
     alias would go on reading the storage they had before. The updates run under no_grad."""
     return [*module.parameters(), *module.buffers()]
 

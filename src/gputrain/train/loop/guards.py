@@ -15,26 +15,13 @@ import math
 import statistics
 from collections import deque
 
-from gputrain.errors import ConfigError, GputrainError
+from gputrain.errors import GputrainError
 
 log = logging.getLogger("gputrain")
 
 
 class NonFiniteError(GputrainError):
     """Training produced a non-finite loss or gradient and on_nan="stop"."""
-
-
-def skips_nonfinite(on_nan: str, use_scaler: bool, optimizer, optimizer_desc: str) -> bool:
-    """Whether the step skips non-finite steps (on_nan="skip"). Without a loss scaler that is decided
-    on the device, which needs a fused optimizer (it reads a found_inf flag in its kernel): refused
-    with a ConfigError for one that is not."""
-    skip = on_nan == "skip"
-    if skip and not use_scaler and not all(g.get("fused", False) for g in optimizer.param_groups):
-        raise ConfigError(
-            f"on_nan='skip' decides on the device whether a step is applied, which needs a fused optimizer "
-            f"(it reads a found_inf flag in its kernel); {optimizer_desc} is not fused: use the default "
-            "optimizer (fused AdamW), create yours with fused=True, or use on_nan='stop'")
-    return skip
 
 
 class NonFiniteGuard:

@@ -44,7 +44,7 @@ import torch
 from gputrain import batch as batches
 from gputrain.data.deferred import DeferredBatch, materialize
 from gputrain.runtime import torch_compat
-from gputrain.train.step import TrainStep
+from gputrain.train.step.train_step import TrainStep
 
 log = logging.getLogger("gputrain")
 

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from gputrain.data.stream import BatchStream
     from gputrain.io.history import History
     from gputrain.runtime.distributed import DistInfo
-    from gputrain.train.evaluate import Evaluator
-    from gputrain.train.state import RunState
+    from gputrain.train.evaluation.evaluate import Evaluator
+    from gputrain.train.loop.state import RunState
 
 log = logging.getLogger("gputrain")
 
@@ -89,7 +89,7 @@ class Callback:
 
 
 class Run(Protocol):
-    """What RunControl reads of the Trainer (train/trainer.py), which imports this module: named here
+    """What RunControl reads of the Trainer (train/loop/trainer.py), which imports this module: named here
     so that this module needs nothing of the trainer's."""
 
     config: TrainConfig
@@ -220,12 +220,12 @@ class RunControl:
 def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, factor: float | None,
                    base: float | None = None) -> None:
     """Scale (or, with `base`, set) the base learning rates of `scheduler` and the rates in force."""
-    from gputrain.train.optim import LRSchedule
+    from gputrain.train.optim.build import LRSchedule
 
     if isinstance(scheduler, LRSchedule):
         scheduler.scale(factor, base=base)
         return
-    named = getattr(scheduler, "schedulers", None)  # a step of your own's, by optimizer (train/optimizer_set.py)
+    named = getattr(scheduler, "schedulers", None)  # a step of your own's, by optimizer (train/optim/by_name.py)
     if isinstance(named, dict) and hasattr(scheduler, "optimizers"):
         for name, each in named.items():
             scale_schedule(each, scheduler.optimizers.optimizers[name], factor, base=base)

@@ -1,7 +1,7 @@
 """State a step carries from one step to the next, saved with the run's checkpoints: an RNN's hidden
 state (truncated backpropagation through time), a counter, a memory bank, a queue of negatives.
 
-One mapping by name, the run's `CarriedState`: `step.state` in a step of your own (train/own_step.py),
+One mapping by name, the run's `CarriedState`: `step.state` in a step of your own (train/step/own_step.py),
 and the mapping given as `fit(..., state=...)` (which the built-in loss rule's `compute_loss` or
 `loss_fn` reads and writes: the run keeps that very dict). Lightning keeps such state in its
 `state_dict` / `on_save_checkpoint` hooks; here each value is one of two kinds:

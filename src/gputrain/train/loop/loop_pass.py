@@ -1,4 +1,4 @@
-"""What one pass of the training loop holds besides the trainer (train/trainer.py): its output files,
+"""What one pass of the training loop holds besides the trainer (train/loop/trainer.py): its output files,
 progress bar and stop signals, the log interval's clock and samples, the peak memory seen at log
 points. `Trainer.run` opens a pass with the run's outputs (`LoopPass.open`); `Trainer.run_steps`,
 what `gputrain profile` times, a bare one (`LoopPass.bare`: no files, bar or signal handlers).
@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gputrain.runtime.host_memory import StepFaults
-from gputrain.train.signals import StopSignals
+from gputrain.train.loop.signals import StopSignals
 
 if TYPE_CHECKING:
     from gputrain.config import TrainConfig
     from gputrain.report.progress import TrainProgress
     from gputrain.report.run_outputs import RunOutputs
-    from gputrain.train.callbacks import CallbackList
-    from gputrain.train.state import RunState
+    from gputrain.train.loop.callbacks import CallbackList
+    from gputrain.train.loop.state import RunState
 
 
 class LoopPass:

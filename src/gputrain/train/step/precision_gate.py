@@ -1,4 +1,4 @@
-"""Precision decided from the model's own first step, like the layout (train/layout.py).
+"""Precision decided from the model's own first step, like the layout (train/step/layout.py).
 
 fit's automatic precision on a CUDA GPU is bf16 autocast (fp16 with loss scaling on older GPUs).
 torch's CUDA autocast refuses some ops outright (`F.binary_cross_entropy` / `nn.BCELoss`: "unsafe to
@@ -21,7 +21,7 @@ Not changed: a precision the user asked for (the error stays, and the note after
 autocast and `precision="fp32"` first: data/checks.py), an out-of-memory error, an error that fp32
 raises too, a step of your own that had already called `step.step(name)` before the error (its
 optimizer has moved the weights), and fp16 with on_nan="skip" and an optimizer that is not fused
-(without the scaler, skipping needs a fused optimizer: train/guards.py). Python state that the
+(without the scaler, skipping needs a fused optimizer: train/loop/guards.py). Python state that the
 user's forward or compute_loss keeps between calls sees the failed call. The CPU's automatic
 precision is fp32: no gate, nothing to pay.
 """
@@ -40,9 +40,9 @@ from gputrain.errors import ConfigError
 from gputrain.runtime.oom import is_oom
 from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision, fp32_instead
 from gputrain.runtime.speed import SpeedSwitches
-from gputrain.train.guards import skips_nonfinite
-from gputrain.train.layout import probe_pass, refusal, run_optimizers
-from gputrain.train.loss import LossRule
+from gputrain.train.step.train_step import skips_nonfinite
+from gputrain.train.step.layout import probe_pass, refusal, run_optimizers
+from gputrain.train.step.loss import LossRule
 
 log = logging.getLogger("gputrain")
 

@@ -1,6 +1,6 @@
 """What a run says about itself: the decisions with their reasons (log and report) and the summary.
 
-Each function reads what its Protocol names of the run (the Trainer, train/trainer.py, is the one
+Each function reads what its Protocol names of the run (the Trainer, train/loop/trainer.py, is the one
 that has them): `Decided` the parts decided at setup, `Announced` also where and how long the run
 trains, `Finished` also what the loop left behind (records, state, counts). Stand-ins for tests
 need those attributes only.
@@ -29,14 +29,14 @@ if TYPE_CHECKING:
     from gputrain.runtime.precision import RunPrecision
     from gputrain.runtime.recompiles import RecompileWatcher
     from gputrain.runtime.speed import SpeedSwitches
-    from gputrain.train.callbacks import CallbackList, RunControl
-    from gputrain.train.eval_points import EvalPoints
-    from gputrain.train.graphs import GraphedStep
-    from gputrain.train.guards import SpikeDetector
-    from gputrain.train.loss import LossRule
-    from gputrain.train.startup_costs import StartupClock
-    from gputrain.train.state import RunState
-    from gputrain.train.step import TrainStep
+    from gputrain.train.loop.callbacks import CallbackList, RunControl
+    from gputrain.train.evaluation.points import EvalPoints
+    from gputrain.train.step.graphs import GraphedStep
+    from gputrain.train.loop.guards import SpikeDetector
+    from gputrain.train.step.loss import LossRule
+    from gputrain.train.loop.startup_costs import StartupClock
+    from gputrain.train.loop.state import RunState
+    from gputrain.train.step.train_step import TrainStep
 
 log = logging.getLogger("gputrain")
 
@@ -106,7 +106,7 @@ class Finished(Announced, Protocol):
 
 def decisions(t: Decided) -> list[dict[str, str]]:
     """Every decision of the run with its reason: precision, data, loss, optimizer, speed switches."""
-    when, why = t.eval_points.describe()  # train/eval_points.py
+    when, why = t.eval_points.describe()  # train/evaluation/points.py
     rows = [{"name": "precision", "value": t.precision.name, "reason": t.precision.reason},
             {"name": "data", "value": t.placement.kind, "reason": t.placement.reason},
             {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
@@ -126,8 +126,8 @@ def decisions(t: Decided) -> list[dict[str, str]]:
 
 
 def optimizer_reason(description: str) -> str:
-    """Why the run has its optimizer(s), from their description (train/optim.py's, or a step of
-    your own's, train/own_step.py): yours by name, one given, or the default AdamW."""
+    """Why the run has its optimizer(s), from their description (train/optim/build.py's, or a step of
+    your own's, train/step/own_step.py): yours by name, one given, or the default AdamW."""
     if "(yours, stepped by step_fn)" in description:
         return "yours (optimizer={name: ...}), each stepped by your step_fn with step.step(name)"
     given = "given" in description or "factory" in description
@@ -260,7 +260,7 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         "recompute": t.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
         "decisions": _as_ran(decisions(t), t),
-        "startup": t.startup.report(),  # the time before the first step, by part (train/startup_costs.py)
+        "startup": t.startup.report(),  # the time before the first step, by part (train/loop/startup_costs.py)
         "warnings": list(t.warnings),
         "advice": advice,
     }
@@ -269,7 +269,7 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
                         "frozen_parameters": frozen.frozen, "checkpoint_contents": frozen.reason})
     if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
         summary.update(t.checkpointer.summary())
-    names = getattr(t.train_step, "names", ())  # a step of your own (train/own_step.py): its losses and rates
+    names = getattr(t.train_step, "names", ())  # a step of your own (train/step/own_step.py): its losses and rates
     if names and recs:  # each loss's last logged mean (a loss returned on some steps only: where it was)
         summary["step_losses"] = {k: next(r[k] for r in reversed(recs) if k in r) for k in names
                                   if any(k in r for r in recs)}

@@ -80,7 +80,7 @@ class LossRule:
                             f"step.step(), got {type(step_fn).__name__} {step_fn!r}: pass the function itself")
         self.loss_fn = loss_fn
         self.compute_loss = compute_loss
-        self.step_fn = step_fn  # a step of your own (train/own_step.py): training does not use this rule
+        self.step_fn = step_fn  # a step of your own (train/step/own_step.py): training does not use this rule
         self.made: str | None = None  # the model's own loss: the call made and where its loss was, once known
         self.log_first_call = False  # the trainer's main process: log `how` at the first call
 

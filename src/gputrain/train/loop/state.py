@@ -17,7 +17,7 @@ class RunState:
     run logs the same loss as an uninterrupted one; nonfinite_steps: steps with a non-finite loss or
     gradient so far; stopped_by: why a callback ended the run early ("" when none did): a resumed
     run that was stopped so trains no further; named_since_log: a step of your own's named losses
-    summed since the last log point (train/own_step.py), saved for the same reason, and
+    summed since the last log point (train/step/own_step.py), saved for the same reason, and
     named_steps_since_log: how many of those steps returned each (a loss returned on some steps only).
     """
 

@@ -1,5 +1,5 @@
 """Your own training step: `fit(model, data, step_fn=fn, optimizer={...})`, the fourth way beside the
-loss rule (train/loss.py), for steps that are not "one loss, one optimizer": a GAN's generator and
+loss rule (train/step/loss.py), for steps that are not "one loss, one optimizer": a GAN's generator and
 discriminator stepped in turn, distillation from a frozen teacher, a gradient penalty (a backward
 through a gradient), conditional updates.
 
@@ -26,7 +26,7 @@ through a gradient), conditional updates.
 - `step.index` (the run's optimizer steps done before this one, right after a resume too) and
   `step.micro_index` (the micro-batch's place in the step): Python ints, no host read;
 - `step.state`: what the step carries to the next one, by name, saved in the checkpoints
-  (train/carried_state.py).
+  (train/step/carried_state.py).
 It returns the loss, or a dict of named losses (each logged as its name, detached and summed on the
 device: no host read per step; the run's "loss" is their sum). A name returned on some steps only is
 logged as the mean over the steps that returned it, counted on the device, and `<name>_steps` says
@@ -37,7 +37,7 @@ the CUDA-graph wrapper treat it like the built-in step. A graph captures it only
 (`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture, so a
 step that read `step.index` or returned other losses on some steps (in the eager steps before the
 capture) is not captured (`capture_blocker`), and the run's decisions say why.
-Checkpoints hold every optimizer and scheduler by name (train/optimizer_set.py).
+Checkpoints hold every optimizer and scheduler by name (train/optim/by_name.py).
 
 Several processes: without sharding the model is not DDP-wrapped (your step calls its parts, which
 DDP's hooks would not see) and `step.step(name)` averages that optimizer's gradients in one flat
@@ -58,11 +58,11 @@ from gputrain import batch as batches
 from gputrain.errors import ConfigError, DataError
 from gputrain.runtime import distributed, torch_compat
 from gputrain.runtime.precision import RunPrecision
-from gputrain.train.carried_state import CarriedState
-from gputrain.train.loss import LossRule
-from gputrain.train.optimizer_calls import optimizer_stepper
-from gputrain.train.optimizer_set import NamedOptimizers, OptimizerSet, SchedulerSet
-from gputrain.train.step import TrainStep
+from gputrain.train.step.carried_state import CarriedState
+from gputrain.train.step.loss import LossRule
+from gputrain.train.optim.calls import optimizer_stepper
+from gputrain.train.optim.by_name import NamedOptimizers, OptimizerSet, SchedulerSet
+from gputrain.train.step.train_step import TrainStep
 
 
 class StepContext:
@@ -73,7 +73,7 @@ class StepContext:
         self.model = model  # the plain module (not DDP-wrapped): call its parts as you named them
         self.optimizers: dict[str, torch.optim.Optimizer] = owner.optimizer.optimizers
         self.schedulers: dict[str, Any] = owner.schedulers.schedulers if owner.schedulers is not None else {}
-        # What the step carries to the next one, by name (train/carried_state.py): in the checkpoints.
+        # What the step carries to the next one, by name (train/step/carried_state.py): in the checkpoints.
         self.state = state
         self.is_last = True  # the step's last micro-batch: step() acts only then
         self.micro_index = 0  # this micro-batch's place in the step: 0 .. pieces - 1
@@ -108,8 +108,7 @@ class StepContext:
         self.backwards += 1
         owner = self._owner
         scaled = loss if self.weight == 1.0 else loss * self.weight
-        if owner._scaled:
-            scaled = owner.precision.scaler.scale(scaled)
+        scaled = owner.precision.scale(scaled)
         with owner._no_autocast():
             scaled.backward(retain_graph=retain_graph, create_graph=create_graph)
 
@@ -181,14 +180,10 @@ class OwnStep(TrainStep):
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if self.max_grad_norm is not None and grads:
-            if self._scaled:
-                self.precision.scaler.unscale_(opt)
-            nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=self._foreach)
-        if self._scaled:
-            self.precision.scaler.step(opt)  # skips a step whose gradients hold an inf or NaN
-        else:
-            self._stepper[name]()
+        if grads:
+            self.clip(opt, params)
+        # The scale's update waits until every optimizer of this step has stepped (run's end).
+        self.step_optimizer_(opt, self._stepper[name], update=False)
         if self.schedulers is not None:
             self.schedulers.step_for(name)
         for p in params:
@@ -219,8 +214,7 @@ class OwnStep(TrainStep):
         if not ctx.steps:
             raise ConfigError(f"step_fn never called step.step(name): no optimizer of {sorted(ctx.optimizers)} "
                               "would update. Call step.step(name) after step.backward(loss)")
-        if self._scaled:
-            self.precision.scaler.update()
+        self.precision.update()
         for p in self.params:  # every gradient, also those no optimizer took (a frozen teacher's)
             p.grad = None
         for update in self.after_step:
@@ -332,7 +326,7 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
     (named "optimizer"); scheduler_spec: {name: callable optimizer -> scheduler} (the others get the
     built-in schedule `built_in`), or one callable for the one optimizer. Refuses what a step of your
     own cannot do yet, in one line each."""
-    from gputrain.train.optim import make_optimizer
+    from gputrain.train.optim.build import make_optimizer
 
     if config.on_nan == "skip":
         raise ConfigError("on_nan='skip' decides per optimizer step on the device, which a step of your own does "

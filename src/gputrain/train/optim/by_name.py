@@ -1,4 +1,4 @@
-"""Several optimizers and schedulers by name, for a step of your own (train/own_step.py).
+"""Several optimizers and schedulers by name, for a step of your own (train/step/own_step.py).
 
 `fit(..., step_fn=fn, optimizer={"generator": opt_g, "discriminator": opt_d}, scheduler={...})`:
 each optimizer is an instance over the parameters it updates, or a callable `model -> optimizer`
@@ -108,7 +108,7 @@ class SchedulerSet:
               optimizers: OptimizerSet, default: Callable[[torch.optim.Optimizer], Any]) -> "SchedulerSet":
         """spec: {name: callable optimizer -> scheduler} for some of the optimizers; the others get
         `default(optimizer)` (the run's built-in schedule)."""
-        from gputrain.train.optim import make_user_scheduler
+        from gputrain.train.optim.build import make_user_scheduler
 
         spec = dict(spec or {})
         unknown = sorted(set(spec) - set(optimizers.optimizers))

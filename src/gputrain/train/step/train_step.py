@@ -22,7 +22,7 @@ a flag per step (from the clipping norm when there is one, else one GradScaler-s
 gradients and the loss) that a fused optimizer reads to skip the update, counted in a second
 accumulator.
 
-`run(micro_batches)` is that body and nothing else: the CUDA-graph wrapper (train/graphs.py)
+`run(micro_batches)` is that body and nothing else: the CUDA-graph wrapper (train/step/graphs.py)
 captures exactly it, so eager and graphed steps cannot drift apart. Its phases are marked on
 `self.clock`: a no-op (`NO_CLOCK`) unless `gputrain profile` lends a timing one, so the body has
 no branch for it. `__call__` adds what cannot be captured: OOM recovery, which splits every
@@ -40,17 +40,30 @@ import torch
 from torch import nn
 
 from gputrain import batch as batches
-from gputrain.errors import GputrainError
+from gputrain.errors import ConfigError, GputrainError
 from gputrain.runtime import distributed, torch_compat
 from gputrain.runtime.oom import free_after_oom, is_oom
 from gputrain.runtime.precision import RunPrecision
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
-from gputrain.train.loss import LossRule
-from gputrain.train.optimizer_calls import grad_clearer, optimizer_stepper
+from gputrain.train.step.loss import LossRule
+from gputrain.train.optim.calls import grad_clearer, optimizer_stepper
 
 log = logging.getLogger("gputrain")
 
 FOLD_EVERY = 256  # eager steps' losses kept before they are summed into the accumulator (bounded memory)
+
+
+def skips_nonfinite(on_nan: str, use_scaler: bool, optimizer, optimizer_desc: str) -> bool:
+    """Whether the step skips non-finite steps (on_nan="skip"). Without a loss scaler that is decided
+    on the device, which needs a fused optimizer (it reads a found_inf flag in its kernel): refused
+    with a ConfigError for one that is not."""
+    skip = on_nan == "skip"
+    if skip and not use_scaler and not all(g.get("fused", False) for g in optimizer.param_groups):
+        raise ConfigError(
+            f"on_nan='skip' decides on the device whether a step is applied, which needs a fused optimizer "
+            f"(it reads a found_inf flag in its kernel); {optimizer_desc} is not fused: use the default "
+            "optimizer (fused AdamW), create yours with fused=True, or use on_nan='stop'")
+    return skip
 
 
 class TrainStep:
@@ -111,14 +124,14 @@ class TrainStep:
         self._autocast = precision.autocast if precision.precision.autocast_dtype is not None else None
         self._scaled = precision.precision.use_scaler  # fp16: backward and step go through the GradScaler
         self._foreach = device.type == "cuda" or None
-        # optimizer.step() and zero_grad without torch's per-call profiler range (train/optimizer_calls.py)
+        # optimizer.step() and zero_grad without torch's per-call profiler range (train/optim/calls.py)
         self._step_optimizer = optimizer_stepper(optimizer)
         self._zero_grad = grad_clearer(optimizer)
         if self.skip_nonfinite:
             self._skip_on_device()
 
     def follow_precision(self) -> None:
-        """Take the run's precision again after it changed (train/precision_gate.py: fp32 instead of an
+        """Take the run's precision again after it changed (train/step/precision_gate.py: fp32 instead of an
         automatic autocast the first step refused): autocast, the scaler, on_nan="skip" without one."""
         p = self.precision.precision
         self._autocast = self.precision.autocast if p.autocast_dtype is not None else None
@@ -167,21 +180,36 @@ class TrainStep:
             step_loss = self._forward_backward(micro_batches[0], 1.0)
         else:
             step_loss = self._pieces(micro_batches)
-        norm = None
-        if self.max_grad_norm is not None:
-            self.precision.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=self._foreach)
+        norm = self.clip(self.optimizer, self.params)
         if self.count_nonfinite:
             step_loss = self._flag_nonfinite(step_loss, norm)
-        if self._scaled:
-            self.precision.step(self.optimizer)
-        else:
-            self._step_optimizer()
+        self.step_optimizer_(self.optimizer, self._step_optimizer)
         self._zero_grad()
         for update in self.after_step:
             update()
         self.keep_loss(step_loss)
         self.clock.mark("optimizer")
+
+    # The optimizer's part of a step, written once: the built-in step calls these for its one optimizer,
+    # your own step (train/step/own_step.py) for each optimizer that step.step(name) names.
+
+    def clip(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Unscale `optimizer`'s gradients (fp16) and clip `params`' to max_grad_norm: their total norm
+        before clipping (a device scalar), or None without max_grad_norm."""
+        if self.max_grad_norm is None:
+            return None
+        self.precision.unscale_(optimizer)
+        return nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=self._foreach)
+
+    def step_optimizer_(self, optimizer: torch.optim.Optimizer, stepper: Callable[[], None],
+                        update: bool = True) -> None:
+        """`optimizer`'s step: through the scaler in fp16 (it skips a step whose gradients hold an inf or
+        NaN; `update=False` leaves the scale's update to the caller), else `stepper`, its step() without
+        the profiler's per-call range (train/optim/calls.py)."""
+        if self._scaled:
+            self.precision.step(optimizer, update=update)
+        else:
+            stepper()
 
     def _pieces(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """Forward and backward of every piece (micro-batches, each cut in `splits` after an OOM),
@@ -205,7 +233,7 @@ class TrainStep:
 
     def sum_in_place(self) -> None:
         """Add every step's loss to loss_sum in place: what a captured step must do (its replays write
-        to that address); train/graphs.py calls it for all of a graphed run's steps, eager ones too."""
+        to that address); train/step/graphs.py calls it for all of a graphed run's steps, eager ones too."""
         self._fold()
         self.keep_loss = self.loss_sum.add_
 
@@ -375,12 +403,12 @@ class TrainStep:
 
     def capture_blocker(self) -> str | None:
         """Why a CUDA graph must not capture this step, as seen in its eager steps so far; None: it
-        may be captured (a step of your own that reads step.index may not, train/own_step.py)."""
+        may be captured (a step of your own that reads step.index may not, train/step/own_step.py)."""
         return None
 
     def fold_read(self, state: Any) -> None:
         """Add what the last `read_totals` read besides the loss to the run state (a step of your
-        own: its named losses, train/own_step.py)."""
+        own: its named losses, train/step/own_step.py)."""
 
     def log_values(self, state: Any, steps: int) -> dict[str, float]:
         """Values a log point adds besides the loss, from the run state (a step of your own: its

@@ -16,7 +16,7 @@ that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is 
   are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
 A later step that fails in NHWC (a data-dependent path) is retried once in the user's layout, with
 one log line; an "unsafe to autocast" error is autocast's, not the layout's, and where the precision
-gate (train/precision_gate.py) turns an automatic autocast off, the layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
+gate (train/step/precision_gate.py) turns an automatic autocast off, the layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gputrain.data.deferred import materialize
 from gputrain.runtime.oom import is_oom
 from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision
 from gputrain.runtime.speed import SpeedSwitches
-from gputrain.train.loss import LossRule
+from gputrain.train.step.loss import LossRule
 
 log = logging.getLogger("gputrain")
 
@@ -78,7 +78,7 @@ def to_nchw(batch: Any) -> Any:
 def refusal(exc: BaseException, who: str = "NHWC") -> str:
     """'`x = x.view(-1, 400)` at model.py:42 (forward) raised RuntimeError: view size is not ...':
     the innermost frame outside torch and gputrain (the user's code that refused the layout, or the
-    precision: train/precision_gate.py); `who` stands in for it where no frame is the user's."""
+    precision: train/step/precision_gate.py); `who` stands in for it where no frame is the user's."""
     frames = traceback.extract_tb(exc.__traceback__)
     # gputrain's frames by its package folder, not by "/gputrain/" in the path: a checkout named
     # gputrain holds the user's tests and examples too.
@@ -185,7 +185,7 @@ class LayoutGate:
             opt.zero_grad(set_to_none=True)
         self.formats.restore(self.optimizers)
         self._inputs(False)
-        graphs = getattr(self.step_fn, "graphs", None)  # a GraphedStep's captures (train/graphs.py)
+        graphs = getattr(self.step_fn, "graphs", None)  # a GraphedStep's captures (train/step/graphs.py)
         if graphs:
             graphs.clear()  # they hold the NHWC tensors' memory: captured again on the new tensors
         log.warning("a step failed in channels_last (NHWC) and runs again in your layout: %s", why)
@@ -306,7 +306,7 @@ def _agree(a: list[float], b: list[float], rtol: float) -> bool:
 
 
 def run_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The run's optimizers: one, or a step of your own's {name: optimizer} (train/optimizer_set.py)."""
+    """The run's optimizers: one, or a step of your own's {name: optimizer} (train/optim/by_name.py)."""
     named = getattr(optimizer, "optimizers", None)
     return list(named.values()) if isinstance(named, dict) else [optimizer]
 

@@ -1,0 +1,6 @@
+"""The step's optimizers.
+
+- `build`: the optimizer and learning-rate schedule built from a TrainConfig.
+- `by_name`: several optimizers and schedulers by name, for a step of your own.
+- `calls`: `step()` and `zero_grad()` without the host time torch adds for a profiler that is off.
+"""
