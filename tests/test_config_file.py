@@ -67,7 +67,8 @@ def test_the_recorded_config_holds_every_field_and_reads_back(tmp_path, capsys):
     """Every TrainConfig field but where the run wrote (run_dir, resume) and fields left at None,
     every [fit] flag; a field switched off with None (spike_ratio) reads back as None."""
     from gputrain.config import TrainConfig
-    from gputrain.runs.stated import FitFlags, load_run_config
+    from gputrain.runs.stated import load_run_config
+    from gputrain.runs.spec import RunSettings
 
     code, _, err = _fit(capsys, "iris-mlp", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET[:-1], "--quiet")
     assert code == 0, err
@@ -77,7 +78,7 @@ def test_the_recorded_config_holds_every_field_and_reads_back(tmp_path, capsys):
     defaults_none = {f for f in TrainConfig.field_names() if getattr(TrainConfig(), f) is None}
     expected = set(TrainConfig.field_names()) - {"run_dir", "resume", "name"} - defaults_none | {"steps"}
     assert set(data["train"]) == expected
-    assert set(data["fit"]) == {f for f in FitFlags.__dataclass_fields__ if getattr(FitFlags(), f) is not None}
+    assert set(data["fit"]) == {f for f in RunSettings.__dataclass_fields__ if getattr(RunSettings(), f) is not None}
     assert f'# run_dir = "{tmp_path / "r"}"' in text
     (tmp_path / "off.toml").write_text('[train]\nspike_ratio = "none"\nstop_signals = ["SIGTERM"]\n')
     rc = load_run_config(tmp_path / "off.toml")
@@ -159,21 +160,21 @@ def test_the_flags_are_the_fields_and_an_absent_flag_states_nothing():
     from gputrain.commands.fit import add_arguments
     from gputrain.config import TrainConfig
     from gputrain.fields import flag_of
-    from gputrain.runs.stated import FitFlags
+    from gputrain.runs.spec import RunSettings
     from gputrain.runs.flags import stated
     from gputrain.runs.resolve import resolve
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     dests = {a.dest: a.option_strings for a in p._actions}
-    for cls in (TrainConfig, FitFlags):
+    for cls in (TrainConfig, RunSettings):
         for f in dataclasses.fields(cls):
             if flag_of(f) is not None:
                 assert dests[f.name] == list(flag_of(f).names), f.name
     empty = stated(p.parse_args(["iris-mlp"]))
     assert (empty.train, empty.fit, empty.options) == ({}, {}, {})
     spec, _ = resolve(empty)
-    assert spec.fit == FitFlags() and spec.train.seed == TrainConfig().seed and spec.auto == ("progress",)
+    assert spec.fit == RunSettings() and spec.train.seed == TrainConfig().seed and spec.auto == ("progress",)
     assert (stated(p.parse_args(["--lr", "0.5", "--patience", "4"])).train,
             stated(p.parse_args(["--patience", "4"])).fit) == ({"lr": 0.5}, {"patience": 4})
 
