@@ -171,6 +171,10 @@ def _check_parts(startup: dict, *expected: str) -> None:
     assert all(p["s"] >= 0 for p in startup["parts"])
     assert 0 < sum(p["s"] for p in startup["parts"]) <= startup["wall_s"]
     assert startup["import_s"] > 0
+    from gputrain.import_clock import import_seconds
+
+    # the import's own duration, stopped when gputrain's import ended: not the time since
+    assert startup["import_s"] == import_seconds() == import_seconds()
 
 
 def test_the_time_before_the_first_step_is_named_by_part(regional, tmp_path):

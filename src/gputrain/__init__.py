@@ -3,10 +3,8 @@
 The public API is re-exported here; each name lives in a small module named for what it holds.
 """
 
-import time as _time
+from gputrain import import_clock as _import_clock  # first: `import gputrain`'s own duration starts here
 from typing import TYPE_CHECKING
-
-_IMPORT_STARTED = _time.perf_counter()  # `import gputrain`'s own duration, for a run's startup costs
 
 from gputrain.errors import GputrainError, DeviceError, ConfigError, CheckpointError, DataError
 from gputrain.runtime.devices import pick_device, describe_devices
@@ -51,12 +49,7 @@ _LAZY = {
     "SweepResult": "gputrain.sweeps",
 }
 
-_IMPORT_SECONDS = _time.perf_counter() - _IMPORT_STARTED  # torch's import included when gputrain came first
-
-
-def import_seconds() -> float:
-    """Seconds `import gputrain` took in this process (train/loop/startup_costs.py)."""
-    return _IMPORT_SECONDS
+_import_clock.stop()  # for a run's startup costs (train/loop/startup_costs.py)
 
 
 def __getattr__(name):

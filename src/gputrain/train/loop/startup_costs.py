@@ -4,7 +4,7 @@ The trainer marks the end of each setup part (device and precision, model moves 
 compile cache's load, data preparation, optimizer and run directory, checkpoint load, the loop's
 outputs); the first step is timed to its end with one device sync, and the seconds torch.compile
 spent inside it (dynamo's own records, runtime/recompiles.py) are named apart from the rest of the
-step. `import gputrain` is timed by gputrain/__init__.py and shown beside the sum, not in it: it
+step. `import gputrain` is timed by gputrain/import_clock.py and shown beside the sum, not in it: it
 happens once per process, before `fit`.
 """
 
@@ -71,7 +71,7 @@ class StartupClock:
 
     def report(self) -> dict[str, Any]:
         """{"wall_s", "parts": [{"name", "s"}], "import_s", "notes"} for the summary and the report."""
-        from gputrain import import_seconds
+        from gputrain.import_clock import import_seconds
 
         return {"wall_s": self.wall_s, "ended_at": self.ended_at, "parts": [{"name": n, "s": s} for n, s in self.parts],
                 "import_s": import_seconds(), "notes": list(self.notes)}
