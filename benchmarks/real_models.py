@@ -302,7 +302,7 @@ class AutocastSeen:
         """The note for the row; raises when the forward did not run under bf16 autocast."""
         self.handle.remove()
         if self.seen != "bfloat16":
-            raise RuntimeError(f"{who}'s forward ran with autocast {self.seen or 'never called'} on "
+            raise RuntimeError(f"{who}: the model's forward ran with autocast {self.seen or 'never called'} on "
                                f"{self.device_type}, not bf16: its row would not be a bf16 figure")
         return f"forward under bf16 autocast on {self.device_type} (checked in the run)"
 
