@@ -188,26 +188,30 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
         run("not at all")
 
 
-@pytest.mark.gpu
-def test_the_day_counts_cuda_syncs_per_case_with_their_line_and_not_the_debug_modes_notice():
-    """benchmarks/day_syncs.py on CUDA (part (c)): torch's one-time notice that the sync debug mode is a
-    prototype is not counted, a case without host reads counts its syncs under the CUDA sync debug mode
-    (`count_case`'s CUDA side), and a sync planted in a callback is counted once per step at its line."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_day_counts_each_sync_of_a_case_at_its_line(device):
+    """benchmarks/day_syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
+    one-time notice that the mode is a prototype has been consumed (it would count as a sync); on the
+    CPU as host reads. A read planted in a per-step callback is counted once per step at its line, and
+    the same case without it has no site there."""
     import torch
 
     import day_syncs
     from gputrain import Callback
 
     class ReadsTheDevice(Callback):
+        every_step = True  # on_step after every optimizer step (the run takes no CUDA graph then)
+
         def on_step(self, run):
-            torch.ones((), device="cuda").item()  # PLANTED
+            torch.ones((), device=device).item()  # PLANTED
 
     day_syncs.consume_sync_debug_notice()
     steps = 5
-    planted = day_syncs.count_case(lambda: day_syncs._plain("cuda", steps, callbacks=[ReadsTheDevice()]), "cuda", steps)
-    assert planted["status"] == "ok" and planted["counted"] == "cuda-syncs"
+    planted = day_syncs.count_case(lambda: day_syncs._plain(device, steps, callbacks=[ReadsTheDevice()]), device, steps)
+    assert planted["status"] == "ok"
+    assert planted["counted"] == {"cpu": "host-reads", "cuda": "cuda-syncs"}[device]
     site = next(s for s in planted["sites"] if s["code"].endswith("# PLANTED"))
     assert site["count"] == steps and site["where"].startswith(f"{__file__}:") and planted["syncs"] >= steps
-    plain = day_syncs.count_case(lambda: day_syncs._plain("cuda", steps), "cuda", steps)
-    assert plain["status"] == "ok" and plain["counted"] == "cuda-syncs" and isinstance(plain["syncs"], int)
+    plain = day_syncs.count_case(lambda: day_syncs._plain(device, steps), device, steps)
+    assert plain["status"] == "ok" and isinstance(plain["syncs"], int)
     assert not [s for s in plain["sites"] if s["code"].endswith("# PLANTED")]
