@@ -28,11 +28,12 @@ test-torch:
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
 
-# The GPU day's command (benchmarks/gpu_day.py) on the CPU at tiny sizes, under torch $(TORCH) in its venv:
-# every part's code runs (about 3 minutes on 2 cores); it fails when a part crashes. .ci/run runs it.
+# The GPU day's command (benchmarks/gpu_day.py) on the CPU at tiny sizes, under torch $(TORCH) in its venv,
+# with the peers extra (Lightning, Accelerate) installed there: every part's code runs, the speed table's
+# peer rows included; it fails when a part crashes or a peer row errors or is missing. .ci/run runs it.
 gpu-day-cpu:
-	@GPUTRAIN_VENV=.venv-torch$(TORCH) GPUTRAIN_TORCH=$(TORCH) bash scripts/setup.sh
-	OUT=$${OUT:-gpu-out/day-cpu} PYTHON=.venv-torch$(TORCH)/bin/python bash benchmarks/gpu_session.sh day --device cpu
+	@GPUTRAIN_VENV=.venv-torch$(TORCH) GPUTRAIN_TORCH=$(TORCH) GPUTRAIN_EXTRAS=test,peers bash scripts/setup.sh
+	OUT=$${OUT:-gpu-out/day-cpu} PYTHON=.venv-torch$(TORCH)/bin/python bash benchmarks/gpu_session.sh day --device cpu --require-peers
 
 # Line and branch coverage of src/gputrain under the CPU suite (subprocesses included), the functions it
 # never runs and the branches it never takes: coverage-out/ (report.txt, coverage.json, html/,

@@ -52,6 +52,18 @@ def goals(day: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def headline(env: dict[str, Any], device: str) -> str:
+    """The device the day ran on, by name, and the versions: the first line of the day's output and
+    of its summary ('cuda:0 (NVIDIA H100 80GB HBM3); torch 2.11.0+cu130, CUDA 13.0, ...')."""
+    if "torch" not in env:
+        return f"{device}: the environment could not be read: {str(env.get('error', '?')).strip()[-300:]}"
+    kind = device.split(":")[0]
+    ran = [d for d in env.get("devices", []) if d.get("device", "").split(":")[0] == kind]
+    where = f"{ran[0]['device']} ({ran[0]['name']})" if ran else f"{device} (not seen by torch)"
+    return (f"{where}; torch {env['torch']}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, driver "
+            f"{env.get('driver')}, Python {env.get('python')}")
+
+
 # ---------------------------------------------------------------- Markdown
 
 
@@ -93,6 +105,7 @@ def _syncs(result: dict) -> list[str]:
 
 def _speed(result: dict) -> list[str]:
     out: list[str] = [f"compile: {result.get('compile')}; medians of {result.get('repeats')} rounds.", ""]
+    out += [f"- failed: {line}" for line in result.get("failed_contenders", [])]
     for key, row in result.get("rows", {}).items():
         out += [f"**{key}** ({row.get('status')}, {_f(row.get('seconds'))} s)", ""]
         if "results" in row:  # whole runs (train_speed.py)
@@ -112,7 +125,8 @@ def _speed(result: dict) -> list[str]:
             out += _table(["contender", "samples/s", "tokens/s", "step ms", "n", "MFU", "compile s", "x hand-eager",
                            "x hand-compile", "x lightning", "x accelerate"],
                           [[s["contender"], s.get("samples_per_s"), s.get("tokens_per_s"),
-                            (_get(s, "step_s", "median_s") or 0) * 1e3 if s["status"] == "ok" else s["status"],
+                            (_get(s, "step_s", "median_s") or 0) * 1e3 if s["status"] == "ok" else
+                            f"{s['status']}: {str(s.get('reason'))[:160]}",
                             s.get("n"), s.get("mfu"), s.get("compile_s"), s.get("vs_hand-eager"),
                             s.get("vs_hand-compile"), s.get("vs_lightning-bf16"), s.get("vs_accelerate-bf16")]
                            for s in row["summary"]])
@@ -138,8 +152,8 @@ def write_markdown(day: dict[str, Any], path: Path) -> None:
     env = day.get("environment", {})
     dev = ", ".join(f"{d['device']} ({d['name']})" for d in env.get("devices", [])) or env.get("error", "?")
     out = [f"# GPU day, {env.get('date', '?')}: {day['device_slug']}", "",
-           f"`{day['command']}`: {dev}; torch {env.get('torch')}, CUDA {env.get('cuda')}, driver {env.get('driver')}, "
-           f"Python {env.get('python')}; {_f(day.get('wall_s'))} s of a {day['config']['budget_s']:.0f} s budget. "
+           f"**{headline(env, day['config']['device'])}**", "",
+           f"`{day['command']}`: {dev}; {_f(day.get('wall_s'))} s of a {day['config']['budget_s']:.0f} s budget. "
            f"A GPU day's JSON goes to `{day['results_path']}`.", ""]
     out += _table(["part", "status", "s", "budget s", "what"],
                   [[f"({k}) {p['name']}", p["status"], f"{p.get('seconds') or 0:.0f}", f"{p.get('budget_s') or 0:.0f}",

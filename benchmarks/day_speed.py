@@ -11,6 +11,9 @@ Rows, cheapest first so that a run cut at its budget still has the small ones:
   resnet18     ResNet-18 on CIFAR shapes and a 6-layer GPT-mini (real_models.py): bf16 on every side,
   gpt-mini     gputrain against a hand loop (eager and torch.compile'd), Lightning `bf16-mixed` and
                Accelerate `bf16`; a peer that is not installed is a "not installed" row
+               (a failure with --require-peers), a contender whose every run raised an "error"
+               row and a failure of the part (exit 1); each peer's forward is checked to run
+               under bf16 autocast (real_models.AutocastSeen)
 
 Median of --repeats interleaved rounds (A B C A B C ...). Every run is checked against the budget
 before it starts (its last run's seconds, or a first-run guess): what does not fit is recorded as
@@ -39,6 +42,7 @@ import train_speed as ts  # noqa: E402
 
 REAL_CONTENDERS = ("hand-eager", "hand-compile", "gputrain", "lightning-bf16", "accelerate-bf16")
 REAL_KEYS = {"resnet18-cifar": "resnet18", "gpt-mini": "gpt-mini"}  # workload -> its row's key
+PEERS = ("lightning-bf16", "accelerate-bf16")
 
 
 class Budget:
@@ -58,7 +62,7 @@ def sizes(cpu: bool) -> dict[str, Any]:
     """Run lengths: the GPU day's, or tiny ones that only check the code on the CPU."""
     if cpu:
         return {"seed_n": 128, "iris_epochs": 100, "graph_steps": 10, "graph_warmup": 5,
-                "real_smoke": True, "real_warmup": 2, "real_steps": 3, "real_batches": 4}
+                "real_smoke": True, "real_warmup": 1, "real_steps": 2, "real_batches": 4}
     return {"seed_n": 10000, "iris_epochs": 20000, "graph_steps": 1000, "graph_warmup": 30,
             "real_smoke": False, "real_warmup": 20, "real_steps": 200, "real_batches": 40}
 
@@ -239,11 +243,24 @@ def _summarize(result: dict[str, Any]) -> None:
     result["summary"] = summary
 
 
+def contender_failures(rows: dict[str, dict], require_peers: bool) -> list[str]:
+    """The real models' contenders that failed, one line each: a run that raised ("error": a crash of
+    gputrain, a hand loop or a peer, or a peer's forward outside bf16 autocast; the contender runs no
+    more rounds), and with `require_peers` (the CPU rehearsal, whose venv has the peers extra) a peer
+    that is not installed."""
+    bad = []
+    for key in REAL_KEYS.values():
+        for r in rows.get(key, {}).get("rows") or []:
+            if r["status"] == "error" or (require_peers and r["contender"] in PEERS and r["status"] == "not installed"):
+                bad.append(f"{key} {r['contender']}: {r['status']}: {r.get('reason')}")
+    return bad
+
+
 # ---------------------------------------------------------------- the part
 
 
 def run_rows(device: torch.device, repeats: int, budget: Budget, only: set[str] | None,
-             write: Callable[[dict], None]) -> dict[str, Any]:
+             write: Callable[[dict], None], require_peers: bool = False) -> dict[str, Any]:
     size = sizes(device.type == "cpu")
     def real() -> dict:
         return real_rows(["resnet18-cifar", "gpt-mini"], device, repeats, budget, size,
@@ -283,6 +300,13 @@ def run_rows(device: torch.device, repeats: int, budget: Budget, only: set[str] 
                 result["status"] = "failures"
         for k, row in rows.items():
             result["rows"][k] = {**row, "seconds": round(time.monotonic() - t0, 1)}
+        if key == "real":
+            failed = contender_failures(result["rows"], require_peers)
+            if failed:
+                result["status"] = "failures"
+                result["failed_contenders"] = failed
+                for line in failed:
+                    print(f"failed: {line}", flush=True)
         write(result)
     return result
 
@@ -294,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=210, help="seconds for the whole part (default 210)")
     ap.add_argument("--only", default=None, help="comma-separated rows: seed-cnn,iris,graphed,real (resnet18 and gpt-mini)")
     ap.add_argument("--json", type=Path, required=True, help="where the rows go (rewritten after each row)")
+    ap.add_argument("--require-peers", action="store_true",
+                    help="a peer (Lightning, Accelerate) that is not installed fails the part (the CPU rehearsal)")
     args = ap.parse_args(argv)
     import logging
 
@@ -310,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(rm_json(result) + "\n")
 
     result = run_rows(device, args.repeats, Budget(args.budget), set(args.only.split(",")) if args.only else None,
-                      write)
+                      write, require_peers=args.require_peers)
     write(result)
     return 0 if result["status"] == "ok" else 1
 

@@ -16,6 +16,9 @@ each part the summary files are written again:
   d  speed     the speed table, side by side in one process, medians of 3 (day_speed.py)
   e  float8    bf16 vs float8 GPT-mini through torchao (day_float8.py): "not installed" without it
 
+The first line of the output, and of the summary, names the device the day runs on and the versions
+(torch, CUDA, cuDNN, driver, Python).
+
 Written to --out (default $OUT, else gpu-out), at most 8 files come back from the GPU machine:
 gpu_day.json (every figure, the environment, the command, each part's status), gpu_day.md (the
 summary) and gpu_day_logs.tar.gz (every part's full log); the work files stay in --work, outside
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from day_report import goals, write_markdown  # noqa: E402
+from day_report import goals, headline, write_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -142,7 +145,8 @@ def syncs_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
 
 def speed_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
     return [args.python, str(BENCH / "day_speed.py"), "--device", args.device, "--repeats", "2" if args.cpu else "3",
-            "--budget", str(max(10.0, budget - 15)), "--json", str(work / "speed.json")], {}, work / "speed.json"
+            "--budget", str(max(10.0, budget - 15)), "--json", str(work / "speed.json"),
+            *(["--require-peers"] if args.require_peers else [])], {}, work / "speed.json"
 
 
 def float8_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
@@ -292,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     ap.add_argument("--work", type=Path, default=None, help="work files (default: a gpu_day folder beside --out)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the parts")
+    ap.add_argument("--require-peers", action="store_true", help="fail the speed part when Lightning or Accelerate "
+                    "is not installed (`make gpu-day-cpu`, whose venv has the peers extra)")
     args = ap.parse_args(argv)
     args.cpu = args.device == "cpu"
     if args.budget is None:
@@ -310,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     env = environment(args)
+    print(f"gpu day: {headline(env, args.device)}", flush=True)
     if not args.cpu and not any(d.get("device", "").startswith("cuda") for d in env.get("devices", [])):
         print(f"gpu_day: torch sees no CUDA device here ({env.get('torch') or env.get('error', '?')}): run it on "
               "the GPU machine, or with --device cpu to check the code at tiny sizes", file=sys.stderr)
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gpu_day", "command": shlex.join(["benchmarks/gpu_day.py", *(argv if argv is not None else sys.argv[1:])]),
         "config": {"device": args.device, "parts": args.wanted, "budget_s": args.budget, "grace_s": args.grace,
                    "zoo_tests": args.zoo_tests, "zoo_cases": args.zoo_cases or "all",
+                   "require_peers": args.require_peers,
                    "own_budgets_s": {p.key: p.budget_cpu if args.cpu else p.budget_gpu for p in PARTS},
                    "budget_rule": "a part's own budget plus what earlier parts left unused"},
         "environment": env, "device_slug": slug,

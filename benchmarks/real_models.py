@@ -279,6 +279,34 @@ class NotAvailable(Exception):
 # ---------------------------------------------------------------- (f), (g): peers with a DataLoader
 
 
+class AutocastSeen:
+    """What autocast the model's first inner module saw on its first forward of the run: a peer's row
+    says it trained in bf16 only when its forward ran under bf16 autocast (a peer that ignored the
+    setting, on a device or release where it does, would otherwise time fp32 as bf16).
+
+    The hook sits on a child, not on the model itself: Accelerate wraps `model.forward` (inside
+    `__call__`, after the model's own hooks) in its autocast."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device_type, self.seen = device.type, None
+        child = next((m for m in model.modules() if m is not model), model)
+        self.handle = child.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        if self.seen is None:
+            on = torch.is_autocast_enabled(self.device_type)
+            self.seen = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") if on else "off"
+        self.handle.remove()
+
+    def check(self, who: str) -> str:
+        """The note for the row; raises when the forward did not run under bf16 autocast."""
+        self.handle.remove()
+        if self.seen != "bfloat16":
+            raise RuntimeError(f"{who}: the model's forward ran with autocast {self.seen or 'never called'} on "
+                               f"{self.device_type}, not bf16: its row would not be a bf16 figure")
+        return f"forward under bf16 autocast on {self.device_type} (checked in the run)"
+
+
 def _loader(spec: Spec, device: torch.device):
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -327,6 +355,7 @@ def lightning_run(spec: Spec, device: torch.device, warmup: int, steps: int) -> 
     _reset_peak(device)
     torch.manual_seed(0)
     module = Module(spec.make_model())
+    seen = AutocastSeen(module.model, device)
     loader, workers = _loader(spec, device)
     clock = Clock()
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
@@ -336,7 +365,8 @@ def lightning_run(spec: Spec, device: torch.device, warmup: int, steps: int) -> 
     trainer.fit(module, loader)
     wall = time.perf_counter() - t0
     run = Run(warmup, steps, clock.t2 - clock.t1, wall, peak_memory_bytes=_peak(device),
-              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Lightning default)"])
+              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Lightning default)",
+                     seen.check("Lightning precision='bf16-mixed'")])
     del trainer, module, loader
     return run
 
@@ -351,6 +381,7 @@ def accelerate_run(spec: Spec, device: torch.device, warmup: int, steps: int) ->
     torch.manual_seed(0)
     acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
     model = spec.make_model()
+    seen = AutocastSeen(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     loader, workers = _loader(spec, device)
     model, opt, loader = acc.prepare(model, opt, loader)
@@ -378,7 +409,8 @@ def accelerate_run(spec: Spec, device: torch.device, warmup: int, steps: int) ->
     _sync(device)
     t2 = time.perf_counter()
     run = Run(warmup, steps, t2 - t1, time.perf_counter() - t0, peak_memory_bytes=_peak(device),
-              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Accelerate default)"])
+              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Accelerate default)",
+                     seen.check("Accelerate mixed_precision='bf16'")])
     del model, opt, loader, it, acc
     return run
 

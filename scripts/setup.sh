@@ -8,11 +8,19 @@
 # GPUTRAIN_TORCH=X.Y.Z (with GPUTRAIN_VENV, as `make test-torch TORCH=X.Y.Z` sets them): the venv
 # must have exactly that torch release (any local build of it, +cpu or +cu130); installs
 # torch==X.Y.Z when the one it sees is another.
+#
+# GPUTRAIN_EXTRAS (default test): the extras installed with gputrain, comma-separated; `make gpu-day-cpu`
+# adds peers (Lightning and Accelerate, the speed table's peer rows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${GPUTRAIN_VENV:-.venv}
 TORCH=${GPUTRAIN_TORCH:-}
+EXTRAS=${GPUTRAIN_EXTRAS:-test}
+if ! [[ "$EXTRAS" =~ ^[a-z]+(,[a-z]+)*$ ]]; then
+    echo "setup: GPUTRAIN_EXTRAS must be extras' names separated by commas, such as test,peers, not '$EXTRAS'" >&2
+    exit 2
+fi
 if [ -n "$TORCH" ] && ! [[ "$TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
     echo "setup: GPUTRAIN_TORCH must be an exact release such as 2.11.0, not '$TORCH'" >&2
     exit 2
@@ -35,15 +43,16 @@ fi
 
 # Install the package (editable) and the test tools, the latter at the versions constraints.txt pins
 # (the same pytest, type checker and coverage on every machine). A stamp skips pip when neither file
-# changed.
-stamp="$VENV/.gputrain-installed"
+# changed. One stamp per set of extras: a venv set up for the tests alone still installs the peers
+# when asked for them.
+stamp="$VENV/.gputrain-installed-${EXTRAS//,/-}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ] \
         || ! "$VPY" -c "import gputrain" >/dev/null 2>&1; then
     # The torch that is there stays: no extra or test library may pull another build in its place.
     keep_torch=$(mktemp)
     # (the distribution's version: PyPI's CUDA wheels say 2.11.0 there but 2.11.0+cu130 in __version__)
     "$VPY" -c "import importlib.metadata as m; print(f'torch=={m.version(\"torch\")}')" > "$keep_torch"
-    if ! "$VPY" -m pip install -q -c constraints.txt -c "$keep_torch" -e ".[test]"; then
+    if ! "$VPY" -m pip install -q -c constraints.txt -c "$keep_torch" -e ".[$EXTRAS]"; then
         # No package index (an offline GPU machine): install gputrain alone and use what is there.
         echo "setup: pip could not fetch dependencies; installing gputrain without them (offline?)"
         if ! "$VPY" -m pip install -q --no-deps --no-build-isolation -e .; then

@@ -305,3 +305,120 @@ def test_the_benchmarks_find_the_gpu_themselves_when_no_device_is_named():
     assert why_none is None and len(gpus) == 1 and gpus[0].type == "cuda"
     every, _ = accelerators("auto", every_gpu=True)
     assert every == [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def _refused_by_cuda_autocast():
+    """A model whose loss CUDA autocast refuses (F.binary_cross_entropy, "unsafe to autocast"), with
+    dropout before it: the failed attempt draws from the CUDA generator, which the retry must not see."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1), nn.Sigmoid(), nn.Flatten(0))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 2, (8,), generator=g).float()) for _ in range(4)]
+    return model, batches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("auto", ["bf16", "fp16"])
+def test_a_first_step_that_cuda_autocast_refuses_is_retried_in_fp32_from_the_same_cuda_rng(monkeypatch, auto):
+    """train/step/precision_gate.py on CUDA, with torch's own CUDA autocast refusal: the automatic precision
+    (bf16 on this GPU; fp16 with its GradScaler, as on a GPU without bf16) becomes fp32, the retry starts
+    from the CUDA generator's state of the failed attempt (`PrecisionGate.__call__: if cuda_rng`), and with
+    fp16 the step gives up the GradScaler for the device-side skip of non-finite steps (on_nan='skip';
+    `_can_fall_back: if ...use_scaler and ...`, TrainStep.follow_precision)."""
+    from gputrain.runtime import precision as precision_mod
+    from gputrain.train.step import precision_gate
+    from gputrain.train.loop.trainer import Trainer
+
+    if auto == "fp16":
+        monkeypatch.setattr(precision_mod, "_cuda_bf16", lambda device: False)
+    states: list[torch.Tensor] = []
+    real_init = precision_gate.PrecisionGate.__init__
+
+    def recording_init(self, step_fn, **kw):
+        def step(micro_batches):
+            states.append(torch.cuda.get_rng_state())
+            return step_fn(micro_batches)
+
+        real_init(self, step, **kw)
+
+    monkeypatch.setattr(precision_gate.PrecisionGate, "__init__", recording_init)
+    model, batches = _refused_by_cuda_autocast()
+    t = Trainer(model, batches, loss_fn=nn.functional.binary_cross_entropy,
+                config=TrainConfig(device="cuda", steps=4, log_every=2, on_nan="skip", loggers=()))
+    try:
+        assert t.precision.name == auto and t.precision.scaler.is_enabled() == (auto == "fp16")
+        t.run_steps(4)
+        assert t.precision.name == "fp32" and not t.precision.scaler.is_enabled()
+        assert "unsafe to autocast" in t.precision.precision.reason
+        assert len(states) >= 2 and torch.equal(states[0], states[1])  # the retry draws the same dropout mask
+        if auto == "fp16":
+            assert t.train_step._scaled is False and t.train_step.skip_nonfinite is True
+        assert all(math.isfinite(p.detach().float().sum().item()) for p in model.parameters())
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+def test_the_layout_probe_leaves_the_cuda_generator_where_it_was(monkeypatch):
+    """train/step/layout.py on CUDA: the probe's passes (dropout on NHWC activations) run inside
+    fork_rng(devices=[cuda]) and start from the CUDA generator's state (`probe_pass: if cuda_rng`), so the
+    first real step draws the masks it would draw without the probe."""
+    from gputrain.train.step import layout
+
+    seen: dict[str, torch.Tensor] = {}
+    real_decide = layout.LayoutGate.decide
+
+    def decide(self, batch):
+        seen["before"] = torch.cuda.get_rng_state()
+        real_decide(self, batch)
+        seen["after"] = torch.cuda.get_rng_state()
+
+    monkeypatch.setattr(layout.LayoutGate, "decide", decide)
+
+    class ReshapeNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.drop, self.fc = nn.Conv2d(3, 4, 3), nn.Dropout(0.3), nn.Linear(4 * 2 * 2, 3)
+
+        def forward(self, x):
+            x = self.drop(nn.functional.max_pool2d(nn.functional.relu(self.conv(x)), 3))
+            return self.fc(x.reshape(x.shape[0], -1))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    torch.manual_seed(0)
+    h = fit(ReshapeNet(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+            config=TrainConfig(device="cuda", steps=4, batch_size=8, log_every=2, loggers=()))
+    decision = {d["name"]: d for d in h.summary["decisions"]}["channels_last"]
+    assert decision["value"] == "on" and "CUDA rule keeps NHWC" in decision["reason"], decision
+    assert torch.equal(seen["before"], seen["after"])
+
+
+@pytest.mark.gpu
+def test_a_cuda_compile_cache_is_keyed_by_the_gpu_and_warms_the_next_cuda_run(tmp_path, caplog):
+    """runtime/compile_cache.py on CUDA: the key names the GPU (its description says `cuda:<name>`), the
+    first compiled run saves Inductor's CUDA artifacts, the next run on this GPU loads them, and a cache
+    made on another GPU is ignored with a line naming both."""
+    import logging
+
+    from gputrain.runtime.compile_cache import CompileCache
+
+    def run(run_dir: Path, **extra):
+        torch.manual_seed(0)
+        return fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss(),
+                   config=TrainConfig(device="cuda", compile=True, batch_size=32, steps=4, log_every=2, loggers=(),
+                                      run_dir=str(run_dir), **extra))
+
+    run(tmp_path / "first")
+    folder = tmp_path / "first" / "compile_cache"
+    metas = list(folder.glob("*.json"))
+    assert len(metas) == 1 and len(list(folder.glob("*.bin"))) == 1
+    parts = json.loads(metas[0].read_text())
+    here = f"cuda:{torch.cuda.get_device_name(torch.device('cuda'))}"
+    assert parts["device"] == here
+    with caplog.at_level(logging.INFO, logger="gputrain"):
+        run(tmp_path / "second", compile_cache=str(folder))
+    assert any(r.getMessage().startswith("compile cache: loaded ") for r in caplog.records)
+    elsewhere = CompileCache(folder, dict(parts, device="cuda:Another GPU"))
+    assert elsewhere.load() is False
+    assert any(f"made for another device {here!r} here 'cuda:Another GPU'" in line for line in elsewhere.ignored)

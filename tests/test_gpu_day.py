@@ -56,8 +56,10 @@ def test_a_part_that_crashes_or_overruns_fails_the_day_and_the_next_is_skipped(t
 
     monkeypatch.setitem(gpu_day.BUILDERS, "c", crashing)
     monkeypatch.setitem(gpu_day.BUILDERS, "d", hanging)
+    # 40 s: the environment's read (a torch import in a subprocess, 15 s and more on a loaded 2-core
+    # machine) counts against the day's budget, and (c) must still get 10 s to start
     rc, day, md = _day(tmp_path, "--parts", "b,c,d,e", "--zoo-tests", "tests/no_such_zoo.py",
-                       "--budget", "25", "--grace", "1")
+                       "--budget", "40", "--grace", "1")
     assert rc == 1
     assert day["parts"]["b"]["status"] == "not present"  # the parts before still report
     assert day["parts"]["c"]["status"] == "crashed" and day["parts"]["c"]["rc"] != 0
@@ -110,3 +112,106 @@ def test_an_unknown_part_is_one_clear_line(part, capsys):
         gpu_day.parse_args(["--parts", part])
     assert exc.value.code == 2
     assert "unknown parts" in capsys.readouterr().err
+
+
+def test_the_output_and_the_summary_start_with_the_device_name_and_the_torch_version(tmp_path, capsys):
+    import torch
+
+    rc, day, md = _day(tmp_path, "--parts", "b", "--zoo-tests", "tests/no_such_zoo.py")
+    cpu = day["environment"]["devices"][0]["name"]
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"gpu day: cpu ({cpu}); torch {torch.__version__}, CUDA "), first
+    assert md.splitlines()[2] == f"**{day_report.headline(day['environment'], 'cpu')}**"
+    env = {"torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91900, "driver": "580.1", "python": "3.12.3",
+           "devices": [{"device": "cpu", "name": "Xeon"}, {"device": "cuda", "name": "NVIDIA H100 80GB HBM3"}]}
+    assert day_report.headline(env, "cuda").startswith("cuda (NVIDIA H100 80GB HBM3); torch 2.11.0+cu130, CUDA 13.0")
+    assert "could not be read: ImportError: no torch" in day_report.headline({"error": "ImportError: no torch"}, "cuda")
+
+
+def _real(statuses: dict[str, str]) -> dict:
+    """real_rows' answer for both workloads, one row per contender with the given statuses."""
+    return {w: {"rows": [{"workload": w, "contender": c, "repeat": 0, "status": s, "reason": f"{c} said so"}
+                         for c, s in statuses.items()], "summary": []}
+            for w in ("resnet18-cifar", "gpt-mini")}
+
+
+@pytest.mark.parametrize("statuses, require, failed", [
+    ({"hand-eager": "ok", "lightning-bf16": "ok", "accelerate-bf16": "ok"}, True, []),
+    ({"gputrain": "error", "lightning-bf16": "ok"}, False, ["gputrain"]),
+    ({"lightning-bf16": "error", "accelerate-bf16": "ok"}, False, ["lightning-bf16"]),
+    ({"lightning-bf16": "not installed", "accelerate-bf16": "ok"}, False, []),
+    ({"lightning-bf16": "not installed", "accelerate-bf16": "not installed"}, True,
+     ["lightning-bf16", "accelerate-bf16"]),
+])
+def test_a_contender_that_errors_or_a_required_peer_that_is_missing_fails_the_speed_part(
+        monkeypatch, statuses, require, failed):
+    import torch
+
+    import day_speed
+
+    monkeypatch.setattr(day_speed, "real_rows", lambda *a, **k: _real(statuses))
+    monkeypatch.setattr(day_speed.rm, "bf16_matmul_peak", lambda device: None)
+    written = []
+    result = day_speed.run_rows(torch.device("cpu"), 1, day_speed.Budget(60), {"real"}, written.append,
+                                require_peers=require)
+    assert written and result["rows"]["resnet18"]["status"] == "ok"
+    assert result["status"] == ("failures" if failed else "ok")
+    lines = result.get("failed_contenders", [])
+    assert [ln.split(":")[0] for ln in lines] == [f"{k} {c}" for k in ("resnet18", "gpt-mini") for c in failed]
+    assert all(f"{c} said so" in ln for ln, c in zip(lines, failed * 2))
+
+
+def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
+    import torch
+    from torch import nn
+
+    import real_models as rm
+
+    def run(how: str) -> str:
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        seen = rm.AutocastSeen(model, torch.device("cpu"))
+        x = torch.randn(3, 4)
+        if how == "around the call":  # Lightning: autocast around training_step
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+        elif how == "inside forward":  # Accelerate: prepare() wraps model.forward, inside __call__
+            model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+            model(x)
+        elif how == "off":
+            model(x)
+        return seen.check("the peer")
+
+    assert run("around the call") == run("inside forward") == "forward under bf16 autocast on cpu (checked in the run)"
+    with pytest.raises(RuntimeError, match="the peer: the model's forward ran with autocast off on cpu, not bf16"):
+        run("off")
+    with pytest.raises(RuntimeError, match="autocast never called"):
+        run("not at all")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_day_counts_each_sync_of_a_case_at_its_line(device):
+    """benchmarks/day_syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
+    one-time notice that the mode is a prototype has been consumed (it would count as a sync); on the
+    CPU as host reads. A read planted in a per-step callback is counted once per step at its line, and
+    the same case without it has no site there."""
+    import torch
+
+    import day_syncs
+    from gputrain import Callback
+
+    class ReadsTheDevice(Callback):
+        every_step = True  # on_step after every optimizer step (the run takes no CUDA graph then)
+
+        def on_step(self, run):
+            torch.ones((), device=device).item()  # PLANTED
+
+    day_syncs.consume_sync_debug_notice()
+    steps = 5
+    planted = day_syncs.count_case(lambda: day_syncs._plain(device, steps, callbacks=[ReadsTheDevice()]), device, steps)
+    assert planted["status"] == "ok"
+    assert planted["counted"] == {"cpu": "host-reads", "cuda": "cuda-syncs"}[device]
+    site = next(s for s in planted["sites"] if s["code"].endswith("# PLANTED"))
+    assert site["count"] == steps and site["where"].startswith(f"{__file__}:") and planted["syncs"] >= steps
+    plain = day_syncs.count_case(lambda: day_syncs._plain(device, steps), device, steps)
+    assert plain["status"] == "ok" and isinstance(plain["syncs"], int)
+    assert not [s for s in plain["sites"] if s["code"].endswith("# PLANTED")]
