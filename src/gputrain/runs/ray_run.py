@@ -114,5 +114,21 @@ def _worker(loop_config: dict[str, Any]) -> None:
     from gputrain.runs.train import train_spec
 
     spec, workload = resolve(loop_config["stated"])
+    _worker_log(spec.fit.quiet or spec.fit.json)
     with resume_from_ray(spec.train) as config:
         train_spec(dataclasses.replace(spec, train=config), workload, callbacks=[RayReport()])
+
+
+def _worker_log(quiet: bool) -> None:
+    """The run log on a worker's stderr, which Ray passes to the driver with the worker's name: rank 0's
+    from INFO (as `gputrain fit` sets it up), the other ranks' warnings only."""
+    from gputrain.runtime.distributed import is_main_process
+
+    logger = logging.getLogger("gputrain")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet or not is_main_process() else logging.INFO)
+    logger.propagate = False
