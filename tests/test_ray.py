@@ -182,3 +182,23 @@ def test_a_sigkilled_worker_restarts_the_group_which_resumes_exactly_where_torch
               for d in ("on-ray", "torchrun")]
     assert losses[0] == losses[1]
     assert _listing(tmp_path / "on-ray") == _listing(tmp_path / "torchrun")
+
+
+def test_import_gputrain_and_a_run_without_ray_never_import_ray(tmp_path):
+    """Ray is imported where a run uses it only: not by `import gputrain`, nor by a fit in a process group
+    someone else made (which asks runtime/ray_train.py whether Ray made it), nor by importing the Ray
+    modules themselves."""
+    code = ("import sys, torch\n"
+            "import torch.distributed as dist\n"
+            "import gputrain\n"
+            f"dist.init_process_group('gloo', store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, "
+            "world_size=1)\n"
+            "from gputrain import TrainConfig, fit\n"
+            "import gputrain.runtime.ray_train, gputrain.report.ray_report, gputrain.runs.ray_run\n"
+            "x = torch.randn(32, 4)\n"
+            "fit(torch.nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), loss_fn=torch.nn.CrossEntropyLoss(),\n"
+            "    config=TrainConfig(device='auto', steps=2, batch_size=16, progress=False, loggers=()))\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
+    proc = _finish(_start([sys.executable, "-c", code]), 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
