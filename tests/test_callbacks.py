@@ -104,6 +104,16 @@ def test_on_checkpoint_tells_each_committed_checkpoint_once(tmp_path, fmt, async
         assert [step for step, _, _ in told.told] == [4, 8, 10]
 
 
+def test_ray_report_outside_a_ray_train_worker_is_refused_with_a_message(tmp_path):
+    from gputrain.report.ray_report import RayReport
+
+    x, y = data()
+    with pytest.raises(ConfigError, match=r"RayReport reports to Ray Train: give it to fit inside the training "
+                                          r"function a TorchTrainer runs"):
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[RayReport()],
+            config=TrainConfig(device="cpu", batch_size=16, steps=2, run_dir=str(tmp_path / "r"), loggers=()))
+
+
 def test_callbacks_are_checked_with_a_message():
     with pytest.raises(ConfigError, match="instances"):
         CallbackList([Recorder])

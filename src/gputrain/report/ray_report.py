@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from gputrain.errors import CheckpointError
+from gputrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("gputrain")
 
@@ -45,6 +45,13 @@ class RayReport:
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None  # the last log point's values, not reported yet
         self._last: dict[str, Any] = {}  # the values last reported
+
+    def on_run_start(self, run: Any) -> None:
+        from gputrain.runtime.ray_train import in_ray_worker
+
+        if not in_ray_worker():
+            raise ConfigError("RayReport reports to Ray Train: give it to fit inside the training function a "
+                              "TorchTrainer runs (or train with `gputrain fit --launcher ray`), not in this process")
 
     def on_log(self, run: Any, record: dict[str, Any]) -> None:
         if self._pending is not None:
