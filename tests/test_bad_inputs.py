@@ -139,6 +139,8 @@ def work(tmp_path_factory) -> Path:
         (w / name).write_text(text)
     (w / "empty-run").mkdir()
     (w / "in-the-way").write_text("a file where a folder is expected\n")
+    (w / "no-ray" / "ray").mkdir(parents=True)  # on PYTHONPATH: a Python where Ray is not installed
+    (w / "no-ray" / "ray" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
     (w / "a-folder").mkdir()
 
     images = torch.randint(0, 256, (5, 1, 8, 8), dtype=torch.uint8)  # digits-cnn's data: (N, 1, 8, 8) uint8
@@ -178,6 +180,20 @@ CASES = [
     Case("fit-negative-lr", ("fit", "digits-cnn", "--lr", "-1"), r"--lr: expected a positive number, got '-1'"),
     Case("fit-steps-and-epochs", ("fit", "digits-cnn", "--steps", "2", "--epochs", "1"), r"not allowed with"),
     Case("fit-missing-device", ("fit", "digits-cnn", "--device", "cuda:7", "--no-save"), r"cuda:7 requested"),
+    # --launcher ray: refused before a Ray cluster starts (RAY_ADDRESS unset unless the case sets it)
+    Case("fit-ray-not-installed", ("fit", "iris-mlp", "--launcher", "ray", "--run-dir", "r-ray"),
+         r"Ray is not installed \(No module named 'ray'\): install the extra with pip install 'gputrain\[ray\]'",
+         env=(("PYTHONPATH", "no-ray"), ("RAY_ADDRESS", "")), absent="r-ray"),
+    Case("fit-ray-cluster-unreachable", ("fit", "iris-mlp", "--launcher", "ray", "--run-dir", "r-ray"),
+         r"cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1' \(.+\): start it \(`ray start --head`\) or unset "
+         r"RAY_ADDRESS", env=(("RAY_ADDRESS", "127.0.0.1:1"),), absent="r-ray"),
+    Case("fit-ray-more-workers-than-cores", ("fit", "iris-mlp", "--launcher", "ray", "--nproc", "100000"),
+         r"--nproc 100000: 100000 Ray workers need 100000 CPUs \(one each\) but this machine \(a local Ray cluster\) "
+         r"has \d+: use --nproc \d+ or fewer", env=(("RAY_ADDRESS", ""),)),
+    Case("fit-ray-no-save", ("fit", "iris-mlp", "--launcher", "ray", "--no-save"),
+         r"--launcher ray keeps the run's checkpoints .*: drop --no-save"),
+    Case("fit-unknown-launcher", ("fit", "iris-mlp", "--launcher", "mpirun"),
+         r"argument --launcher: launcher must be one of 'torchrun', 'ray', got 'mpirun'"),
     Case("fit-unknown-logger", ("fit", "digits-cnn", "--logger", "nosuch", "--no-save"),
          r"unknown logger 'nosuch': choose from csv"),
     Case("fit-missing-module", ("fit", "nosuchmodule:make"), r"no module named 'nosuchmodule'"),

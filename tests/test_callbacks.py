@@ -77,6 +77,43 @@ def test_hooks_run_at_log_points_in_order_and_their_state_comes_back_on_resume(t
     assert rec2.calls[1] == ("start", 8) and rec2.logged == 3
 
 
+@pytest.mark.parametrize("fmt, async_save", [("file", False), ("dcp", True)])
+def test_on_checkpoint_tells_each_committed_checkpoint_once(tmp_path, fmt, async_save):
+    """The hook report/ray_report.py hands Ray its checkpoints by: each checkpoint of the run's store,
+    once it is whole (an asynchronous one once committed), never a save to a path of your own."""
+    from gputrain.checkpoint.store import CheckpointStore
+    from gputrain.checkpoint.verify import verify
+
+    class Told(Callback):
+        def __init__(self):
+            self.told: list[tuple[int, str, bool]] = []
+
+        def on_checkpoint(self, run, path):
+            self.told.append((run.step, path.name, verify(path) is True))
+
+    x, y = data()
+    told = Told()
+    cfg = TrainConfig(device="cpu", batch_size=16, steps=10, log_every=2, checkpoint_every=4, run_dir=str(tmp_path),
+                      checkpoint_format=fmt, async_checkpoint=async_save, keep_last=5, loggers=())
+    fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[told], config=cfg)
+    suffix = ".dcp" if fmt == "dcp" else ".pt"
+    names = [f"step-{s:06d}{suffix}" for s in (4, 8, 10)]
+    assert [name for _, name, _ in told.told] == names and all(ok for _, _, ok in told.told), told.told
+    assert [p.name for p in CheckpointStore(tmp_path).list()] == names
+    if not async_save:  # told right after each save, at its step
+        assert [step for step, _, _ in told.told] == [4, 8, 10]
+
+
+def test_ray_report_outside_a_ray_train_worker_is_refused_with_a_message(tmp_path):
+    from gputrain.report.ray_report import RayReport
+
+    x, y = data()
+    with pytest.raises(ConfigError, match=r"RayReport reports to Ray Train: give it to fit inside the training "
+                                          r"function a TorchTrainer runs"):
+        fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[RayReport()],
+            config=TrainConfig(device="cpu", batch_size=16, steps=2, run_dir=str(tmp_path / "r"), loggers=()))
+
+
 def test_callbacks_are_checked_with_a_message():
     with pytest.raises(ConfigError, match="instances"):
         CallbackList([Recorder])

@@ -22,7 +22,7 @@ from gputrain.checkpoint import sharded
 from gputrain.checkpoint.format import check_model_state, load_checkpoint, write_checkpoint
 from gputrain.checkpoint.parts import RunCheckpoint, global_batch
 from gputrain.checkpoint.sharded_save import DcpCheckpointer
-from gputrain.checkpoint.store import LEGACY_NAME, CheckpointStore
+from gputrain.checkpoint.store import LEGACY_NAME, CheckpointStore, step_file_name
 from gputrain.config import TrainConfig
 from gputrain.data.checks import first_step_note
 from gputrain.data.stream import BatchStream
@@ -43,12 +43,18 @@ class Step(Protocol):
 
 
 class Waiting(Protocol):
-    """What waiting for a save in flight needs: the writer, and where to record what it committed."""
+    """What waiting for a save in flight needs: the writer, where to record what it committed, and the
+    callbacks to tell (`hand_over`)."""
 
     last_checkpoint: str | None
+    handed_over: str | None  # the last checkpoint told to the callbacks
 
     @property
     def checkpointer(self) -> DcpCheckpointer: ...
+    @property
+    def callbacks(self) -> Any: ...  # train/loop/callbacks.py's CallbackList: checkpoint(control, path)
+    @property
+    def control(self) -> Any: ...  # what the callbacks are given of the run
 
 
 class Place(Protocol):
@@ -160,11 +166,23 @@ def save_checkpoint(t: Saving, path: Path | None = None) -> Path | None:
                                   f"{exc.strerror or exc}; {previous}. Free space (or choose another --run-dir) "
                                   f"and resume with --resume {t.run_dir}") from exc
     distributed.barrier(t.dist)
-    if path is None:
-        path = _store(t).latest_path()
+    if path is None:  # the other ranks: the file rank 0 wrote (by name, so that it is the same on every rank)
+        path = _store(t).folder / step_file_name(t.state.step)
     t.last_checkpoint = str(path)
     t.checkpointer.record_file_save(t.state.step, time.perf_counter() - start)
+    if t.store is not None and path == t.store.folder / step_file_name(t.state.step):  # the store's, not a path given
+        hand_over(t)
     return path
+
+
+def hand_over(t: Waiting) -> None:
+    """Tell the callbacks (`on_checkpoint`) of a checkpoint newly committed to the run's store, with
+    the same path on every rank, so that every rank calls them equally often (an asynchronous save is
+    told once it is committed: at the next save or the end of the run)."""
+    done = t.last_checkpoint
+    if done is not None and done != t.handed_over:
+        t.handed_over = done
+        t.callbacks.checkpoint(t.control, Path(done))
 
 
 def _newest_kept(t: Saving) -> Path | None:
@@ -192,6 +210,7 @@ def _save_sharded(t: Saving) -> Path:
     path = t.checkpointer.save(_store(t), t.state.step, distributed.unwrap(t.model), t.optimizer, state, metrics)
     if t.checkpointer.last_committed is not None:
         t.last_checkpoint = str(t.checkpointer.last_committed)
+        hand_over(t)
     return path
 
 
@@ -200,6 +219,7 @@ def wait_for_saves(t: Waiting) -> None:
     committed = t.checkpointer.finish()
     if committed is not None:
         t.last_checkpoint = str(committed)
+        hand_over(t)
 
 
 def resume(t: Resuming) -> None:

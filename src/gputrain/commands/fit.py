@@ -63,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
 
     stated = stated_run(args)
     settings = RunSettings(**stated.fit)
+    if settings.launcher == "ray" and not args.print_config and "LOCAL_RANK" not in os.environ:
+        from gputrain.runs.ray_run import train_on_ray
+
+        _setup_logging(settings.quiet or settings.json, True)
+        return _render(train_on_ray(stated), settings.json)
     if (settings.nproc or 1) > 1 and "LOCAL_RANK" not in os.environ and not args.print_config:
         from gputrain.runtime.distributed import launch_torchrun
 
@@ -83,9 +88,14 @@ def run(args: argparse.Namespace) -> int:
     from gputrain.runs.train import train_spec
 
     result = train_spec(spec, workload)
+    return _render(result, settings.json)
+
+
+def _render(result, as_json: bool) -> int:
+    """Rank 0's summary (and autotune's report): printed as JSON or as the run's tables."""
     if not result.is_main:
         return 0
-    if settings.json:
+    if as_json:
         out = {"summary": result.summary, "final": result.history.records[-1] if result.history.records else None}
         if result.autotune_report is not None:
             out["autotune"] = result.autotune_report

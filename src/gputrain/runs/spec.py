@@ -20,23 +20,29 @@ from typing import Any
 
 from gputrain.config import TrainConfig
 from gputrain.errors import ConfigError
-from gputrain.fields import (boolean, check_fields, integer, number, positive_float_arg, positive_int,
+from gputrain.fields import (boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
                              positive_int_arg, setting)
 
 DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
 CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the resolved config each run records
-AUTO_FIELDS = ("batch_size", "progress")  # TrainConfig fields a spec may state as "auto" (decided when it runs)
+AUTO_FIELDS = ("batch_size", "progress")
+LAUNCHERS = ("torchrun", "ray")  # what starts a run's processes (Slurm's srun starts gputrain itself)  # TrainConfig fields a spec may state as "auto" (decided when it runs)
 
 
 def _nproc(name: str, value: Any) -> None:
-    """Processes on this machine: at most one per CPU core (a GPU machine has more cores than GPUs;
-    runtime/distributed.py checks the GPUs when the processes start)."""
+    """A count of processes (how many fit where: `RunSettings.__post_init__`, by launcher)."""
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be at least 1, got {value!r}")
+
+
+def _check_cores(name: str, value: int | None) -> None:
+    """torchrun's processes on this machine: at most one per CPU core (a GPU machine has more cores than
+    GPUs; runtime/distributed.py checks the GPUs when the processes start). Ray's workers are checked
+    against the cluster's room when it is reached (runtime/ray_train.py)."""
     cores = max(1, os.cpu_count() or 1)
-    if value > cores:
+    if value is not None and value > cores:
         raise ConfigError(f"{name} must be at most {cores} (the CPU cores of this machine: one process each), "
                           f"got {value!r}")
 
@@ -61,7 +67,12 @@ class RunSettings:
     nproc: int | None = setting(None, flag="--nproc", parse=positive_int_arg, check=_nproc,
                                 help="start N processes on this machine with torchrun")
     max_restarts: int = setting(0, flag="--max-restarts", parse=int, check=integer(0),
-                                help="with --nproc: torchrun restarts after a failure")
+                                help="with --nproc: torchrun restarts after a failure (--launcher ray: Ray Train's "
+                                     "FailureConfig(max_failures=N))")
+    launcher: str = setting("torchrun", flag="--launcher", choices=LAUNCHERS, check=one_of(LAUNCHERS),
+                            help="what starts the --nproc processes: torchrun (this machine), or ray (Ray Train "
+                                 "workers on a local Ray cluster, or the one RAY_ADDRESS names; pip install "
+                                 "'gputrain[ray]')")
     autotune: bool = setting(False, flag="--autotune", action="store_true", check=boolean,
                              help="try graphs/compile/channels_last/precision for a few steps each, train with the "
                                   "fastest (cached per model, device and batch shape; the batch size is never changed)")
@@ -84,6 +95,8 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.launcher == "torchrun":
+            _check_cores("nproc", self.nproc)
         if (self.nproc or 1) > 1 and (self.autotune or self.autotune_force):
             raise ConfigError("--autotune runs its trials in one process: run it once without --nproc, then start "
                               "the job with --nproc and the switches it chose (--precision, --cuda-graphs, "

@@ -130,10 +130,13 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300) -> tuple
     from gputrain.runtime.devices import pick_device
     from gputrain.runtime.slurm import env_int, launcher_numbers, slurm_task
 
-    if dist.is_available() and dist.is_initialized():  # someone (a test, mp.spawn, the user) set it up
+    if dist.is_available() and dist.is_initialized():  # someone (Ray Train, a test, mp.spawn, the user) set it up
+        from gputrain.runtime.ray_train import worker_device
+
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = env_int(os.environ, "LOCAL_RANK", rank)
-        device = _rank_device(device_spec, local_rank)
+        # Ray Train's workers: the device Ray gave this one (runtime/ray_train.py); else one per local rank
+        device = worker_device(device_spec) or _rank_device(device_spec, local_rank)
         return DistInfo(world > 1, rank, local_rank, world, dist.get_backend(), owns_group=False), device
 
     # Started by srun as one of several tasks (no torchrun): the variables torchrun would have set,

@@ -8,6 +8,8 @@ the types); the trainer calls each one that is there, in the order the callbacks
     on_log(run, record)                      at each log point, with every value already read (host floats)
     on_checkpoint_save(run) -> dict | None   the callback's own state, saved in the checkpoint
     on_checkpoint_load(run, state)           that state, given back on resume
+    on_checkpoint(run, path)                 a checkpoint was committed to the run's store (every rank, the
+                                             same path; only rank 0 may read it): report/ray_report.py
     on_exception(run, exc)                   training failed; the error propagates afterwards
     on_run_end(run, history)                 after the run's summary
     on_step(run)                             after every optimizer step: only when `every_step = True`
@@ -27,6 +29,7 @@ learning rate (`scale_lr`, `set_lr`, which move the schedule's base learning rat
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -46,8 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gputrain")
 
-HOOKS = ("on_run_start", "on_evaluate", "on_log", "on_checkpoint_save", "on_checkpoint_load", "on_exception",
-         "on_run_end", "on_step", "step_update")
+HOOKS = ("on_run_start", "on_evaluate", "on_log", "on_checkpoint_save", "on_checkpoint_load", "on_checkpoint",
+         "on_exception", "on_run_end", "on_step", "step_update")
 
 
 class Callback:
@@ -73,6 +76,9 @@ class Callback:
         return None
 
     def on_checkpoint_load(self, run: RunControl, state: dict[str, Any]) -> None:
+        pass
+
+    def on_checkpoint(self, run: RunControl, path: Path) -> None:
         pass
 
     def on_exception(self, run: RunControl, exc: BaseException) -> None:
@@ -315,6 +321,10 @@ class CallbackList:
     def log(self, run: RunControl, record: dict[str, Any]) -> None:
         for _, fn in self._each("on_log"):
             fn(run, record)
+
+    def checkpoint(self, run: RunControl, path: Path) -> None:
+        for _, fn in self._each("on_checkpoint"):
+            fn(run, path)
 
     def step(self, run: RunControl) -> None:
         for key, cb in zip(self.keys, self.callbacks):
