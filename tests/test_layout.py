@@ -63,7 +63,7 @@ def test_the_floors_under_the_trainer_import_nothing_above_them():
 
 
 def test_the_checkpoint_package_sits_under_the_trainer():
-    """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, run.py), so it
+    """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, save_resume.py), so it
     imports nothing of train/ (nor the reports above it)."""
     assert _offenders(("checkpoint",), ("gputrain.train", "gputrain.report")) == []
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
-from gputrain.checkpoint import run as checkpointing
+from gputrain.checkpoint import save_resume as checkpointing
 from gputrain.checkpoint.parts import run_checkpoint
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
