@@ -61,6 +61,7 @@ from gputrain.metric_direction import Direction, metric_direction
 
 log = logging.getLogger(__name__)
 
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, unverifiable) and an earlier one used instead."""
 
