@@ -151,18 +151,15 @@ class Harness:
 
     @staticmethod
     def final(run_dir: Path) -> dict[str, Any]:
+        from gputrain.checkpoint.read import read_checkpoint
         from gputrain.checkpoint.store import CheckpointStore
-
-        from gputrain.checkpoint import sharded
 
         path = CheckpointStore(run_dir).latest_path()
         if path is None:
             raise AssertionError(f"{run_dir}: no checkpoint")
-        if sharded.is_dcp(path):  # several processes write the sharded format: read it whole
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return sharded.load_full(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # several processes write the sharded format: read whole here
+            warnings.simplefilter("ignore")
+            return read_checkpoint(path)
 
     def reference(self, nproc: int = 1, options: dict[str, Any] | None = None, extra: tuple[str, ...] = ()) -> dict:
         """The final checkpoint of an uninterrupted run with these settings (run once, cached)."""
@@ -685,13 +682,13 @@ def trial_torchrun(h: Harness, rng: random.Random) -> Trial:
     newest, temp = h.snapshot(run_dir)
     files = sorted(p.name for p in h.folder(run_dir).iterdir() if _STEP_FILE.match(p.name))
     from gputrain.checkpoint.store import CheckpointStore
-    from gputrain.checkpoint.verify import file_digests
+    from gputrain.checkpoint.digests import listed_digests
 
     store = CheckpointStore(run_dir)
     same_step = len(steps) == 2 and steps[0] == steps[1]
     sidecar = store.folder / f"step-{newest:06d}.pt.sha256"  # one-file format: one digest (a folder: its manifest)
     one_ckpt = same_step and newest == steps[0] and store.verify(store.latest_path()) is True \
-        and (not sidecar.exists() or len(file_digests(sidecar)) == 1) and not temp
+        and (not sidecar.exists() or len(listed_digests(sidecar)) == 1) and not temp
     resume_step, _ = h.resumable(run_dir)
     resumed = h.run(h.args(run_dir, "--nproc", "2", "--resume", str(run_dir)))
     exact, why = h.exact(run_dir, reference) if resumed.rc == 0 else (False, resumed.describe())

@@ -17,7 +17,8 @@ import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.data import Sharded, make_loader, take_part
 from gputrain.errors import ConfigError, DataError, StopRequested
-from gputrain.checkpoint.store import CheckpointStore, step_of
+from gputrain.checkpoint.names import step_of
+from gputrain.checkpoint.store import CheckpointStore
 
 CPU = torch.device("cpu")
 

@@ -18,8 +18,9 @@ from torch import nn
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import sharded
-from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
-from gputrain.checkpoint.verify import Damage, verify
+from gputrain.checkpoint.digests import Damage, verify
+from gputrain.checkpoint.names import staging_name, step_of
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning
 from gputrain.runtime.distributed import SINGLE
 from gputrain.checkpoint.sharded_save import DcpCheckpointer, resolve_format
 
@@ -166,7 +167,7 @@ def test_a_sharded_save_that_cannot_write_is_one_line_and_the_previous_checkpoin
 def test_a_staging_folder_is_never_taken_for_a_checkpoint_and_the_next_save_clears_it(tmp_path):
     store = CheckpointStore(tmp_path)
     _save(store, 1)
-    staged = store.folder / sharded.staging_name(2, "killed")
+    staged = store.folder / staging_name(2, "killed")
     staged.mkdir()
     (staged / "__0_0.distcp").write_bytes(b"half of a shard")
     assert [p.name for p in store.list()] == ["step-000001.dcp"] and store.load_latest()[0]["step"] == 1

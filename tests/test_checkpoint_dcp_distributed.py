@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain.checkpoint import sharded
-from gputrain.checkpoint.store import CheckpointStore, step_of
+from gputrain.checkpoint.names import step_of
+from gputrain.checkpoint.read import read_checkpoint
+from gputrain.checkpoint.store import CheckpointStore
 from test_distributed import TORCHRUN, _descendants, _finish, _free_port, _single, _start, _torchrun
 
 SCRIPT = str(Path(__file__).parent / "dist_scripts" / "train_dcp.py")
@@ -38,8 +39,7 @@ def _final(run_dir) -> dict:
     assert path is not None, f"{run_dir}: no checkpoint"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = sharded.load_full(path) if sharded.is_dcp(path) else \
-            torch.load(path, weights_only=True)
+        state = read_checkpoint(path)
     opt = state["optimizer"]["state"]
     if opt and isinstance(next(iter(opt)), int):  # a one-process optimizer.state_dict(): numbered
         names = [n for n in state["model"] if n.rsplit(".", 1)[-1] in ("weight", "bias")]

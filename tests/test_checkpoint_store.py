@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.checkpoint import format as checkpoint, store as checkpoint_store
+from gputrain.checkpoint import digests, format as checkpoint, store as checkpoint_store
 from gputrain.checkpoint.format import write_checkpoint
-from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning, step_of
-from gputrain.checkpoint.verify import Damage, verify
+from gputrain.checkpoint.digests import Damage, verify
+from gputrain.checkpoint.names import step_of
+from gputrain.checkpoint.store import CheckpointStore, CheckpointWarning
 
 
 def _state(step):
@@ -263,7 +264,7 @@ def _arm(mode, arg):
 
     store_cls = checkpoint_store.CheckpointStore
     if mode == "mid_write":  # some bytes of the checkpoint written, not all
-        real_write, calls = checkpoint._HashingWriter.write, [0]
+        real_write, calls = digests.Sha256Writer.write, [0]
 
         def write(self, data):
             n = real_write(self, data)
@@ -272,7 +273,7 @@ def _arm(mode, arg):
                 self.flush()
                 die("mid-write")
             return n
-        checkpoint._HashingWriter.write = write
+        digests.Sha256Writer.write = write
     elif mode == "hash_written":  # the .sha256 in place, the checkpoint not yet renamed
         real_hash = store_cls._write_hash
 
@@ -306,8 +307,8 @@ def _arm(mode, arg):
             if pruning[0] and step_of(self.name.removesuffix(".sha256")) is not None:
                 die(f"after deleting {self.name}")
         store_cls._prune, pathlib.Path.unlink = prune, unlink
-    elif mode == "line":  # the arg-th line the store (or checkpoint.py) runs
-        files = {checkpoint_store.__file__, checkpoint.__file__}
+    elif mode == "line":  # the arg-th line the store (or format.py, digests.py) runs
+        files = {checkpoint_store.__file__, checkpoint.__file__, digests.__file__}
         count = [0]
 
         def on_line(frame, event, _):
@@ -394,7 +395,7 @@ def test_writers_killed_before_their_prune_do_not_pile_up_checkpoints(tmp_path, 
 
 def _lines_per_save(tmp_path):
     store = CheckpointStore(tmp_path / "calibrate", keep_last=KEEP, best_metric="acc")
-    files, count = {checkpoint_store.__file__, checkpoint.__file__}, [0]
+    files, count = {checkpoint_store.__file__, checkpoint.__file__, digests.__file__}, [0]
 
     def on_line(frame, event, _):
         count[0] += event == "line"

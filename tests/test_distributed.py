@@ -107,9 +107,9 @@ def _single(args, timeout=120):
 
 def _checkpoint(path):
     """A checkpoint whole, in either format (several processes write step-N.dcp folders by default)."""
-    from gputrain.checkpoint import sharded
+    from gputrain.checkpoint.read import read_checkpoint
 
-    return sharded.load_full(path) if sharded.is_dcp(path) else load_checkpoint(path)
+    return read_checkpoint(path)
 
 
 def _params(run_dir):

@@ -65,14 +65,14 @@ def test_the_floors_under_the_trainer_import_nothing_above_them():
 
 
 def test_the_checkpoint_package_sits_under_the_trainer():
-    """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, run.py), so it
+    """The checkpoint package reads the trainer through Protocols (checkpoint/parts.py, save_resume.py), so it
     imports nothing of train/ (nor the reports above it)."""
     assert _offenders(("checkpoint",), ("gputrain.train", "gputrain.report")) == []
 
 
 # train/'s sub-packages, each with those it must not import (the way runs loop -> evaluation -> step -> optim).
 TRAIN_ABOVE = {
-    "optim": ("gputrain.train.step", "gputrain.train.evaluation", "gputrain.train.loop"),
+    "optim": ("gputrain.train.step.train_step", "gputrain.train.evaluation", "gputrain.train.loop"),
     "step": ("gputrain.train.evaluation", "gputrain.train.loop"),
     "evaluation": ("gputrain.train.loop",),
 }

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain.checkpoint import format as checkpoint
+from gputrain.checkpoint import digests, format as checkpoint
 from gputrain.checkpoint.store import CheckpointStore
 from gputrain.runtime.distributed import SINGLE, DistInfo
 from gputrain.train.loop.signals import StopSignals, agree_to_stop
@@ -112,7 +112,7 @@ def test_a_signal_that_cannot_be_caught_is_named_and_the_others_are_put_back(res
 
 def test_signals_during_a_save_do_not_interrupt_it(tmp_path, restore_handlers, monkeypatch):
     store = CheckpointStore(tmp_path)
-    real_write = checkpoint._HashingWriter.write
+    real_write = digests.Sha256Writer.write
     sent = []
 
     def write(self, data):  # a signal arrives half-way through writing the checkpoint
@@ -122,7 +122,7 @@ def test_signals_during_a_save_do_not_interrupt_it(tmp_path, restore_handlers, m
             time.sleep(0.01)  # the handler runs in here, between two bytecodes of the save
         return real_write(self, data)
 
-    monkeypatch.setattr(checkpoint._HashingWriter, "write", write)
+    monkeypatch.setattr(digests.Sha256Writer, "write", write)
     with StopSignals() as stop:
         _send(signal.SIGUSR1, stop)
         path = store.save({"w": torch.arange(10_000.0)}, 5)

@@ -14,7 +14,7 @@ import pytest
 
 from gputrain.cli import main
 from gputrain.errors import ConfigError
-from gputrain.checkpoint import sharded
+from gputrain.checkpoint.names import is_dcp
 from gputrain.checkpoint.store import CheckpointStore
 from gputrain.runtime.distributed import SINGLE, DistInfo
 from gputrain.runtime.slurm import (DEFAULT_PORT_BASE, launcher_rank, parse_nodelist, requeue_after_stop,
@@ -177,7 +177,7 @@ def test_sigusr1_under_slurm_checkpoints_requeues_and_the_next_start_resumes(tmp
     assert calls == [f"show job -o {job}", f"requeue {job}"]  # rank 0 only, once
     store = CheckpointStore(tmp_path / "run")
     latest = store.latest_path()
-    assert latest is not None and sharded.is_dcp(latest) and store.verify(latest) is True
+    assert latest is not None and is_dcp(latest) and store.verify(latest) is True
     state, _ = store.load_latest()
     step = state["step"]
     assert state["world_size"] == 2 and step > 0 and step % 10 == 0  # the ranks agree every 10 steps

@@ -19,6 +19,7 @@ from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError
 from gputrain.checkpoint import sharded
 from gputrain.checkpoint.format import load_checkpoint
+from gputrain.checkpoint.names import is_dcp
 from gputrain.checkpoint.store import CheckpointStore
 
 out_dir = sys.argv[1]
@@ -61,7 +62,7 @@ result.update(equal=bool(torch.equal(flat(full), flat(resumed))), contents=histo
               keys=sorted(load_checkpoint(stopped)["model"]), has_frozen="frozen" in load_checkpoint(stopped))
 dcp_run = train(make_model(), run_dir=os.path.join(out_dir, "dcp"), steps=2)
 dcp_path = CheckpointStore(os.path.join(out_dir, "dcp")).latest_path()
-result.update(dcp=sharded.is_dcp(dcp_path), dcp_contents=dcp_run.summary["checkpoint_contents"],
+result.update(dcp=is_dcp(dcp_path), dcp_contents=dcp_run.summary["checkpoint_contents"],
               dcp_keys=sorted(sharded.saved_model_shapes(dcp_path)))
 for name, model, kw in (("another_base", make_model(base_seed=1), {}), ("fsdp", make_model(), {"shard": True})):
     try:

@@ -10,18 +10,20 @@ target): a crash at any moment leaves either the old checkpoint or the new one, 
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import torch
 
+from gputrain.checkpoint.digests import Sha256Writer
+from gputrain.checkpoint.names import step_file_name
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
+from gputrain.io.run_layout import CHECKPOINTS_DIR
 from gputrain.runtime.torch_compat import COMPILED_MODULE_ATTR
 
 FORMAT = "gputrain-checkpoint"
@@ -74,38 +76,11 @@ def write_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
         if before_replace is None:
             torch.save(payload, f)
         else:
-            writer = _HashingWriter(f)
+            writer = Sha256Writer(f)
             # torch.save takes any object with write() and flush() (its docs); its FileLike type says IO[bytes].
             torch.save(payload, writer)  # pyright: ignore[reportArgumentType]
             before_replace(writer.hexdigest())
     return path
-
-
-class _HashingWriter:
-    """A write-only file that passes bytes on to `f` and hashes them (torch.save needs write/flush)."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-        self._hash = hashlib.sha256()
-
-    def write(self, data) -> int:
-        self._hash.update(data)
-        return self._f.write(data)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
-def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
-    """The sha256 (hex) of a file's bytes, read in chunks (a checkpoint may not fit in memory twice)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -119,7 +94,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise CheckpointError(f"{path}: no checkpoint there{_neighbours(path)}; check --resume / --run-dir "
                               "(TrainConfig.resume / run_dir): a run writes checkpoints/step-N.pt in its run directory")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a folder; give a checkpoint file (e.g. {path / 'checkpoints' / 'step-000100.pt'}), or resume the run directory (--resume DIR)")
+        raise CheckpointError(f"{path} is a folder; give a checkpoint file (e.g. {path / CHECKPOINTS_DIR / step_file_name(100)}), or resume the run directory (--resume DIR)")
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"{path}: the file is empty (a write was interrupted?); "

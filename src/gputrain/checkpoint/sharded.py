@@ -21,9 +21,10 @@ then renames the folder to its final name (the commit: `CheckpointStore.commit_d
 folder under a step name always holds every rank's files, the metadata and their hashes; a
 writer killed before the rename leaves a staging folder that the next save removes.
 
-This module holds the single-process pieces (names, hashing, reading); verify.py checks a folder
-against its manifest; the collective orchestration (who writes, gathers, commits, optionally while
-training goes on) is sharded_save.py's.
+This module holds the single-process pieces (writing a rank's run state, listing a rank's files,
+reading); the names are names.py's, the hashing and the check against the manifest digests.py's, and
+the collective orchestration (who writes, hashes, gathers, commits, optionally while training goes
+on) is sharded_save.py's.
 """
 
 from __future__ import annotations
@@ -38,35 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gputrain.checkpoint.format import load_checkpoint, write_checkpoint
+from gputrain.checkpoint.names import DCP_METADATA, run_state_name
 from gputrain.errors import CheckpointError
-from gputrain.io.atomic import atomic_file
-from gputrain.checkpoint.format import load_checkpoint, sha256_file, write_checkpoint
 from gputrain.runtime import torch_compat
 
-SUFFIX = ".dcp"
-MANIFEST = "MANIFEST.sha256"
-METADATA = ".metadata"  # DCP's own name for its index
 FORMAT = "gputrain-dcp"
 _SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank files
-
-
-def dir_name(step: int) -> str:
-    return f"step-{step:06d}{SUFFIX}"
-
-
-def run_file_name(rank: int) -> str:
-    return f"run-{rank:05d}.pt"
-
-
-def staging_name(step: int, token: str) -> str:
-    """The folder a checkpoint is written into before its commit (a dot name: never a checkpoint)."""
-    return f".{dir_name(step)}.{token}.tmp"
-
-
-def is_dcp(path: str | os.PathLike) -> bool:
-    """A sharded checkpoint folder (by its name; whether it verifies is `verify`'s question)."""
-    path = Path(path)
-    return path.name.endswith(SUFFIX) and path.is_dir()
 
 
 # ---------------------------------------------------------------- writing (the pieces)
@@ -78,7 +57,7 @@ def write_run_state(folder: Path, rank: int, state: dict[str, Any]) -> tuple[str
     The state must be what a one-file checkpoint holds without "model" and "optimizer"; raises
     CheckpointError, before writing, for values a safe load would refuse.
     """
-    name = run_file_name(rank)
+    name = run_state_name(rank)
     digest: list[str] = []
     write_checkpoint(folder / name, {"layout": FORMAT, **state}, before_replace=digest.append)
     return name, digest[0]
@@ -92,19 +71,8 @@ def own_files(folder: Path, rank: int) -> list[str]:
         if match and int(match.group(1)) == rank:
             names.append(entry)
     if rank == 0:
-        names.append(METADATA)
+        names.append(DCP_METADATA)
     return sorted(names)
-
-
-def hash_files(folder: Path, names: list[str]) -> dict[str, str]:
-    """{name: sha256} of files in `folder` (read back after DCP wrote them)."""
-    return {name: sha256_file(folder / name) for name in names}
-
-
-def write_manifest(folder: Path, digests: dict[str, str]) -> None:
-    """MANIFEST.sha256 of every file of the checkpoint, atomically (the last file written)."""
-    with atomic_file(folder / MANIFEST, "w") as f:
-        f.write("".join(f"{digests[name]}  {name}\n" for name in sorted(digests)))
 
 
 # ---------------------------------------------------------------- reading
@@ -114,10 +82,10 @@ def read_run_state(path: str | os.PathLike, rank: int = 0) -> tuple[dict[str, An
     """A rank's run state: (state, the rank whose file it is). Ranks the checkpoint has no file of
     (it was written by fewer processes) get rank 0's. Raises CheckpointError as load_checkpoint."""
     path = Path(path)
-    file = path / run_file_name(rank)
+    file = path / run_state_name(rank)
     used = rank
     if not file.is_file():
-        file, used = path / run_file_name(0), 0
+        file, used = path / run_state_name(0), 0
     state = load_checkpoint(file)
     state.pop("layout", None)
     return state, used

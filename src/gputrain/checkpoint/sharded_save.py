@@ -1,7 +1,7 @@
 """Sharded checkpoints in a run: every rank writes its part with DCP, rank 0 commits, optionally
 while training goes on; and the resume that finds the newest checkpoint all ranks verified.
 
-One save, on every rank (checkpoint/sharded.py has the layout):
+One save, on every rank (checkpoint/sharded.py has the layout, digests.py the hashing):
   1. wait for the previous save (async: it may still be writing), so at most one is in flight;
   2. agree on a fresh staging folder (rank 0's token, broadcast) and write this rank's run state;
   3. torch.distributed.checkpoint.save of this rank's model and optimizer state (get_state_dict:
@@ -35,7 +35,8 @@ from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import sharded
-from gputrain.checkpoint.verify import verify
+from gputrain.checkpoint.digests import files_sha256, verify, write_manifest
+from gputrain.checkpoint.names import staging_name, step_dir_name
 from gputrain.runtime import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
@@ -128,7 +129,7 @@ class DcpCheckpointer:
         start = time.perf_counter()
         self.wait()
         timing = SaveTiming(step, "dcp", started_s=start)
-        staging = store.folder / sharded.staging_name(step, self._token())
+        staging = store.folder / staging_name(step, self._token())
         digests: dict[str, str] = {}
         try:  # a rank that fails here still takes part in the collectives below, then all raise
             staging.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,7 @@ class DcpCheckpointer:
                                                   timing, start)
             timing.blocked_s = time.perf_counter() - start
             self.timings.append(timing)
-            return store.folder / sharded.dir_name(step)
+            return store.folder / step_dir_name(step)
         try:
             with sharded.single_process_quiet(self.no_dist):
                 save(weights, storage_writer=FileSystemWriter(str(staging)), process_group=self.group(),
@@ -239,17 +240,17 @@ class DcpCheckpointer:
                 raise self._failed(step, store, exc) from exc
         if _ERROR not in digests:
             try:
-                digests.update(sharded.hash_files(staging, sharded.own_files(staging, self.info.rank)))
+                digests.update(files_sha256(staging, sharded.own_files(staging, self.info.rank)))
             except OSError as exc:  # told to rank 0 with the digests: nothing is committed
                 digests[_ERROR] = f"rank {self.info.rank}: cannot read back its files ({exc.strerror or exc})"
         everyone = self._gather(digests)
         errors = [part[_ERROR] for part in everyone if _ERROR in part]
         error: str | None = "; ".join(errors) if errors else None
-        path = store.folder / sharded.dir_name(step)
+        path = store.folder / step_dir_name(step)
         if self.info.is_main and error is None:
             try:
                 merged = {name: digest for part in everyone for name, digest in part.items()}
-                sharded.write_manifest(staging, merged)
+                write_manifest(staging, merged)
                 path = store.commit_dir(staging, step, metrics)
             except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised
                 error = f"{exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,7 @@
-"""A run's checkpoints: several kept, each with its content hash, the newest found after any crash.
+"""The checkpoint store, RUN_DIR/checkpoints/: how checkpoints are kept there (each with its content
+hash, the last keep_last and the best), and which one a resume takes after any crash.
 
-Layout, in RUN_DIR/checkpoints/:
+Layout, in RUN_DIR/checkpoints/ (names.py has every name):
 
     step-000123.pt          the checkpoint (format.py's one file), written atomically
     step-000123.pt.sha256   "HEX  step-000123.pt" (sha256sum's format: `sha256sum -c` checks it)
@@ -40,7 +41,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -49,36 +49,21 @@ from typing import Any, Callable
 
 import torch
 
+from gputrain.checkpoint.digests import Damage, listed_digests, verify, write_sidecar
+from gputrain.checkpoint.format import write_checkpoint
+from gputrain.checkpoint.names import (BEST_INDEX, DCP_SUFFIX, LATEST, SHA256_SUFFIX, sha256_sidecar, step_dir_name,
+                                       step_file_name, step_of)
+from gputrain.checkpoint.read import read_checkpoint
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.io.atomic import atomic_file, fsync_dir
-from gputrain.checkpoint import sharded
-from gputrain.checkpoint.format import load_checkpoint, write_checkpoint
-from gputrain.checkpoint.verify import HASH_SUFFIX, Damage, file_digests, hash_path, verify
+from gputrain.io.run_layout import CHECKPOINTS_DIR, LEGACY_CHECKPOINT
 from gputrain.metric_direction import Direction, metric_direction
 
 log = logging.getLogger(__name__)
 
-FOLDER = "checkpoints"
-LEGACY_NAME = "checkpoint.pt"  # the single checkpoint runs wrote before the store existed
-LATEST = "latest"
-INDEX = "index.json"
-_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
-_STEP_DIR = re.compile(r"^step-(\d+)\.dcp$")  # a sharded checkpoint's folder
-
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, unverifiable) and an earlier one used instead."""
-
-
-def step_file_name(step: int) -> str:
-    return f"step-{step:06d}.pt"
-
-
-def step_of(path: str | os.PathLike) -> int | None:
-    """The step in a checkpoint's name (step-000123.pt or step-000123.dcp -> 123); None for other names."""
-    name = Path(path).name
-    match = _STEP_FILE.match(name) or _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
 
 
 class CheckpointStore:
@@ -98,7 +83,7 @@ class CheckpointStore:
         if best_mode not in ("auto", "max", "min"):
             raise ConfigError(f"best_mode must be 'auto', 'max' or 'min', got {best_mode!r}")
         self.run_dir = Path(run_dir)
-        self.folder = self.run_dir / FOLDER
+        self.folder = self.run_dir / CHECKPOINTS_DIR
         self.keep_last = keep_last
         self.best_metric = best_metric
         self.best_direction = (metric_direction(best_metric or "") if best_mode == "auto"
@@ -119,10 +104,10 @@ class CheckpointStore:
         value = self._metric_value(metrics)  # a bad metric fails before anything is written
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / step_file_name(step)
-        sidecar = hash_path(path)
+        sidecar = sha256_sidecar(path)
         # Overwriting a step (a run resumed from before it): keep the old file's digest valid
         # until the new file has replaced it, so that a crash in between leaves the old one usable.
-        old_digests = file_digests(sidecar) if path.exists() else []
+        old_digests = listed_digests(sidecar) if path.exists() else []
         # What a writer killed between its write and its prune left beyond retention goes first, so
         # the folder never holds more than keep_last + best + the one being written, whatever
         # crashed before (each crash before a prune would otherwise leave one more file).
@@ -134,7 +119,7 @@ class CheckpointStore:
             self._write_hash(path, [digest, *[d for d in old_digests if d != digest]])
 
         write_checkpoint(path, state, before_replace=write_hash)
-        if len(file_digests(sidecar)) > 1:
+        if len(listed_digests(sidecar)) > 1:
             self._write_hash(path, new_digest)
         self._update_best(path, step, value)
         self._write_latest(path)
@@ -153,7 +138,7 @@ class CheckpointStore:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         value = self._metric_value(metrics)
-        final = self.folder / sharded.dir_name(step)
+        final = self.folder / step_dir_name(step)
         aside = final.with_name(f".{final.name}.replaced-{os.getpid()}.tmp")
         if final.exists():
             os.replace(final, aside)
@@ -167,8 +152,7 @@ class CheckpointStore:
         return final
 
     def _write_hash(self, path: Path, digests: list[str]) -> None:
-        with atomic_file(hash_path(path), "w") as f:
-            f.write("".join(f"{d}  {path.name}\n" for d in digests))
+        write_sidecar(path, digests)
 
     def _write_latest(self, path: Path) -> None:
         with atomic_file(self.folder / LATEST, "w") as f:
@@ -200,7 +184,7 @@ class CheckpointStore:
                            "value": value})
 
     def _write_index(self, best: dict[str, Any] | None) -> None:
-        with atomic_file(self.folder / INDEX, "w") as f:
+        with atomic_file(self.folder / BEST_INDEX, "w") as f:
             json.dump({"version": 1, "best": best}, f, indent=1)
             f.write("\n")
 
@@ -224,7 +208,7 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # the checkpoint first: a crash here leaves a harmless lone .sha256
             with contextlib.suppress(FileNotFoundError):
-                hash_path(path).unlink()
+                sha256_sidecar(path).unlink()
         # What killed writers left: temp files, staging folders of sharded checkpoints, and hashes
         # whose checkpoint never arrived.
         for leftover in self.folder.glob(".step-*.tmp"):
@@ -233,8 +217,8 @@ class CheckpointStore:
                 continue
             with contextlib.suppress(OSError):
                 leftover.unlink()
-        for sidecar in self.folder.glob(f"step-*.pt{HASH_SUFFIX}"):
-            if not sidecar.with_name(sidecar.name[: -len(HASH_SUFFIX)]).exists():
+        for sidecar in self.folder.glob(f"step-*.pt{SHA256_SUFFIX}"):
+            if not sidecar.with_name(sidecar.name[: -len(SHA256_SUFFIX)]).exists():
                 with contextlib.suppress(OSError):
                     sidecar.unlink()
 
@@ -242,7 +226,7 @@ class CheckpointStore:
         """The bytes of the one-file checkpoints here and of a RUN_DIR/checkpoint.pt from before the
         store: room a resumed run's preflight counts as its own (io/preflight.py), as they are pruned."""
         total = 0
-        for path in [self.run_dir / LEGACY_NAME, *self.folder.glob("step-*.pt")]:
+        for path in [self.run_dir / LEGACY_CHECKPOINT, *self.folder.glob("step-*.pt")]:
             try:
                 total += path.stat().st_size
             except OSError:
@@ -256,7 +240,7 @@ class CheckpointStore:
         if self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"{self.folder} is a file where the run keeps its checkpoints (a folder): move it away, "
                               "or choose another --run-dir")
-        for name, what in ((LATEST, "the name of the newest checkpoint"), (INDEX, "which checkpoint is the best")):
+        for name, what in ((LATEST, "the name of the newest checkpoint"), (BEST_INDEX, "which checkpoint is the best")):
             if (self.folder / name).is_dir():
                 raise ConfigError(f"{self.folder / name} is a folder where the store writes a file ({what}): remove "
                                   "it, or choose another --run-dir")
@@ -300,7 +284,7 @@ class CheckpointStore:
 
     def verify(self, path: str | os.PathLike) -> bool | Damage:
         """True when the checkpoint (a file or a .dcp folder) matches its hashes; otherwise a Damage
-        (a str, false in a test) saying what is wrong (verify.py)."""
+        (a str, false in a test) saying what is wrong (digests.py)."""
         return verify(path)
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
@@ -308,7 +292,7 @@ class CheckpointStore:
 
         Damaged or unverifiable files are skipped, with a CheckpointWarning naming each and why.
         For a sharded checkpoint (a .dcp folder) the state is rank 0's run state, without "model"
-        and "optimizer" (checkpoint.sharded.load_weights / load_full read those).
+        and "optimizer" (checkpoint.sharded.load_weights, or read.read_checkpoint whole, read those).
         A run directory from before the store (a single RUN_DIR/checkpoint.pt, no hash) loads
         with a note in the log. Raises CheckpointError when checkpoints exist but none verifies
         (the message lists them and why), or when one verifies but cannot be loaded (e.g.
@@ -320,16 +304,13 @@ class CheckpointStore:
             if why is not True:
                 skipped.append((path, str(why)))
                 continue
-            if path.is_dir():
-                state = sharded.read_run_state(path)[0]
-            else:
-                state = load_checkpoint(path, map_location=map_location)
+            state = read_checkpoint(path, weights=False, map_location=map_location)
             self._warn_skipped(skipped, path)
             return state, path
-        legacy = self.run_dir / LEGACY_NAME
+        legacy = self.run_dir / LEGACY_CHECKPOINT
         if legacy.is_file():
             try:
-                state = load_checkpoint(legacy, map_location=map_location)
+                state = read_checkpoint(legacy, map_location=map_location)
             except CheckpointError as exc:
                 if not skipped:
                     raise
@@ -363,7 +344,7 @@ class CheckpointStore:
             if warn:
                 self._warn_skipped(skipped, path)
             return path
-        legacy = self.run_dir / LEGACY_NAME
+        legacy = self.run_dir / LEGACY_CHECKPOINT
         if legacy.is_file():
             if warn:
                 self._warn_skipped(skipped, legacy)
@@ -416,12 +397,12 @@ class CheckpointStore:
         def rank(path: Path, step: int) -> tuple[bool, bool, bool]:
             # step-123.pt and step-000123.pt would be the same step: the canonical name wins; a file
             # and a folder of one step (the format changed between runs): the one `latest` names.
-            return (path.name == latest, path.name in (step_file_name(step), sharded.dir_name(step)),
+            return (path.name == latest, path.name in (step_file_name(step), step_dir_name(step)),
                     path.is_dir())
 
         for path in self.folder.iterdir():
             step = step_of(path)
-            if step is None or not (path.is_dir() if path.name.endswith(sharded.SUFFIX) else path.is_file()):
+            if step is None or not (path.is_dir() if path.name.endswith(DCP_SUFFIX) else path.is_file()):
                 continue
             if step not in files or rank(path, step) > rank(files[step], step):
                 files[step] = path
@@ -435,7 +416,7 @@ class CheckpointStore:
         return name if name and "/" not in name and os.sep not in name else None
 
     def _best_record(self) -> dict[str, Any] | None:
-        path = self.folder / INDEX
+        path = self.folder / BEST_INDEX
         try:
             best = json.loads(path.read_text(encoding="utf-8")).get("best")
         except FileNotFoundError:

@@ -15,11 +15,12 @@ def run(args) -> int:
 
     from gputrain.errors import ConfigError
     from gputrain.io.preflight import check_output_file
-    from gputrain.report.html import REPORT_NAME, write_report
+    from gputrain.io.run_layout import REPORT_FILE
+    from gputrain.report.html import write_report
 
     if args.out or Path(args.run_dir).is_dir():  # a missing RUN_DIR is write_report's to explain
-        check_output_file(args.out or Path(args.run_dir) / REPORT_NAME, "--out" if args.out else "RUN_DIR",
-                          example=REPORT_NAME, run_dir=args.run_dir)
+        check_output_file(args.out or Path(args.run_dir) / REPORT_FILE, "--out" if args.out else "RUN_DIR",
+                          example=REPORT_FILE, run_dir=args.run_dir)
     try:
         path = write_report(args.run_dir, out=args.out)
     except OSError as exc:  # a full disk, a file that cannot be read: the page is written whole or not at all

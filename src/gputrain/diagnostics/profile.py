@@ -29,6 +29,7 @@ from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import STEP_LABEL, op_tables, trace_summary
 from gputrain.diagnostics.verdict import diagnose
 from gputrain.io.atomic import atomic_file
+from gputrain.io.run_layout import PROFILE_SUMMARY, PROFILE_TRACE
 from gputrain.runtime.devices import device_name
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
             runner.step()
             prof.step()
     sync()
-    trace_path = out / "trace.json"
+    trace_path = out / PROFILE_TRACE
     prof.export_chrome_trace(str(trace_path))
     ops = op_tables(prof, device, top, active)  # per training step; the window's other work apart
     trace = trace_summary(trace_path)
@@ -309,7 +310,7 @@ def _profile(runner: _StepRunner, workload, config: TrainConfig, device, precisi
         "sync_wait_share": trace["sync_wait_share"],
         "mfu": mfu,
     }
-    summary_path = out / "profile_summary.json"
+    summary_path = out / PROFILE_SUMMARY
     summary = {
         "workload": workload.name,
         "device": str(device),

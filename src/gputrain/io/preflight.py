@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from gputrain.errors import ConfigError
+from gputrain.io.run_layout import CHECKPOINTS_DIR, is_record
 
 # What a checkpoint holds besides tensors (config, history, random-number states, pickling):
 # generous for a long history, small beside any real model.
@@ -119,23 +120,21 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out", run_dir: str 
     return path
 
 
-# What a run directory holds that a later command must never write over: its checkpoints (the folder
-# and everything in it) and the records `gputrain fit` wrote. report.html, predictions.pt and export/
-# are the outputs of report, predict and export, written again by each.
-RUN_RECORDS = ("history.json", "workload.json", "config.toml", "metrics.csv", "metrics.jsonl", "curves.png")
-CHECKPOINTS = "checkpoints"
-
-
 def run_held(path: str | os.PathLike, run_dir: str | os.PathLike) -> str | None:
     """What of the run in `run_dir` the path `path` is (or holds, for a folder), said as "the record
     history.json of the run R", "in the checkpoints of the run R", ...; None when it is none of them.
-    Paths are compared resolved (symbolic links, ..)."""
+    Paths are compared resolved (symbolic links, ..).
+
+    What a run directory holds that a later command must never write over: its checkpoints (the folder
+    and everything in it) and the records `gputrain fit` wrote (io/run_layout.py's RECORDS and
+    TensorBoard's event files). report.html, predictions.pt and export/ are the outputs of report,
+    predict and export, written again by each."""
     run, target = Path(run_dir).resolve(), Path(path).resolve()
     if target == run or target in run.parents:
         return f"the run directory {run_dir} (or a folder above it)"
-    if target.parent == run and (target.name in RUN_RECORDS or target.name.startswith("events.out.tfevents")):
+    if target.parent == run and is_record(target.name):
         return f"the record {target.name} of the run {run_dir}"
-    if target == run / CHECKPOINTS or run / CHECKPOINTS in target.parents:
+    if target == run / CHECKPOINTS_DIR or run / CHECKPOINTS_DIR in target.parents:
         return f"in the checkpoints of the run {run_dir}"
     return None
 

@@ -25,14 +25,13 @@ from typing import Any, Iterable
 from gputrain.errors import GputrainError
 from gputrain.metric_direction import metric_figures
 from gputrain.io.atomic import write_text
+from gputrain.io.run_layout import HISTORY_FILE, METRICS_JSONL, PROFILE_SUMMARY, REPORT_FILE
 from gputrain.report.format import format_bytes, format_duration
 from gputrain.report.page import escape as _e, page, with_code
 from gputrain.report.plots import breakdown_plot, line_plot
 from gputrain.report.startup_section import startup_html
 from gputrain.report.summary import counted, parameters_text, summary_rows
 
-REPORT_NAME = "report.html"
-PROFILE_NAME = "profile_summary.json"
 
 # Settings the trainer decides for speed, with the summary key that holds each (for runs whose
 # summary predates the explicit "decisions" list).
@@ -58,7 +57,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     if not d.is_dir():
         raise GputrainError(f"{d}: no such run directory (give the --run-dir of a `gputrain fit` run)")
     notes: list[str] = []
-    history, jsonl = d / "history.json", d / "metrics.jsonl"
+    history, jsonl = d / HISTORY_FILE, d / METRICS_JSONL
     records: list[dict[str, Any]] = []
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
@@ -74,7 +73,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         raise GputrainError(f"{d}: not a run directory: it has no history.json or metrics.jsonl "
                             "(`gputrain fit WORKLOAD --run-dir DIR` writes them)")
     profile = None
-    prof = d / PROFILE_NAME
+    prof = d / PROFILE_SUMMARY
     if prof.is_file():
         try:
             profile = json.loads(prof.read_text(encoding="utf-8"))
@@ -82,7 +81,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 raise ValueError("not a JSON object")
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             profile = None
-            notes.append(f"{PROFILE_NAME} could not be read ({exc}); rerun `gputrain profile WORKLOAD --out {d}`")
+            notes.append(f"{PROFILE_SUMMARY} could not be read ({exc}); rerun `gputrain profile WORKLOAD --out {d}`")
     return {"records": records, "config": config, "summary": summary, "profile": profile, "notes": notes,
             "run_dir": str(d)}
 
@@ -104,7 +103,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run = load_run(run_dir)
     text = render_report(run["records"], run["summary"], run["config"], run["profile"],
                          run_dir=run["run_dir"], notes=run["notes"])
-    return write_text(Path(out) if out is not None else Path(run_dir) / REPORT_NAME, text)
+    return write_text(Path(out) if out is not None else Path(run_dir) / REPORT_FILE, text)
 
 
 # ---------------------------------------------------------------- the page
@@ -299,7 +298,7 @@ def _count_item(items: list[tuple[str, str]], cls: str, what: str, value: Any) -
 def _profile(p: dict[str, Any] | None) -> str:
     if not p:
         return ("<p>No profile in this run directory. <code>gputrain profile WORKLOAD --out RUN_DIR</code> "
-                f"writes {PROFILE_NAME} there; the report then shows where a step's time goes and what bounds it.</p>")
+                f"writes {PROFILE_SUMMARY} there; the report then shows where a step's time goes and what bounds it.</p>")
     out = []
     head = [p.get("workload"), p.get("device_name") or p.get("device"), p.get("precision")]
     if p.get("batch_size") is not None:

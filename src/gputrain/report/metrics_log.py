@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.io.history import json_default
+from gputrain.io.run_layout import METRICS_CSV, METRICS_JSONL
 
 # The CSV's first columns, always present and in this order so that a reader can rely on them.
 # A record with another key (a new metric, say) widens the CSV: the file is rewritten once, atomically,
@@ -29,8 +30,8 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path, truncate_after_step: int | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = self.dir / "metrics.jsonl"
-        self.csv_path = self.dir / "metrics.csv"
+        self.jsonl_path = self.dir / METRICS_JSONL
+        self.csv_path = self.dir / METRICS_CSV
         if truncate_after_step is not None:
             self._truncate(truncate_after_step)
         self.columns = list(CSV_COLUMNS)

@@ -13,7 +13,7 @@ is a staging folder of hard links beside the store (no copy on the same file sys
 before Ray copies it into its storage, and removed after.
 
 `ray.train.report` is a barrier across the workers: every rank calls it equally often (the trainer
-tells every rank of each checkpoint, checkpoint/run.py's `hand_over`); rank 0 alone hands Ray the
+tells every rank of each checkpoint, checkpoint/save_resume.py's `hand_over`); rank 0 alone hands Ray the
 checkpoint, and its metrics are the ones Ray keeps with it. A log point's record is reported with the
 checkpoint of the same step when one follows it (so Ray's Result knows each checkpoint's metrics: the
 best by CheckpointConfig's score and the latest), else at the next log point or the run's end.
@@ -95,7 +95,8 @@ def stage_checkpoint(path: Path) -> Path:
     """A new folder beside the run's store holding `path` (a one-file checkpoint with its .sha256, or a
     sharded folder) under its own name, as hard links; verified. Raises CheckpointError when the
     checkpoint does not verify (nothing is handed to Ray then)."""
-    from gputrain.checkpoint.verify import hash_path, verify
+    from gputrain.checkpoint.digests import verify
+    from gputrain.checkpoint.names import sha256_sidecar
 
     run_dir = path.parent.parent  # RUN_DIR/checkpoints/step-N.*
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=run_dir))
@@ -109,7 +110,7 @@ def stage_checkpoint(path: Path) -> Path:
                     _link(source, target)
         else:
             _link(path, staging / path.name)
-            _link(hash_path(path), staging / hash_path(path).name)
+            _link(sha256_sidecar(path), staging / sha256_sidecar(path).name)
         verdict = verify(staging / path.name)
         if verdict is not True:
             raise CheckpointError(f"{path} does not verify ({verdict}): not handed to Ray")
@@ -134,7 +135,7 @@ def _link(source: Path, target: Path) -> None:
 def checkpoint_in(folder: Path) -> Path:
     """The run's checkpoint inside a Ray checkpoint's folder (step-N.pt or step-N.dcp, the newest
     step when several); CheckpointError when it holds none."""
-    from gputrain.checkpoint.store import step_of
+    from gputrain.checkpoint.names import step_of
 
     found = sorted((p for p in folder.iterdir() if step_of(p) is not None and not p.name.endswith(".sha256")),
                    key=lambda p: step_of(p) or 0)
@@ -150,7 +151,7 @@ def resume_from_ray(config: Any) -> Iterator[Any]:
     context lasts (a restarted worker group after a failure, under FailureConfig(max_failures=...));
     `config` itself on the first start, or outside a Ray Train worker. The checkpoint is verified
     first (CheckpointError when it does not)."""
-    from gputrain.checkpoint.verify import verify
+    from gputrain.checkpoint.digests import verify
     from gputrain.runtime.ray_train import ray_checkpoint_dir
 
     with ray_checkpoint_dir() as folder:

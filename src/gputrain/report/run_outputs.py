@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.config import DEFAULT_LOGGERS
+from gputrain.io.run_layout import CURVES_FILE, HISTORY_FILE, REPORT_FILE
 from gputrain.report.trackers import Trackers, open_trackers
 
 log = logging.getLogger("gputrain")
@@ -46,15 +47,15 @@ class RunOutputs:
         run_dir = self.run_dir
         if not self.enabled or run_dir is None:
             return
-        history.save(run_dir / "history.json")
+        history.save(run_dir / HISTORY_FILE)
         from gputrain.report.html import write_report
         from gputrain.report.plots import plot_history
 
-        for what, write in (("curves.png", lambda: plot_history(history, run_dir / "curves.png")),
-                            ("report.html", lambda: write_report(run_dir))):
+        for what, write in ((CURVES_FILE, lambda: plot_history(history, run_dir / CURVES_FILE)),
+                            (REPORT_FILE, lambda: write_report(run_dir))):
             try:
                 write()
             except Exception as exc:  # the run itself succeeded; say what is missing
                 log.warning("could not write %s: %s: %s", what, type(exc).__name__, exc)
-        files = [run_dir / name for name in ("report.html", "curves.png", "history.json")]
+        files = [run_dir / name for name in (REPORT_FILE, CURVES_FILE, HISTORY_FILE)]
         self.trackers.finish(dict(history.summary), files)

@@ -12,6 +12,7 @@ import datetime as _dt
 import math
 from typing import Any
 
+from gputrain.io.run_layout import REPORT_FILE
 from gputrain.report.page import escape as _e, page
 from gputrain.report.plots import new_figure, png_data_uri
 
@@ -80,7 +81,7 @@ def render_sweep_page(rows: list[dict[str, Any]], *, name: str, metric: str, dir
                                             "</div></div>" for k, v in cards) + "</div>"]
     if best:
         params = ", ".join(f"{k} = {short(v)}" for k, v in best["params"].items())
-        link = f" (<a href='{_e(best['run_dir'])}/report.html'>its run</a>)" if best.get("run_dir") else ""
+        link = f" (<a href='{_e(best['run_dir'])}/{REPORT_FILE}'>its run</a>)" if best.get("run_dir") else ""
         body.append(f"<section id='best'><h2>Best trial</h2><p>trial {best['number']}: {_e(metric)} "
                     f"{_e(short(best['value']))} with {_e(params)}{link}</p></section>")
     plot = sweep_plot(rows, metric, direction)
@@ -108,7 +109,7 @@ def _trials_table(rows: list[dict[str, Any]], names: list[str]) -> str:
         note = r.get("error") or (f"runs trial {r['retry_of']} again" if r.get("retry_of") is not None else "")
         if r["state"] == "fail" and not r.get("error"):
             note = "interrupted: runs again on resume"
-        link = f"<a href='{_e(r['run_dir'])}/report.html'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else ""
+        link = f"<a href='{_e(r['run_dir'])}/{REPORT_FILE}'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else ""
         cells = [str(r["number"]), r["state"], short(r.get("value")),
                  *[short(r["params"].get(n)) for n in names], short(r.get("last_step")),
                  f"{r['seconds']:.1f} s" if r.get("seconds") is not None else ""]

@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputrain.checkpoint.store import FOLDER as CHECKPOINTS_FOLDER
-from gputrain.checkpoint.store import LEGACY_NAME
 from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 from gputrain.errors import ConfigError
+from gputrain.io.run_layout import CHECKPOINTS_DIR, LEGACY_CHECKPOINT
 from gputrain.runs.stated import RunConfig, option_text
 from gputrain.runs.spec import AUTO_FIELDS, DEFAULT_WORKLOAD, RunSettings, RunSpec, WorkloadSpec
 
@@ -86,7 +85,7 @@ def latest_run(workload_name: str) -> Path | None:
     base = Path(RUNS_FOLDER) / safe_name(workload_name)
     if not base.is_dir():
         return None
-    runs = sorted(d for d in base.iterdir() if (d / CHECKPOINTS_FOLDER).is_dir() or (d / LEGACY_NAME).exists())
+    runs = sorted(d for d in base.iterdir() if (d / CHECKPOINTS_DIR).is_dir() or (d / LEGACY_CHECKPOINT).exists())
     return runs[-1] if runs else None
 
 
@@ -95,7 +94,7 @@ def resumed_run_dir(path: Path) -> Path:
     (RUN_DIR/checkpoints/step-N.pt or .dcp, or an older RUN_DIR/checkpoint.pt) belongs to."""
     if path.is_dir() and not path.name.endswith(".dcp"):
         return path
-    return path.parent.parent if path.parent.name == CHECKPOINTS_FOLDER else path.parent
+    return path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path.parent
 
 
 def safe_name(name: str) -> str:

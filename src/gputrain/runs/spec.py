@@ -22,11 +22,11 @@ from gputrain.config import TrainConfig
 from gputrain.errors import ConfigError
 from gputrain.fields import (boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
                              positive_int_arg, setting)
+from gputrain.io.run_layout import CONFIG_FILE
 
 DEFAULT_WORKLOAD = "mnist1d-cnn"  # trains in about a minute on 2 CPU cores and shows a real accuracy
-CONFIG_FILE = "config.toml"  # RUN_DIR/config.toml: the resolved config each run records
-AUTO_FIELDS = ("batch_size", "progress")
-LAUNCHERS = ("torchrun", "ray")  # what starts a run's processes (Slurm's srun starts gputrain itself)  # TrainConfig fields a spec may state as "auto" (decided when it runs)
+AUTO_FIELDS = ("batch_size", "progress")  # TrainConfig fields a spec may state as "auto" (decided when it runs)
+LAUNCHERS = ("torchrun", "ray")  # what starts a run's processes (Slurm's srun starts gputrain itself)
 
 
 def _nproc(name: str, value: Any) -> None:

@@ -34,10 +34,10 @@ from typing import Any, Union
 from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
 from gputrain.errors import ConfigError
 from gputrain.io.toml_file import TomlFile, read_toml, value_text
-from gputrain.runs.spec import AUTO_FIELDS, CONFIG_FILE, RunSettings
+from gputrain.runs.spec import AUTO_FIELDS, RunSettings
 
 SECTIONS = ("options", "optimizers", "train", "fit", "sweep")
-__all__ = ["CONFIG_FILE", "RunConfig", "check_tree", "check_value", "field_types", "load_run_config",
+__all__ = ["RunConfig", "check_tree", "check_value", "field_types", "load_run_config",
            "merge", "option_text", "workload_options"]
 # [train] tensorboard: TrainConfig's old switch, in every RUN_DIR/config.toml recorded before TensorBoard
 # became one of the loggers; read as the loggers it leaves (config.tensorboard_loggers), with a warning.

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gputrain.errors import ConfigError
-from gputrain.runs.spec import CONFIG_FILE, RunSpec, spec_text
+from gputrain.io.run_layout import CONFIG_FILE, WORKLOAD_FILE
+from gputrain.runs.spec import RunSpec, spec_text
 
 
 @dataclass
@@ -106,7 +107,7 @@ def spec_callbacks(spec: RunSpec) -> list:
 def check_run_dir_owner(run_dir: Path, spec: str, name: str) -> None:
     """Refuse, before anything is written, a run directory that another workload's run owns (its
     workload.json says so): training or resuming there would mix two models' checkpoints."""
-    from gputrain.workloads.from_run import WORKLOAD_FILE, recorded_workload, stored_spec
+    from gputrain.workloads.from_run import recorded_workload, stored_spec
 
     recorded = recorded_workload(run_dir)
     if recorded is None or recorded["workload"] in (spec, stored_spec(spec)) or recorded.get("name") == name:
@@ -173,7 +174,7 @@ def _record(run_dir: Path, spec: RunSpec, name: str) -> None:
     and what tells a later run whose directory this is) and RUN_DIR/config.toml (the spec, which
     `gputrain fit --config` repeats)."""
     from gputrain.io.atomic import write_text
-    from gputrain.workloads.from_run import WORKLOAD_FILE, stored_spec
+    from gputrain.workloads.from_run import stored_spec
 
     try:
         write_text(run_dir / WORKLOAD_FILE, json.dumps({"workload": stored_spec(spec.workload.name), "name": name,

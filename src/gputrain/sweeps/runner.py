@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gputrain.errors import ConfigError, GputrainError, StopRequested
+from gputrain.io.run_layout import REPORT_FILE
 from gputrain.io.toml_file import TomlFile, dumps, read_toml
 from gputrain.runs.stated import RunConfig, check_tree, load_run_config, option_text
 from gputrain.sweeps import study as studies
 from gputrain.sweeps.settings import MAX_SEED, SWEEP_FILE, SweepSettings, check_sweep
 
 log = logging.getLogger("gputrain")
-REPORT_FILE = "report.html"
 
 
 class SweepFailed(GputrainError):

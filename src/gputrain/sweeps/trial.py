@@ -97,7 +97,7 @@ def train_trial(run_dir: Path, stated: RunConfig, reporter: TrialReporter) -> No
 def run_worker(sweep_dir: Path, index: int) -> int:
     """Run trials until the budget is spent; returns the exit status (see the module docstring)."""
     from gputrain.io.atomic import write_text
-    from gputrain.runs.stated import CONFIG_FILE
+    from gputrain.io.run_layout import CONFIG_FILE
     from gputrain.sweeps import study as studies
     from gputrain.sweeps.runner import load_sweep_file, make_pruner, make_sampler
     from gputrain.sweeps.settings import trial_config, tree_text

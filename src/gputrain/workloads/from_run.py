@@ -8,8 +8,8 @@ the raw ones are asked for. A checkpoint that holds only the trainable parameter
 (checkpoint/frozen.py) takes the base from the model the workload builds (seeded as fit seeded it), once it
 matches the checkpoint's fingerprint. A checkpoint is a file (one process wrote it) or a sharded step-N.dcp
 folder (every process of a multi-process run wrote its part): either is verified by its hashes
-first, and the sharded one is read whole in this process (checkpoint/sharded.load_full), so a run
-of N processes evaluates, predicts and exports on one.
+first, and the sharded one is read whole in this process (checkpoint/read.py, the reader the resume
+uses too), so a run of N processes evaluates, predicts and exports on one.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from gputrain.errors import CheckpointError, ConfigError
+from gputrain.io.run_layout import WORKLOAD_FILE
 from gputrain.workloads.base import Workload
 
 EMA_KEY = "EMA"  # the EMA callback's state key in checkpoints (train/loop/ema.py)
-WORKLOAD_FILE = "workload.json"  # written by `gputrain fit` (commands/fit.py) when the run goes ahead
 
 
 @dataclass
@@ -108,7 +108,8 @@ def checkpoint_path(run_dir: Path, which: str = "best", skipped: list[str] | Non
 def _named_checkpoint(path: Path) -> Path:
     """--checkpoint PATH: a sharded folder must match its MANIFEST.sha256, a file its .sha256 when it
     has one (a file from elsewhere, without one, is loaded as it is)."""
-    from gputrain.checkpoint import hash_path, is_dcp, verify
+    from gputrain.checkpoint.digests import verify
+    from gputrain.checkpoint.names import is_dcp, sha256_sidecar
 
     if path.is_dir() and not is_dcp(path):
         raise ConfigError(f"--checkpoint {path}: a folder, but not a sharded checkpoint (step-N.dcp); give RUN_DIR "
@@ -116,30 +117,12 @@ def _named_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise ConfigError(f"--checkpoint {path}: no such file; choose best, last, or a checkpoint file (step-N.pt) "
                           "or folder (step-N.dcp) from RUN_DIR/checkpoints/")
-    if is_dcp(path) or hash_path(path).is_file():
+    if is_dcp(path) or sha256_sidecar(path).is_file():
         why = verify(path)
         if why is not True:
             raise CheckpointError(f"{path}: does not verify ({why}); choose another checkpoint "
                                   "(--checkpoint best, last, or another step)")
     return path
-
-
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint whole, as a one-file checkpoint holds it: a step-N.dcp folder is read in this
-    process (every rank's part gathered into full tensors)."""
-    from gputrain.checkpoint import sharded
-    from gputrain.checkpoint.format import load_checkpoint
-
-    if not sharded.is_dcp(path):
-        return load_checkpoint(path)
-    try:
-        return sharded.load_full(path)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - DCP's reader fails in its own words (CheckpointException, ...)
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({first}); choose another "
-                              "(--checkpoint last, or another step)") from exc
 
 
 def recorded_workload(run_dir: Path) -> dict[str, Any] | None:
@@ -184,6 +167,7 @@ def load_run(run_dir: str | Path, *, checkpoint: str = "best", weights: str = "a
     workload / options: override what RUN_DIR/workload.json says.
     """
     from gputrain.checkpoint.format import check_model_state
+    from gputrain.checkpoint.read import read_checkpoint
     from gputrain.workloads import resolve_workload
 
     if weights not in ("auto", "ema", "raw"):

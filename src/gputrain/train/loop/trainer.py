@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gputrain.batch import move, move_optimizer_state
-from gputrain.checkpoint import run as checkpointing
+from gputrain.checkpoint import save_resume as checkpointing
 from gputrain.checkpoint.parts import run_checkpoint
 from gputrain.config import TrainConfig
 from gputrain.data import BatchStream, BatchTransform, TensorBatches, make_loader
@@ -207,7 +207,7 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.on_nan)
         self.spikes = SpikeDetector(cfg.spike_ratio, cfg.spike_window, cfg.spike_patience, cfg.on_spike)
         self.last_checkpoint: str | None = None
-        self.handed_over: str | None = None  # the last checkpoint told to the callbacks (checkpoint/run.py)
+        self.handed_over: str | None = None  # the last checkpoint told to the callbacks (checkpoint/save_resume.py)
         self.graphed = GraphedStep(self.train_step, self.device) if self.speed.cuda_graphs else None
         if self.graphed is not None and cfg.accumulate == 1 and isinstance(self.train_loader, TensorBatches):
             # Resident batches are assembled inside the step's graph (data/deferred.py).

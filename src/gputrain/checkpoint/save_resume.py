@@ -1,6 +1,7 @@
-"""A run's checkpoints: writing the named parts (parts.py) into the run's verified store (one file, or
-each rank its share with DCP), an exact resume with its checks, and the checkpoint written when a run
-stops on a signal or fails in user code (with the note that says where it is).
+"""A training run's saves and its resume: writing the run's named parts (parts.py) into its store (store.py:
+one file, or each rank its share with DCP, sharded_save.py), the exact resume with its checks (the
+checkpoint read by read.py, found by the store), and the checkpoint written when a run stops on a signal
+or fails in user code (with the note that says where it is).
 
 The functions take what they read of the run as Protocols (`Saving`, `Resuming`, `Stopping`); the
 Trainer passes itself.
@@ -19,16 +20,19 @@ from torch import nn
 
 from gputrain.batch import move_optimizer_state
 from gputrain.checkpoint import sharded
-from gputrain.checkpoint.format import check_model_state, load_checkpoint, write_checkpoint
+from gputrain.checkpoint.format import check_model_state, write_checkpoint
+from gputrain.checkpoint.names import is_dcp, step_file_name
 from gputrain.checkpoint.parts import RunCheckpoint, global_batch
+from gputrain.checkpoint.read import read_checkpoint
 from gputrain.checkpoint.sharded_save import DcpCheckpointer
-from gputrain.checkpoint.store import LEGACY_NAME, CheckpointStore, step_file_name
+from gputrain.checkpoint.store import CheckpointStore
 from gputrain.config import TrainConfig
 from gputrain.data.checks import first_step_note
 from gputrain.data.stream import BatchStream
 from gputrain.errors import CheckpointError, StopRequested, user_frame
 from gputrain.io.history import History
-from gputrain.io.preflight import RUN_RECORDS, preflight_run_dir
+from gputrain.io.preflight import preflight_run_dir
+from gputrain.io.run_layout import LEGACY_CHECKPOINT, is_record
 from gputrain.runtime import distributed
 from gputrain.runtime.distributed import DistInfo
 from gputrain.runtime.speed import choices_made
@@ -235,7 +239,7 @@ def resume(t: Resuming) -> None:
             log.info("no checkpoint in %s: starting a new run", t.run_dir)
             return
         state, path = found
-    in_shares = sharded.is_dcp(path)
+    in_shares = is_dcp(path)
     check_model_state(sharded.saved_model_shapes(path) if in_shares else _model_state(t, state, path), t.module,
                       path=str(path))
     check_resumable(t, state, path)
@@ -276,12 +280,12 @@ def check_resume_target(store: CheckpointStore, env: Mapping[str, str] = os.envi
     goes on in a new or empty run directory, never in one that holds an earlier run's records
     (history.json, config.toml, ...), which a new start would overwrite."""
     run_dir = store.run_dir
-    if store.candidates() or (run_dir / LEGACY_NAME).is_file() or _restart_count(env) > 0:
+    if store.candidates() or (run_dir / LEGACY_CHECKPOINT).is_file() or _restart_count(env) > 0:
         return
     folder = store.folder
     where = (f"{folder} is a file, not a folder" if folder.exists() and not folder.is_dir()
              else f"{folder} is missing" if not folder.exists() else f"{folder} holds no checkpoint")
-    held = sorted(p.name for p in run_dir.glob("*") if p.name in RUN_RECORDS or p.name.startswith("events.out."))
+    held = sorted(p.name for p in run_dir.glob("*") if is_record(p.name))
     if held:
         named = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         raise CheckpointError(f"resume from {run_dir}: no checkpoint to resume from ({where}), and the run directory "
@@ -347,13 +351,9 @@ def _find_checkpoint(t: Resuming) -> tuple[dict[str, Any], Path] | None:
 
 
 def _load_run_state(t: Resuming, path: Path) -> dict[str, Any]:
-    if not sharded.is_dcp(path):
-        return load_checkpoint(path)
-    state, used = sharded.read_run_state(path, t.dist.rank)
-    if used != t.dist.rank:  # written by fewer processes than this job has
-        log.debug("%s has no run state of rank %d: it takes rank %d's (random-number state included)",
-                  path, t.dist.rank, used)
-    return state
+    """The checkpoint's state for this rank: a file's whole, a sharded folder's run state of this rank
+    (its weights are read in shares by `resume`)."""
+    return read_checkpoint(path, weights=False, rank=t.dist.rank)
 
 
 def check_resumable(t: Resuming, state: dict, path: Path) -> None:
