@@ -84,6 +84,15 @@ def test_regional_run_trains_as_eager_does(regional):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")  # 3 SGD steps
 
 
+def test_a_whole_model_compiled_run_trains_as_eager_does():
+    eager, _ = _fit(False)
+    whole, history = _fit(True)  # the OptimizedModule is put in train mode as the model is
+    for (name, a), (_, b) in zip(eager.named_parameters(), whole.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    reason = next(d["reason"] for d in history.summary["decisions"] if d["name"] == "compile")
+    assert reason == "requested (mode default); whole model"
+
+
 def test_regional_compiles_one_block_frame_for_three_blocks(regional):
     assert all(b._compiled_call_impl is not None for b in regional["model"].blocks)  # each block compiled in place
     assert regional["graphs"] == 1  # one graph, shared by the three blocks
@@ -164,6 +173,11 @@ def test_a_named_folder_keeps_inductors_cache_unless_the_environment_names_one(t
     assert first.inductor == (tmp_path / "a" / "inductor").resolve() == Path(os.environ[compile_cache.INDUCTOR_ENV])
     CompileCache(tmp_path / "b", parts, keep_kernels=True).load()
     assert os.environ[compile_cache.INDUCTOR_ENV] == str((tmp_path / "b" / "inductor").resolve())
+    # inductor's own default, written into the variable by its first use, is not the user's choice
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, torch_compat.inductor_default_cache_dir() or "")
+    monkeypatch.setattr(compile_cache, "_set_here", None)
+    CompileCache(tmp_path / "d", parts, keep_kernels=True).load()
+    assert os.environ[compile_cache.INDUCTOR_ENV] == str((tmp_path / "d" / "inductor").resolve())
     # the user's TORCHINDUCTOR_CACHE_DIR stands, with a line
     monkeypatch.setenv(compile_cache.INDUCTOR_ENV, str(tmp_path / "mine"))
     ours = CompileCache(tmp_path / "c", parts, keep_kernels=True)
