@@ -2,9 +2,10 @@
 
 One regional inductor run (3 identical blocks) with a run directory is shared by several tests: it
 trains as eager does, compiles one block frame for its three blocks, saves its compiled artifacts,
-and names its startup parts; a second run loads those artifacts. The other tests build a Trainer
-without stepping (torch.compile compiles nothing before the first call) or use the cache's files
-directly.
+and names its startup parts; a second run, with nothing compiled in memory, loads those artifacts
+from a named folder that then keeps inductor's kernels. A whole-model run trains as eager does. The
+other tests build a Trainer without stepping (torch.compile compiles nothing before the first call),
+use the cache's files directly, or parse the command line and a sweep's space (--compile-scope).
 """
 
 from __future__ import annotations
