@@ -30,9 +30,15 @@ checkpoint) and is resumed in a new process with the same folder. ResNet-18 has 
 weights: "regional" falls back to the whole model (the decision says so; a unit test checks it),
 so it has no regional case here.
 
+`--steady ROUNDS` measures the steady step alone, side by side in one process: the GPT-mini's hand
+loop step eager, whole-compiled and regional-compiled (each built and warmed up first, inductor's
+default cache), then ROUNDS rounds of one step of each in turn; median and min ms per step. A case
+per process (above) meets a different machine load in each; this compares like with like.
+
 Usage:
   python benchmarks/first_step.py                      # all cases, JSON to a temp folder
   python benchmarks/first_step.py --json out.json --models gpt-mini
+  python benchmarks/first_step.py --steady 60          # the steady step only, interleaved
 """
 
 from __future__ import annotations
@@ -140,6 +146,44 @@ def child_loop(spec: dict) -> dict:
     return {"t_fit": t_fit, "first_end": first_end, "steady_ms": 1000 * statistics.median(times[4:])}
 
 
+def steady_side_by_side(rounds: int) -> dict[str, dict[str, float]]:
+    """The GPT-mini's hand-loop step eager / whole / regional, interleaved in this process: median
+    and min ms per step over `rounds` rounds (after 4 warm-up steps each, which compile)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model_name = "gpt-mini"
+    (x, y), lf = make_data(model_name), loss_fn(model_name)
+    steps = {}
+    for how in ("eager", "whole", "regional"):
+        model = make_model(model_name)
+        run = model
+        if how == "whole":
+            run = torch.compile(model)
+        elif how == "regional":
+            for block in model.blocks:
+                block.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        g = torch.Generator().manual_seed(0)
+
+        def step(run=run, opt=opt, g=g) -> None:
+            idx = torch.randint(0, len(x), (BATCH,), generator=g)
+            lf(run(x.index_select(0, idx)), y.index_select(0, idx)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(4):
+            step()
+        steps[how] = step
+    times: dict[str, list[float]] = {how: [] for how in steps}
+    for _ in range(rounds):
+        for how, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[how].append(time.perf_counter() - t0)
+    return {how: {"median_ms": 1000 * statistics.median(t), "min_ms": 1000 * min(t)} for how, t in times.items()}
+
+
 # ---------------------------------------------------------------- the parent: cases in turn
 
 def run_child(spec: dict, work: Path) -> dict:
@@ -225,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--models", default="gpt-mini,resnet18")
     p.add_argument("--json", default=None, help="where the JSON goes (default: a temp folder)")
+    p.add_argument("--steady", type=int, default=None, metavar="ROUNDS",
+                   help="only the GPT-mini's steady step, eager / whole / regional interleaved in one process")
     args = p.parse_args(argv)
+    if args.steady:
+        figures = steady_side_by_side(args.steady)
+        for how, f in figures.items():
+            print(f"{how:<9} median {f['median_ms']:7.2f} ms  min {f['min_ms']:7.2f} ms  ({args.steady} rounds)")
+        print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
+              f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
+        return 0
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_fit(spec) if spec["kind"] == "fit" else child_loop(spec), default=str))
