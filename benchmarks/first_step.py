@@ -2,7 +2,10 @@
 
 Each case runs in a fresh Python process (a cold start: imports, tracing, code generation and the
 C++ build of inductor's kernels), with its own empty TORCHINDUCTOR_CACHE_DIR so that no case warms
-another through inductor's on-disk caches. Measured per case:
+another through inductor's on-disk caches; a case that names gputrain's compile cache folder runs
+without one, as gputrain then keeps inductor's cache in that folder (runtime/compile_cache.py): its
+first start finds the folder empty, its second start (another process, as on another machine) finds
+only what the first start kept there. Measured per case:
 
   from command   the process's spawn (this script's clock) to the end of the first optimizer step
   from fit       the call of `fit()` (or the hand loop's first line) to the end of the first step
@@ -20,16 +23,22 @@ Models (tiny, for 2 CPU cores; random data of the real shapes, fp32):
 
 Cases: gputrain `fit()` and a hand loop (the same model, data slices, fused AdamW, compiled the same
 way: `torch.compile(model)` or `block.compile()` for each block) for eager / whole / regional;
-`gputrain fit module:function` as a command (regional through a --config TOML, as the flag takes
-no value); a second start with the first start's compile cache (another empty inductor cache: only
-gputrain's saved artifacts can make it warm); the GPT's regional fit stops at step 8 (a checkpoint)
-and is resumed in a new process. ResNet-18 has no run of identical blocks holding most of its
+`gputrain fit module:function` as a command (`--compile-scope regional`); a second start with the
+first start's compile cache folder (named, as a sweep names SWEEP_DIR/compile_cache for its trials:
+only what gputrain kept there can make it warm); the GPT's regional fit stops at step 8 (a
+checkpoint) and is resumed in a new process with the same folder. ResNet-18 has no run of identical blocks holding most of its
 weights: "regional" falls back to the whole model (the decision says so; a unit test checks it),
 so it has no regional case here.
+
+`--steady ROUNDS` measures the steady step alone, side by side in one process: the GPT-mini's hand
+loop step eager, whole-compiled and regional-compiled (each built and warmed up first, inductor's
+default cache), then ROUNDS rounds of one step of each in turn; median and min ms per step. A case
+per process (above) meets a different machine load in each; this compares like with like.
 
 Usage:
   python benchmarks/first_step.py                      # all cases, JSON to a temp folder
   python benchmarks/first_step.py --json out.json --models gpt-mini
+  python benchmarks/first_step.py --steady 60          # the steady step only, interleaved
 """
 
 from __future__ import annotations
@@ -137,6 +146,44 @@ def child_loop(spec: dict) -> dict:
     return {"t_fit": t_fit, "first_end": first_end, "steady_ms": 1000 * statistics.median(times[4:])}
 
 
+def steady_side_by_side(rounds: int) -> dict[str, dict[str, float]]:
+    """The GPT-mini's hand-loop step eager / whole / regional, interleaved in this process: median
+    and min ms per step over `rounds` rounds (after 4 warm-up steps each, which compile)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model_name = "gpt-mini"
+    (x, y), lf = make_data(model_name), loss_fn(model_name)
+    steps = {}
+    for how in ("eager", "whole", "regional"):
+        model = make_model(model_name)
+        run = model
+        if how == "whole":
+            run = torch.compile(model)
+        elif how == "regional":
+            for block in model.blocks:
+                block.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        g = torch.Generator().manual_seed(0)
+
+        def step(run=run, opt=opt, g=g) -> None:
+            idx = torch.randint(0, len(x), (BATCH,), generator=g)
+            lf(run(x.index_select(0, idx)), y.index_select(0, idx)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(4):
+            step()
+        steps[how] = step
+    times: dict[str, list[float]] = {how: [] for how in steps}
+    for _ in range(rounds):
+        for how, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[how].append(time.perf_counter() - t0)
+    return {how: {"median_ms": 1000 * statistics.median(t), "min_ms": 1000 * min(t)} for how, t in times.items()}
+
+
 # ---------------------------------------------------------------- the parent: cases in turn
 
 def run_child(spec: dict, work: Path) -> dict:
@@ -146,6 +193,8 @@ def run_child(spec: dict, work: Path) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("GPUTRAIN_COMPILE_CACHE", None)
+    if spec.get("compile_cache"):  # a named folder: gputrain keeps inductor's cache in it (empty on a first start)
+        env.pop("TORCHINDUCTOR_CACHE_DIR")
     if spec["kind"] == "cli":
         run_dir = Path(spec["run_dir"])
         cmd = [sys.executable, "-m", "gputrain", "fit", "first_step:gpt_workload", "--device", "cpu",
@@ -153,9 +202,7 @@ def run_child(spec: dict, work: Path) -> dict:
         if spec["compile"] == "whole":
             cmd.append("--compile")
         elif spec["compile"] == "regional":
-            toml = work / "regional.toml"
-            toml.write_text('[train]\ncompile = "regional"\n')
-            cmd += ["--config", str(toml)]
+            cmd += ["--compile-scope", "regional"]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     t_spawn = time.time()
@@ -176,8 +223,7 @@ def run_child(spec: dict, work: Path) -> dict:
 
 def plan(models: list[str], work: Path) -> list[dict]:
     """The cases in order. The GPT's regional fit stops at STOP_AT (a checkpoint) and is then resumed;
-    second starts use the first start's compile cache folder (RUN_DIR/compile_cache for the GPT's
-    regional run)."""
+    second starts and the resume name the first start's compile cache folder."""
     specs = []
     for m in models:
         for c in ("eager", "whole", "regional"):
@@ -186,21 +232,19 @@ def plan(models: list[str], work: Path) -> list[dict]:
             spec = {"name": f"{m} fit {c}", "kind": "fit", "model": m, "compile": c,
                     "compile_cache": str(work / f"cache-{m}-{c}") if c != "eager" else False}
             if m == "gpt-mini" and c == "regional":
-                spec.update(run_dir=str(work / "resume-run"), compile_cache=None, stop_at=STOP_AT)
+                spec.update(run_dir=str(work / "resume-run"), stop_at=STOP_AT)
             specs.append(spec)
             specs.append({"name": f"{m} loop {c}", "kind": "loop", "model": m, "compile": c})
         if m == "gpt-mini":
             specs.append({"name": f"{m} fit regional resumed at {STOP_AT}", "kind": "fit", "model": m,
-                          "compile": "regional", "run_dir": str(work / "resume-run"), "compile_cache": None,
-                          "resume": True})
+                          "compile": "regional", "run_dir": str(work / "resume-run"),
+                          "compile_cache": str(work / f"cache-{m}-regional"), "resume": True})
             for c in ("eager", "regional"):
                 specs.append({"name": f"{m} command {c}", "kind": "cli", "model": m, "compile": c,
                               "run_dir": str(work / f"cli-{c}")})
         for c in ("whole", "regional") if m == "gpt-mini" else ("whole",):
-            folder = work / "resume-run" / "compile_cache" if (m, c) == ("gpt-mini", "regional") \
-                else work / f"cache-{m}-{c}"
             specs.append({"name": f"{m} fit {c} second start", "kind": "fit", "model": m, "compile": c,
-                          "compile_cache": str(folder)})
+                          "compile_cache": str(work / f"cache-{m}-{c}")})
     return specs
 
 
@@ -225,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--models", default="gpt-mini,resnet18")
     p.add_argument("--json", default=None, help="where the JSON goes (default: a temp folder)")
+    p.add_argument("--steady", type=int, default=None, metavar="ROUNDS",
+                   help="only the GPT-mini's steady step, eager / whole / regional interleaved in one process")
     args = p.parse_args(argv)
+    if args.steady:
+        figures = steady_side_by_side(args.steady)
+        for how, f in figures.items():
+            print(f"{how:<9} median {f['median_ms']:7.2f} ms  min {f['min_ms']:7.2f} ms  ({args.steady} rounds)")
+        print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
+              f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
+        return 0
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_fit(spec) if spec["kind"] == "fit" else child_loop(spec), default=str))

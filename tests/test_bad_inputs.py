@@ -339,6 +339,8 @@ CASES = [
            r"option n must be at most 2147483647"),
           ("unknown-compile-mode", "iris-mlp", ("--compile-mode", "warp"),
            r"unknown compile_mode 'warp': torch.compile's modes are default, .*max-autotune"),
+          ("unknown-compile-scope", "iris-mlp", ("--compile-scope", "regions"),
+           r"argument --compile-scope: expected whole or regional, got 'regions'"),
           ("negative-max-restarts", "iris-mlp", ("--max-restarts", "-1"), r"max_restarts must be 0 or a positive integer"),
           ("infinite-lr", "iris-mlp", ("--lr", "inf"), r"--lr: expected a positive number, got 'inf'"),
           ("accumulate-beyond-any-step", "iris-mlp", ("--accumulate", "100000000000000000000"),

@@ -2,15 +2,18 @@
 
 One regional inductor run (3 identical blocks) with a run directory is shared by several tests: it
 trains as eager does, compiles one block frame for its three blocks, saves its compiled artifacts,
-and names its startup parts; a second run loads those artifacts. The other tests build a Trainer
-without stepping (torch.compile compiles nothing before the first call) or use the cache's files
-directly.
+and names its startup parts; a second run, with nothing compiled in memory, loads those artifacts
+from a named folder that then keeps inductor's kernels. A whole-model run trains as eager does. The
+other tests build a Trainer without stepping (torch.compile compiles nothing before the first call),
+use the cache's files directly, or parse the command line and a sweep's space (--compile-scope).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +21,8 @@ from torch import nn
 
 from gputrain import ConfigError, TrainConfig, fit
 from gputrain.report.html import render_report
-from gputrain.runtime import torch_compat
-from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts
+from gputrain.runtime import compile_cache, torch_compat
+from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts, named_folder
 from gputrain.runtime.compile_regions import find_repeated_blocks
 from gputrain.train import Trainer
 from gputrain.workloads.real_models import GPTMini, ResNet18Cifar
@@ -82,6 +85,15 @@ def test_regional_run_trains_as_eager_does(regional):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")  # 3 SGD steps
 
 
+def test_a_whole_model_compiled_run_trains_as_eager_does():
+    eager, _ = _fit(False)
+    whole, history = _fit(True)  # the OptimizedModule is put in train mode as the model is
+    for (name, a), (_, b) in zip(eager.named_parameters(), whole.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    reason = next(d["reason"] for d in history.summary["decisions"] if d["name"] == "compile")
+    assert reason == "requested (mode default); whole model"
+
+
 def test_regional_compiles_one_block_frame_for_three_blocks(regional):
     assert all(b._compiled_call_impl is not None for b in regional["model"].blocks)  # each block compiled in place
     assert regional["graphs"] == 1  # one graph, shared by the three blocks
@@ -116,14 +128,95 @@ def test_whole_and_fallback_decisions():
         TrainConfig(compile_cache=3)  # type: ignore[arg-type]
 
 
-def test_the_second_run_loads_the_first_runs_compile_cache(regional, tmp_path, caplog):
+@pytest.fixture
+def inductor_env(monkeypatch):
+    """TORCHINDUCTOR_CACHE_DIR unset for the test and as it was afterwards (a named compile cache
+    folder points it into the folder for the rest of the process)."""
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, "restored afterwards")
+    monkeypatch.delenv(compile_cache.INDUCTOR_ENV)
+    monkeypatch.setattr(compile_cache, "_set_here", None)
+
+
+def test_the_second_run_loads_the_first_runs_compile_cache(regional, tmp_path, caplog, inductor_env):
     folder = regional["run_dir"] / "compile_cache"
     assert len(list(folder.glob("*.bin"))) == 1 and len(list(folder.glob("*.json"))) == 1
+    # the first run's folder was its RUN_DIR's own: inductor's kernels stayed in inductor's folder
+    assert not (folder / compile_cache.INDUCTOR_FOLDER).exists()
+    # as a new process would: nothing compiled in memory (dynamo's frames, inductor's loaded modules
+    # and built libraries); only the folder can make this start warm
+    torch._dynamo.reset()
+    torch._inductor.utils.clear_inductor_caches()
     with caplog.at_level(logging.INFO, logger="gputrain"):
         _, history = _fit("regional", str(tmp_path / "second"), compile_cache=str(folder))
     assert any(r.getMessage().startswith("compile cache: loaded ") for r in caplog.records)
     reason = next(d["reason"] for d in history.summary["decisions"] if d["name"] == "compile")
-    assert reason.endswith(f"compile cache loaded ({folder})")
+    assert reason.endswith(f"compile cache loaded ({folder}; kernels kept)")
+    # a named folder keeps inductor's cache: the C++ kernels this start built from the loaded code
+    # (the mega-cache holds their source, not the libraries) are there for the next start
+    kept = folder / compile_cache.INDUCTOR_FOLDER
+    assert os.environ[compile_cache.INDUCTOR_ENV] == str(kept.resolve())
+    assert list(kept.rglob("*.so")) and (kept / "fxgraph").is_dir()
+
+
+def test_a_named_folder_keeps_inductors_cache_unless_the_environment_names_one(tmp_path, monkeypatch,
+                                                                              inductor_env):
+    parts = key_parts(Stack(), torch.device("cpu"), "regional default")
+    monkeypatch.delenv("GPUTRAIN_COMPILE_CACHE", raising=False)
+    assert named_folder(str(tmp_path)) and not named_folder(None) and not named_folder(False)
+    monkeypatch.setenv("GPUTRAIN_COMPILE_CACHE", str(tmp_path / "env"))
+    assert named_folder(None) and not named_folder(False)
+    # the run's own folder: inductor's folder untouched
+    CompileCache(tmp_path / "run", parts).load()
+    assert compile_cache.INDUCTOR_ENV not in os.environ
+    # a named one: inductor's cache in it; a later named one moves it (it was set here, not by the user)
+    first = CompileCache(tmp_path / "a", parts, keep_kernels=True)
+    first.load()
+    assert first.inductor == (tmp_path / "a" / "inductor").resolve() == Path(os.environ[compile_cache.INDUCTOR_ENV])
+    CompileCache(tmp_path / "b", parts, keep_kernels=True).load()
+    assert os.environ[compile_cache.INDUCTOR_ENV] == str((tmp_path / "b" / "inductor").resolve())
+    # inductor's own default, written into the variable by its first use, is not the user's choice
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, torch_compat.inductor_default_cache_dir() or "")
+    monkeypatch.setattr(compile_cache, "_set_here", None)
+    CompileCache(tmp_path / "d", parts, keep_kernels=True).load()
+    assert os.environ[compile_cache.INDUCTOR_ENV] == str((tmp_path / "d" / "inductor").resolve())
+    # the user's TORCHINDUCTOR_CACHE_DIR stands, with a line
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, str(tmp_path / "mine"))
+    ours = CompileCache(tmp_path / "c", parts, keep_kernels=True)
+    ours.load()
+    assert ours.inductor is None and os.environ[compile_cache.INDUCTOR_ENV] == str(tmp_path / "mine")
+    assert ours.describe() == f"empty ({tmp_path / 'c'})"
+
+
+def test_compile_scope_flag_sets_the_compile_field_in_either_order():
+    from gputrain.cli import build_parser
+    from gputrain.runs.flags import stated
+
+    parser = build_parser()
+
+    def compile_of(*argv: str):
+        return stated(parser.parse_args(["fit", "iris-mlp", *argv])).train.get("compile", "absent")
+
+    assert compile_of() == "absent"
+    assert compile_of("--compile") is True  # unchanged
+    assert compile_of("--compile-scope", "regional") == "regional"
+    assert compile_of("--compile-scope", "whole") is True
+    assert compile_of("--compile", "--compile-scope", "regional") == "regional"
+    assert compile_of("--compile-scope", "regional", "--compile") == "regional"  # the scope wins in either order
+    args = parser.parse_args(["fit", "--compile-scope", "regional", "iris-mlp"])  # the workload is not swallowed
+    assert args.workload == "iris-mlp" and args.compile == "regional"
+
+
+def test_a_sweep_may_search_compile_off_whole_and_regional(tmp_path):
+    from gputrain.runs.stated import load_run_config
+    from gputrain.sweeps.settings import check_sweep
+
+    def space(line: str):
+        (tmp_path / "s.toml").write_text(f'workload = "iris-mlp"\n[sweep]\ntrials = 3\n[sweep.space]\n{line}\n')
+        return check_sweep(load_run_config(tmp_path / "s.toml")).space[0]
+
+    assert space('compile = {choices = [false, true, "regional"]}').choices == (False, True, "regional")
+    with pytest.raises(ConfigError, match=r"compile: choices mix a string and true/false values"):
+        space('compile = {choices = [false, "regions"]}')  # a value the field refuses: the mix is refused
 
 
 def test_a_cache_made_for_another_torch_or_model_is_ignored_with_a_line(tmp_path, caplog):

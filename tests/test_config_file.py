@@ -159,18 +159,20 @@ def test_the_flags_are_the_fields_and_an_absent_flag_states_nothing():
 
     from gputrain.commands.fit import add_arguments
     from gputrain.config import TrainConfig
-    from gputrain.fields import flag_of
+    from gputrain.fields import flags_of
     from gputrain.runs.spec import RunSettings
     from gputrain.runs.flags import stated
     from gputrain.runs.resolve import resolve
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    dests = {a.dest: a.option_strings for a in p._actions}
+    dests: dict[str, list[list[str]]] = {}
+    for a in p._actions:
+        dests.setdefault(a.dest, []).append(a.option_strings)
     for cls in (TrainConfig, RunSettings):
         for f in dataclasses.fields(cls):
-            if flag_of(f) is not None:
-                assert dests[f.name] == list(flag_of(f).names), f.name
+            if flags_of(f):  # each flag of the field (--compile and --compile-scope: one field)
+                assert dests[f.name] == [list(flag.names) for flag in flags_of(f)], f.name
     empty = stated(p.parse_args(["iris-mlp"]))
     assert (empty.train, empty.fit, empty.options) == ({}, {}, {})
     spec, _ = resolve(empty)

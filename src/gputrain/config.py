@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import signal
 import warnings
@@ -9,7 +10,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from gputrain.errors import ConfigError
-from gputrain.fields import (boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
+from gputrain.fields import (Flag, boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
                              positive_int_arg, setting, tri_arg)
 from gputrain.runtime.precision import CHOICES as PRECISIONS
 
@@ -63,6 +64,17 @@ def _tri(name: str, value: Any) -> None:
 def _compile(name: str, value: Any) -> None:
     if not (isinstance(value, bool) or (isinstance(value, str) and value == "regional")):
         raise ConfigError(f"{name} must be True, False or 'regional', got {value!r}")
+
+
+# --compile-scope's values: the whole model (what --compile does) or its repeated block once
+COMPILE_SCOPES = {"whole": True, "regional": "regional"}
+
+
+def _compile_scope(value: str) -> bool | str:
+    """--compile-scope's value as the compile field holds it: whole -> True, regional -> "regional"."""
+    if value not in COMPILE_SCOPES:
+        raise argparse.ArgumentTypeError(f"expected whole or regional, got {value!r}")
+    return COMPILE_SCOPES[value]
 
 
 def _compile_cache(name: str, value: Any) -> None:
@@ -209,11 +221,14 @@ class TrainConfig:
                                         check=_tri)
     cudnn_benchmark: str | bool = setting("auto", check=_tri)
     fused_optimizer: str | bool = setting("auto", check=_tri)
-    # True: the whole model; "regional" (a config file's [train] compile): its repeated block once
-    # (runtime/compile_regions.py)
-    compile: bool | str = setting(False, flag="--compile", action="store_true", check=_compile,
-                                  help="torch.compile the model (compile = \"regional\" in a config file: its "
-                                       "repeated block once)")
+    # True: the whole model; "regional": its repeated block once (runtime/compile_regions.py)
+    compile: bool | str = setting(
+        False, flag="--compile", action="store_true", check=_compile,
+        help="torch.compile the whole model (--compile-scope regional: its repeated block once)",
+        also=[Flag(("--compile-scope",), parse=_compile_scope, metavar="{whole,regional}",
+                   help="torch.compile the model: whole (the same as --compile) or regional (the repeated block of "
+                        "a GPT, BERT or ViT compiled once for all its siblings: a shorter cold start; a model "
+                        "without such blocks is compiled whole, with the reason in the decisions)")])
     # compiled artifacts' folder; None: $GPUTRAIN_COMPILE_CACHE or RUN_DIR/compile_cache; False: none
     compile_cache: str | bool | None = setting(None, check=_compile_cache)
     compile_mode: str | None = setting(None, flag="--compile-mode", check=_compile_mode,

@@ -32,6 +32,9 @@ class Flag:
     value); action "store_true" for a switch; nargs "?" with const for an optional value; group:
     fields in one mutually exclusive group (--epochs | --steps); shown_default: what --help says
     for a default that is not the field's own (None: the field's default).
+
+    A field may have more than one flag (`setting(also=...)`): each sets the same field, e.g.
+    --compile (the whole model) and --compile-scope {whole,regional}.
     """
 
     names: tuple[str, ...]
@@ -48,11 +51,13 @@ class Flag:
 def setting(default: Any = dataclasses.MISSING, *, flag: str | tuple[str, ...] | None = None, help: str = "",
             check: Check | None = None, parse: Callable[[str], Any] | None = None, action: str | None = None,
             nargs: str | None = None, const: Any = None, metavar: str | None = None,
-            choices: Iterable[str] | None = None, group: str | None = None,
+            choices: Iterable[str] | None = None, group: str | None = None, also: Iterable[Flag] = (),
             default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
-    """A dataclass field whose flag, help and check are declared beside its default."""
+    """A dataclass field whose flag, help and check are declared beside its default. also: more
+    flags that set the same field (a switch and a flag with a value, e.g. --compile and
+    --compile-scope)."""
     names = (flag,) if isinstance(flag, str) else tuple(flag or ())
-    meta = {"check": check, "help": help,
+    meta = {"check": check, "help": help, "also": tuple(also),
             "flag": Flag(names, help, parse, action, nargs, const, metavar,
                          tuple(choices) if choices is not None else None, group) if names else None}
     if default_factory is not dataclasses.MISSING:
@@ -62,6 +67,12 @@ def setting(default: Any = dataclasses.MISSING, *, flag: str | tuple[str, ...] |
 
 def flag_of(f: dataclasses.Field) -> Flag | None:
     return f.metadata.get("flag")
+
+
+def flags_of(f: dataclasses.Field) -> tuple[Flag, ...]:
+    """Every flag that sets field `f`: its own, then those of `setting(also=...)`."""
+    own = flag_of(f)
+    return ((own,) if own is not None else ()) + tuple(f.metadata.get("also", ()))
 
 
 def check_field(cls: Any, name: str, value: Any) -> None:

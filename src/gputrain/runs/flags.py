@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from gputrain.config import TrainConfig
 from gputrain.errors import ConfigError
-from gputrain.fields import Flag, flag_of
+from gputrain.fields import Flag, flags_of
 from gputrain.runs.stated import RunConfig
 from gputrain.runs.spec import AUTO_FIELDS, RunSettings
 
@@ -23,30 +23,49 @@ SECTIONS = {"train": TrainConfig, "fit": RunSettings}
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argument per field with a flag, in the order the fields are declared (dest: the field's
+    """One argument per flag of each field, in the order the fields are declared (dest: the field's
     name; default: absent from the namespace)."""
     groups: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            flag = flag_of(f)
-            if flag is None:
-                continue
-            target = parser
-            if flag.group:
-                if flag.group not in groups:
-                    groups[flag.group] = parser.add_mutually_exclusive_group()
-                target = groups[flag.group]
-            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help(flag, f)}
-            if flag.action:
-                kwargs["action"] = flag.action
-            if flag.action != "store_true":
-                kwargs["type"] = _checked(flag, cls, f.name)
-                for key in ("nargs", "metavar", "choices"):
-                    if getattr(flag, key) is not None:
-                        kwargs[key] = getattr(flag, key)
-                if flag.nargs == "?":
-                    kwargs["const"] = flag.const
-            target.add_argument(*flag.names, **kwargs)
+            flags = flags_of(f)
+            for flag in flags:
+                _add_flag(parser, groups, cls, f, flag, several=len(flags) > 1)
+
+
+def _add_flag(parser: argparse.ArgumentParser, groups: dict[str, Any], cls: type, f: dataclasses.Field, flag: Flag,
+              several: bool) -> None:
+    """One argparse argument for `flag` of field `f` (several: the field has other flags too)."""
+    target = parser
+    if flag.group:
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_mutually_exclusive_group()
+        target = groups[flag.group]
+    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help(flag, f)}
+    if flag.action:
+        # a switch beside a flag with a value (--compile beside --compile-scope regional): the value
+        # wins whatever their order
+        kwargs["action"] = _SwitchOn if flag.action == "store_true" and several else flag.action
+    if flag.action != "store_true":
+        kwargs["type"] = _checked(flag, cls, f.name)
+        for key in ("nargs", "metavar", "choices"):
+            if getattr(flag, key) is not None:
+                kwargs[key] = getattr(flag, key)
+        if flag.nargs == "?":
+            kwargs["const"] = flag.const
+    target.add_argument(*flag.names, **kwargs)
+
+
+class _SwitchOn(argparse.Action):
+    """store_true that keeps the value another flag of the same field has set."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) in (None, False):
+            setattr(namespace, self.dest, True)
 
 
 def stated(args: argparse.Namespace) -> RunConfig:
@@ -56,7 +75,7 @@ def stated(args: argparse.Namespace) -> RunConfig:
     tables: dict[str, dict[str, Any]] = {}
     for section, cls in SECTIONS.items():
         tables[section] = {f.name: given[f.name] for f in dataclasses.fields(cls)
-                           if flag_of(f) is not None and f.name in given}
+                           if flags_of(f) and f.name in given}
     train = tables["train"]
     if "loggers" in train:  # --logger a,b --logger c: one list
         train["loggers"] = tuple(n for item in train["loggers"] for n in item)

@@ -10,6 +10,19 @@ RUN_DIR/compile_cache), one pair of files per key: `<key>.bin` (the bytes) and `
 the key was made of). The key is the torch version, the device (type and name), the model's
 fingerprint (class, parameter names, shapes and dtypes) and how it is compiled; a file whose
 description differs from this run's is never loaded, and the run log says so.
+
+The mega-cache holds inductor's generated code but not what that code builds when it loads: on a
+CPU every C++ kernel is compiled again from its source (on a first-step profile of the 12-block
+GPT-mini, nearly all of a warm start's compile time). Those libraries live in inductor's on-disk
+cache, TORCHINDUCTOR_CACHE_DIR, keyed by torch itself (source, compiler and flags, torch's own
+hash), which PyTorch's caching guide recommends pointing at a persistent folder. So a folder that
+is named (TrainConfig.compile_cache, $GPUTRAIN_COMPILE_CACHE; a sweep names SWEEP_DIR/compile_cache
+for its trials) also holds inductor's cache, `inductor/`, as this process's TORCHINDUCTOR_CACHE_DIR,
+unless the environment names one (then that choice stands, and the run log says so). The default
+RUN_DIR/compile_cache does not: inductor's own default folder (shared by every run on the machine,
+where a new run of the same model finds its kernels) stays, and the mega-cache alone is kept with
+the run (complete on a GPU, where inductor bundles the Triton kernels into it; on a CPU the C++
+kernels are built again on a resume that has not the machine's folder).
 """
 
 from __future__ import annotations
@@ -29,6 +42,33 @@ log = logging.getLogger("gputrain")
 
 ENV = "GPUTRAIN_COMPILE_CACHE"
 RUN_DIR_FOLDER = "compile_cache"
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"  # torch's own variable (torch/_inductor/runtime/cache_dir_utils.py)
+INDUCTOR_FOLDER = "inductor"
+# The TORCHINDUCTOR_CACHE_DIR this module set in this process (None: it set none): a later run with
+# another folder may move it; one the user set is never moved.
+_set_here: str | None = None
+
+
+def use_for_inductor(folder: Path) -> Path | None:
+    """Point inductor's on-disk cache at `folder`/inductor for this process (before its first
+    compile: torch reads the variable on each use), unless the environment names another. Returns
+    the folder now in use, or None when the user's TORCHINDUCTOR_CACHE_DIR stands."""
+    from gputrain.runtime.torch_compat import inductor_default_cache_dir
+
+    global _set_here
+    current = os.environ.get(INDUCTOR_ENV)
+    # inductor's first use writes its default folder into the variable: that one is not the user's
+    if current and current != _set_here and os.path.abspath(current) != inductor_default_cache_dir():
+        return None
+    target = str((folder / INDUCTOR_FOLDER).resolve())
+    os.environ[INDUCTOR_ENV] = _set_here = target
+    return Path(target)
+
+
+def named_folder(setting: str | bool | None) -> bool:
+    """Whether the cache folder is one the user named (a folder in `setting`, or
+    $GPUTRAIN_COMPILE_CACHE) rather than the run's own RUN_DIR/compile_cache."""
+    return setting is not False and (bool(isinstance(setting, str) and setting) or bool(os.environ.get(ENV)))
 
 
 def cache_folder(setting: str | bool | None, run_dir: str | None) -> Path | None:
@@ -66,6 +106,8 @@ class CompileCache:
     loaded: bool = False  # artifacts were loaded into this process
     saved: bool = False
     load_s: float = 0.0  # seconds reading and loading them (perf_counter)
+    keep_kernels: bool = False  # a named folder: inductor's on-disk cache goes into it (use_for_inductor)
+    inductor: Path | None = None  # inductor's on-disk cache when it is kept in the folder
     ignored: list[str] = field(default_factory=list)  # why other caches in the folder were not used
 
     @property
@@ -81,6 +123,11 @@ class CompileCache:
         import time
 
         t0 = time.perf_counter()
+        # first: the artifacts loaded below are written into inductor's cache
+        self.inductor = use_for_inductor(self.folder) if self.keep_kernels else None
+        if self.keep_kernels and self.inductor is None:
+            log.info("compile cache: inductor's kernels stay in %s=%s (set in the environment), not in %s",
+                     INDUCTOR_ENV, os.environ.get(INDUCTOR_ENV), self.folder)
         blob, meta = self._paths()
         if blob.is_file() and meta.is_file() and self._matches(meta):
             try:
@@ -155,4 +202,5 @@ class CompileCache:
 
     def describe(self) -> str:
         state = "loaded" if self.loaded else "saved after the first step" if self.saved else "empty"
-        return f"{state} ({self.folder})"
+        kernels = "; kernels kept" if self.inductor is not None else ""
+        return f"{state} ({self.folder}{kernels})"

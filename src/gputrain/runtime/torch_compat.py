@@ -153,6 +153,10 @@ _ENTRIES = [
             "a recompiled module's forward is named by its function and file, not as \"a compiled module's forward\""),
     Private("torch._inductor.list_mode_options", "config.py", f"{CHECKED}: torch.compile's modes",
             "the modes torch 2.10-2.13 take: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+    Private("torch._inductor.runtime.cache_dir_utils.default_cache_dir", "runtime/compile_cache.py",
+            "2.11.0, 2.13.0: the folder inductor uses, and writes into TORCHINDUCTOR_CACHE_DIR, when none is set",
+            "a TORCHINDUCTOR_CACHE_DIR that inductor set for itself is taken as the user's: a named compile cache "
+            "folder keeps torch's artifacts but not inductor's cache"),
     Private("torch._dynamo.eval_frame.OptimizedModule._orig_mod", "runtime/distributed.py, checkpoint/format.py",
             CHECKED, "none needed at run time: a model without it is taken as not compiled",
             _find_compiled_module_attr),
@@ -253,6 +257,13 @@ def compile_modes() -> list[str]:
     known = list_modes() if list_modes is not None else ["reduce-overhead", "max-autotune",
                                                           "max-autotune-no-cudagraphs"]
     return list(dict.fromkeys(["default", *known]))
+
+
+def inductor_default_cache_dir() -> str | None:
+    """The folder inductor caches in when TORCHINDUCTOR_CACHE_DIR is unset (its first use writes it
+    into the variable); None when this torch has no such function."""
+    find = resolve("torch._inductor.runtime.cache_dir_utils.default_cache_dir")
+    return os.path.abspath(find()) if find is not None else None
 
 
 def compilation_metrics() -> list:

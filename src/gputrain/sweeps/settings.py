@@ -15,6 +15,7 @@
     weight_decay = {uniform = [0.0, 0.1]}          # step = 0.01 for a grid
     steps = {int = [20, 100], step = 20}           # log = true for a log scale
     batch_size = {choices = [16, 32, 64]}
+    compile = {choices = [false, true, "regional"]}  # off, the whole model, its repeated block once
     options.n = {choices = [1000, 4000]}
     optimizers.generator.lr = {loguniform = [1e-4, 1e-2]}   # a step of your own: a named optimizer's setting
 
@@ -218,7 +219,7 @@ def _param(name: str, spec: Any, rc: RunConfig) -> Param:
             raise fail(f"choices repeat a value: {choices!r}")
         kinds = {"a string" if isinstance(c, str) else "true/false" if isinstance(c, bool) else "a number"
                  for c in choices}
-        if len(kinds) > 1:
+        if len(kinds) > 1 and not _takes_each(section, key, choices):
             raise fail(f"choices mix {' and '.join(sorted(kinds))} values ({choices!r}): a setting takes one kind; "
                        "give choices of one kind")
         param = Param(name, section, key, kind, choices=tuple(choices))
@@ -276,6 +277,19 @@ def _target(name: str, fail) -> tuple[str, str]:
             return section, name
     raise fail(f"no such setting: a searched name is a [train] key (TrainConfig's fields), a [fit] key, or "
                f"options.NAME for a workload option")
+
+
+def _takes_each(section: str, key: str, choices: list[Any]) -> bool:
+    """Whether a TrainConfig field or [fit] setting takes every one of `choices` though they are of
+    more than one kind (compile: false, true or "regional")."""
+    if section not in ("train", "fit"):
+        return False
+    try:
+        for choice in choices:
+            check_value(section, key, choice)
+    except ConfigError:
+        return False
+    return True
 
 
 def _check_sample(section: str, key: str, value: Any, fail) -> None:

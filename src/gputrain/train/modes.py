@@ -74,7 +74,8 @@ class UserModes:
     def train(self, outer: nn.Module | None = None) -> None:
         """Train mode for the model, eval mode kept where the user set it. Call once, not per step
         (it walks every module). outer: a wrapper of the model (DDP, torch.compile) to set as well."""
-        (outer or self.model).train()
+        # `is not None`: a whole-model OptimizedModule's truth value calls its len(), which raises
+        (outer if outer is not None else self.model).train()
         for m in self.kept:
             m.training = False
 

@@ -11,7 +11,7 @@ from torch import nn
 def compile_for_run(trainer: Any) -> None:
     """Compile `trainer.model` as TrainConfig.compile says (True: whole; "regional"), after loading
     the compile cache that applies; the decision's reason goes into the speed decisions."""
-    from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts
+    from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts, named_folder
     from gputrain.runtime.compile_regions import compile_model
     from gputrain.runtime.recompiles import RecompileWatcher
 
@@ -21,7 +21,8 @@ def compile_for_run(trainer: Any) -> None:
     trainer.compile_cache = None
     if folder is not None:
         how = f"{'regional' if regional else 'whole'} {cfg.compile_mode or 'default'}"
-        trainer.compile_cache = CompileCache(folder, key_parts(trainer.module, trainer.device, how))
+        trainer.compile_cache = CompileCache(folder, key_parts(trainer.module, trainer.device, how),
+                                             keep_kernels=named_folder(cfg.compile_cache))
         trainer.compile_cache.load()
         trainer.startup.mark("compile cache load")
     done = compile_model(trainer.model, regional=regional, mode=cfg.compile_mode)
