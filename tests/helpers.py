@@ -1,14 +1,35 @@
-"""What many tests train: a small classification task, an MLP for it, a tiny conv-net workload.
+"""What more than one test file uses, written once (pytest puts tests/ on the path: `from helpers import data`).
 
-Import them as `from helpers import data, mlp, params, tiny_workload` (pytest puts tests/ on the
-path). Each is seeded, so two calls with the same arguments give the same tensors and weights.
+- what tests train: `data`, `batches`, `DataRows`, `DataStream`, `mlp`, `DictNet`, `tiny_workload`, `sgd`
+  (seeded: two calls with the same arguments give the same tensors and weights);
+- models that misbehave on cue: `SignalAt` (a signal mid-step), `OOMAbove` (a fake memory limit);
+- what tests compare: `params`, `modes`, `records_without_timings` (`TIMING_KEYS` left out),
+  `assert_same_tensors`;
+- files: `file_names`, `flip_a_byte`, `png_size`, `fork_child` (a child process to kill mid-write);
+- the command line in this process: `cli`;
+- subprocesses of the gputrain under test: `subprocess_env`, `free_port`, `start_process`, `process_descendants`,
+  `finish_process`, `torchrun`, `run_python`, `TORCHRUN`, `DIST_SCRIPTS`.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, IterableDataset
 
+import gputrain
 from gputrain.workloads.base import DataSplits, Workload
 
 
@@ -21,6 +42,35 @@ def data(n: int = 96, d: int = 6, classes: int = 3, seed: int = 0) -> tuple[torc
     return x, (x @ w).argmax(1)
 
 
+def batches(n: int = 96, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`data(n)` cut in order into a list of (x, y) batches of `size` samples (the last one shorter)."""
+    x, y = data(n)
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, n, size)]
+
+
+class DataRows(Dataset):
+    """`data(n)` as a map-style Dataset: one (x, y) sample per index."""
+
+    def __init__(self, n: int = 48):
+        self.x, self.y = data(n)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class DataStream(IterableDataset):
+    """`data(n)` as an IterableDataset: the samples in order, no length (what a new user writes)."""
+
+    def __init__(self, n: int = 96):
+        self.x, self.y = data(n)
+
+    def __iter__(self):
+        return ((self.x[i], self.y[i]) for i in range(len(self.x)))
+
+
 def mlp(d: int = 6, classes: int = 3, hidden: int = 16, dropout: float | None = None, seed: int = 0) -> nn.Module:
     """d -> hidden (ReLU, then Dropout(dropout) when given) -> classes, with weights from `seed`."""
     torch.manual_seed(seed)
@@ -28,29 +78,16 @@ def mlp(d: int = 6, classes: int = 3, hidden: int = 16, dropout: float | None = 
     return nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), *middle, nn.Linear(hidden, classes))
 
 
-class SignalAt(nn.Module):
-    """Sends this process `sig` (SIGTERM by default) during the forward of training call `at`
-    (mid-step, as a scheduler would); `at=-1`: never (the same module, for resuming its checkpoint)."""
+class DictNet(nn.Module):
+    """Takes a dict batch (`features`, `labels`) and returns its own loss (the third way a batch becomes
+    a loss)."""
 
-    def __init__(self, inner: nn.Module, at: int, sig: int | None = None):
-        import signal
-
+    def __init__(self):
         super().__init__()
-        self.inner, self.at, self.sig, self.n = inner, at, signal.SIGTERM if sig is None else sig, 0
+        self.net = mlp()
 
-    def forward(self, x):
-        import os
-
-        if self.training:
-            self.n += 1
-            if self.n == self.at:
-                os.kill(os.getpid(), self.sig)
-        return self.inner(x)
-
-
-def params(m: nn.Module) -> torch.Tensor:
-    """All parameters of `m` as one flat tensor (to compare two models)."""
-    return torch.cat([p.detach().flatten() for p in m.parameters()])
+    def forward(self, features, labels):
+        return {"loss": F.cross_entropy(self.net(features), labels)}
 
 
 def tiny_workload() -> Workload:
@@ -70,6 +107,114 @@ def tiny_workload() -> Workload:
                     loss_fn=nn.CrossEntropyLoss(), defaults={"batch_size": 32})
 
 
+def sgd(lr: float = 0.1) -> Callable[..., torch.optim.Optimizer]:
+    """An optimizer factory for fit's `optimizer=`: plain SGD at `lr` (no momentum, no weight decay)."""
+    return lambda p: torch.optim.SGD(p, lr=lr)
+
+
+class SignalAt(nn.Module):
+    """Sends this process `sig` (SIGTERM by default) during the forward of training call `at`
+    (mid-step, as a scheduler would); `at=-1`: never (the same module, for resuming its checkpoint)."""
+
+    def __init__(self, inner: nn.Module, at: int, sig: int | None = None):
+        super().__init__()
+        self.inner, self.at, self.sig, self.n = inner, at, signal.SIGTERM if sig is None else sig, 0
+
+    def forward(self, x):
+        if self.training:
+            self.n += 1
+            if self.n == self.at:
+                os.kill(os.getpid(), self.sig)
+        return self.inner(x)
+
+
+class OOMAbove(nn.Module):
+    """Raises the allocator's OOM error for training batches larger than `limit` (a fake memory limit;
+    evaluation does not split, so it is let through); `ooms` counts the refusals."""
+
+    def __init__(self, inner: nn.Module, limit: int):
+        super().__init__()
+        self.inner, self.limit, self.ooms = inner, limit, 0
+
+    def forward(self, x):
+        if self.training and x.shape[0] > self.limit:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
+        return self.inner(x)
+
+
+def params(m: nn.Module) -> torch.Tensor:
+    """All parameters of `m` as one flat tensor (to compare two models)."""
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+def modes(model: nn.Module) -> dict[str, bool]:
+    """{submodule name: whether it is in training mode}, for every submodule of `model` ("" is the model)."""
+    return {name: m.training for name, m in model.named_modules()}
+
+
+# What a step's record holds that depends on the machine's speed or memory: left out where runs are compared.
+TIMING_KEYS = ("samples_per_s", "wall_time_s", "step_page_faults", "peak_memory_bytes")
+
+
+def records_without_timings(history) -> list[dict]:
+    """`history.records` without TIMING_KEYS: what two runs of the same training must agree on."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in history.records]
+
+
+def assert_same_tensors(a: dict, b: dict, atol: float = 1e-6) -> None:
+    """`a` and `b` (name -> tensor, e.g. state dicts) hold the same names and values within `atol`."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=atol), (k, (a[k].float() - b[k].float()).abs().max())
+
+
+# ---------------------------------------------------------------- files
+
+
+def file_names(folder: Path) -> list[str]:
+    """The names in `folder`, sorted."""
+    return sorted(p.name for p in folder.iterdir())
+
+
+def flip_a_byte(path: Path, at: int | None = None) -> None:
+    """Damage `path` in place: invert the byte at offset `at` (the middle one by default)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of the PNG image `data` (from its IHDR chunk); fails on anything not a PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    return struct.unpack(">II", data[16:24])
+
+
+def fork_child(run: Callable[[int], object], error_file: Path) -> tuple[int, int]:
+    """Fork a child that calls `run(ready_fd)` (it writes a byte to ready_fd once ready) and then exits, never
+    returning into pytest; an exception in it goes to `error_file` (exit status 70). Returns (pid, read_fd) to
+    the parent, which reads the ready byte from read_fd, closes it and waits for the pid."""
+    read_fd, ready_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(read_fd)
+            run(ready_fd)
+        except BaseException:  # noqa: BLE001
+            with open(error_file, "w") as f:
+                traceback.print_exc(file=f)
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(ready_fd)
+    return pid, read_fd
+
+
+# ---------------------------------------------------------------- the command line and subprocesses
+
+
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
     """`gputrain ARGV...` in this process: (exit status, stdout, stderr); argparse's refusals included."""
     from gputrain.cli import main
@@ -80,3 +225,91 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+DIST_SCRIPTS = Path(__file__).parent / "dist_scripts"  # the programs the multi-process tests launch
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# What a launcher (torchrun, SLURM) sets: a subprocess must not inherit the one the tests run under.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess of the gputrain under test: no launcher variables, one
+    OpenMP thread (the machine is shared), unbuffered output, gloo on loopback, this checkout's src first on
+    PYTHONPATH (absolute: it survives a cwd of tmp_path); then `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    src = str(Path(gputrain.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(cmd, **kwargs) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (killed whole by `finish_process`), text pipes, `subprocess_env()` unless
+    `env=` is given."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=kwargs.pop("env", None) or subprocess_env(), **kwargs)
+
+
+def process_descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc; [] elsewhere)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def finish_process(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for proc; on a timeout kill it and everything below it, and fail.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's session is not
+    enough: the orphaned workers would keep running, and keep stdout/stderr open, so that
+    communicate() would wait for them however long they hang.
+    """
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        below = process_descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(output unavailable: something below the job still holds its pipes)"
+        pytest.fail(f"{proc.args[:6]}... still running after {timeout} s (a hang):\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def torchrun(args, nproc: int = 2, extra=(), timeout: float = 180, **kwargs) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node=NPROC ARGS` on a free loopback port, to its end (see `finish_process`)."""
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, *args]
+    return finish_process(start_process(cmd, **kwargs), timeout)
+
+
+def run_python(args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python ARGS` (one process, no launcher), to its end (see `finish_process`)."""
+    return finish_process(start_process([sys.executable, *args]), timeout)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
+from helpers import assert_same_tensors, sgd
 
 transformers = pytest.importorskip("transformers")
 torchmetrics = pytest.importorskip("torchmetrics")
@@ -41,18 +42,8 @@ def _cfg(**kw):
     return TrainConfig(**base)
 
 
-def _sgd(lr=0.1):
-    return lambda p: torch.optim.SGD(p, lr=lr)
-
-
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _assert_same(a, b, atol=1e-6):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), atol=atol), (k, (a[k].float() - b[k].float()).abs().max())
 
 
 # ---------------------------------------------------------------- Hugging Face models
@@ -166,13 +157,13 @@ def test_a_model_returning_a_dict_of_losses():
     torch.manual_seed(0)
     model = DictOfLosses()
     ref = copy.deepcopy(model)
-    fit(model, data, optimizer=_sgd(0.5), config=_cfg(batch_size=64, steps=1))
+    fit(model, data, optimizer=sgd(0.5), config=_cfg(batch_size=64, steps=1))
     out = ref(**data)
     out["loss"].backward()  # the total, not the first or any other entry
     with torch.no_grad():
         for p in ref.parameters():
             p -= 0.5 * p.grad
-    _assert_same(_params(model), _params(ref))
+    assert_same_tensors(_params(model), _params(ref))
 
 
 @dataclasses.dataclass
@@ -198,7 +189,7 @@ def test_a_model_returning_an_object_with_loss_and_logits():
     torch.manual_seed(0)
     model = ObjectOutput()
     h = fit(model, data, eval_data=data, metrics={"acc": MulticlassAccuracy(num_classes=3, average="micro")},
-            optimizer=_sgd(0.5), config=_cfg(batch_size=50, steps=3, log_every=1))
+            optimizer=sgd(0.5), config=_cfg(batch_size=50, steps=3, log_every=1))
     assert h.records[0]["loss"] > h.records[-1]["loss"]
     with torch.no_grad():
         by_hand = (model.net(x).argmax(1) == data["labels"]).float().mean().item()
@@ -256,17 +247,17 @@ def test_namedtuple_and_dataclass_batches_train_like_pairs():
     torch.manual_seed(0)
     ref = TakesContainer()
     start = copy.deepcopy(ref)
-    fit(ref.net, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(), config=_cfg(batch_size=48, steps=2))
+    fit(ref.net, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(), config=_cfg(batch_size=48, steps=2))
 
     as_namedtuples = [Sample(x[i], y[i]) for i in range(len(x))]  # a Dataset (list) of namedtuples
     m1 = copy.deepcopy(start)
-    fit(m1, DataLoader(as_namedtuples, batch_size=48), optimizer=_sgd(), config=_cfg(batch_size=48, steps=2))
+    fit(m1, DataLoader(as_namedtuples, batch_size=48), optimizer=sgd(), config=_cfg(batch_size=48, steps=2))
     m2 = copy.deepcopy(start)
     loader = DataLoader(list(range(len(x))), batch_size=48, collate_fn=lambda idx: Batch(x[idx], y[idx]))
-    fit(m2, loader, optimizer=_sgd(), config=_cfg(batch_size=48, steps=2))
+    fit(m2, loader, optimizer=sgd(), config=_cfg(batch_size=48, steps=2))
     assert m1.seen == {"Sample"} and m2.seen == {"Batch"}
-    _assert_same(_params(m1.net), _params(ref.net))
-    _assert_same(_params(m2.net), _params(ref.net))
+    assert_same_tensors(_params(m1.net), _params(ref.net))
+    assert_same_tensors(_params(m2.net), _params(ref.net))
 
 
 class SeesBatchType(nn.Module):
@@ -289,17 +280,17 @@ def test_batch_encoding_columns_and_loader_batches():
         return model(**batch)["loss"]
 
     ref = copy.deepcopy(start)
-    fit(ref, {"x": x, "labels": y}, optimizer=_sgd(), config=_cfg(batch_size=48, steps=2))
+    fit(ref, {"x": x, "labels": y}, optimizer=sgd(), config=_cfg(batch_size=48, steps=2))
     m1 = copy.deepcopy(start)  # columns given as a BatchEncoding, kept whole and sliced
-    fit(m1, transformers.BatchEncoding({"x": x, "labels": y}), compute_loss=recording, optimizer=_sgd(),
+    fit(m1, transformers.BatchEncoding({"x": x, "labels": y}), compute_loss=recording, optimizer=sgd(),
         config=_cfg(batch_size=48, steps=2))
     m2 = copy.deepcopy(start)  # a DataLoader whose collate returns a BatchEncoding, as HF collators do
     loader = DataLoader(list(range(len(x))), batch_size=48,
                         collate_fn=lambda idx: transformers.BatchEncoding({"x": x[idx], "labels": y[idx]}))
-    fit(m2, loader, compute_loss=recording, optimizer=_sgd(), config=_cfg(batch_size=48, steps=2))
+    fit(m2, loader, compute_loss=recording, optimizer=sgd(), config=_cfg(batch_size=48, steps=2))
     assert seen == ["BatchEncoding"] * 4
-    _assert_same(_params(m1), _params(ref))
-    _assert_same(_params(m2), _params(ref))
+    assert_same_tensors(_params(m1), _params(ref))
+    assert_same_tensors(_params(m2), _params(ref))
 
 
 # ---------------------------------------------------------------- weighting: accumulation, num_items, OOM
@@ -309,11 +300,11 @@ def test_accumulation_24_plus_16_equals_one_batch_of_40():
     torch.manual_seed(0)
     start = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     whole, accumulated = copy.deepcopy(start), copy.deepcopy(start)
-    fit(whole, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(1.0), config=_cfg(batch_size=40, steps=1))
-    h = fit(accumulated, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(1.0),
+    fit(whole, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(1.0), config=_cfg(batch_size=40, steps=1))
+    h = fit(accumulated, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(1.0),
             config=_cfg(batch_size=24, accumulate=2, steps=1))
     assert h.summary["samples"] == 40  # micro-batches of 24 and 16
-    _assert_same(_params(accumulated), _params(whole))
+    assert_same_tensors(_params(accumulated), _params(whole))
 
 
 class TokenModel(nn.Module):
@@ -356,11 +347,11 @@ def test_num_items_weights_the_step_by_non_padding_tokens():
     ref = copy.deepcopy(start)
     _step_by_hand(ref, data, lr=1.0)
     model = copy.deepcopy(start)
-    fit(model, data, num_items=lambda b: (b["labels"] != -100).sum(), optimizer=_sgd(1.0),
+    fit(model, data, num_items=lambda b: (b["labels"] != -100).sum(), optimizer=sgd(1.0),
         config=_cfg(batch_size=24, accumulate=2, steps=1))
-    _assert_same(_params(model), _params(ref))
+    assert_same_tensors(_params(model), _params(ref))
     by_samples = copy.deepcopy(start)  # without num_items the micro-batches weigh by samples: not the same
-    fit(by_samples, data, optimizer=_sgd(1.0), config=_cfg(batch_size=24, accumulate=2, steps=1))
+    fit(by_samples, data, optimizer=sgd(1.0), config=_cfg(batch_size=24, accumulate=2, steps=1))
     assert not torch.allclose(_params(by_samples)["emb.weight"], _params(ref)["emb.weight"], atol=1e-6)
 
 
@@ -392,10 +383,10 @@ def test_oom_split_of_dict_batches_equals_no_split():
     start = TokenModel()
     items = lambda b: (b["labels"] != -100).sum()  # noqa: E731
     ref, small = OOMAbove(copy.deepcopy(start), 1000), OOMAbove(copy.deepcopy(start), 10)
-    fit(ref, loader(), num_items=items, optimizer=_sgd(1.0), config=_cfg(batch_size=32, steps=2))
-    h = fit(small, loader(), num_items=items, optimizer=_sgd(1.0), config=_cfg(batch_size=32, steps=2))
+    fit(ref, loader(), num_items=items, optimizer=sgd(1.0), config=_cfg(batch_size=32, steps=2))
+    h = fit(small, loader(), num_items=items, optimizer=sgd(1.0), config=_cfg(batch_size=32, steps=2))
     assert small.ooms >= 2 and max(small.sizes) <= 8 and h.summary["oom_splits"] == 4
-    _assert_same(_params(small.inner), _params(ref.inner))
+    assert_same_tensors(_params(small.inner), _params(ref.inner))
 
 
 # ---------------------------------------------------------------- metrics in every report

@@ -9,16 +9,16 @@ import torch
 
 pytest.importorskip("torchmetrics")
 
-from test_distributed import SCRIPTS, _single, _torchrun  # noqa: E402
+from helpers import DIST_SCRIPTS, run_python, torchrun  # noqa: E402
 
-SCRIPT = str(SCRIPTS / "dict_batches.py")
+SCRIPT = str(DIST_SCRIPTS / "dict_batches.py")
 
 
 def test_dict_batches_under_ddp_match_one_process_with_the_same_global_batch(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    proc = _single([SCRIPT, str(one), "32", "4"])
+    proc = run_python([SCRIPT, str(one), "32", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _torchrun([SCRIPT, str(two), "16", "4"])
+    proc = torchrun([SCRIPT, str(two), "16", "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r1, r2 = (json.loads((d / "result.json").read_text()) for d in (one, two))
     assert r1["world_size"] == 1 and r2["world_size"] == 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import subprocess_env
 
 HAS_PROC = Path("/proc/self").is_dir()  # a tree no one can create files in, not even root (Linux)
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
@@ -88,19 +88,9 @@ def fails_when_asked():
 '''
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200", **extra)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    return env
-
-
 def gputrain(cwd: Path, *argv: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gputrain", *argv], cwd=cwd, env=_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "gputrain", *argv], cwd=cwd, env=subprocess_env(COLUMNS="200", **env),
+                          capture_output=True,                          text=True, timeout=timeout)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -792,8 +782,8 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # in torch.save's writer: its RuntimeError
 
     proc = subprocess.run([sys.executable, "-m", "gputrain", "predict", "digits", "--data", "test", "--out",
-                           str(tmp_path / "p.pt")], cwd=work, env=_env(), capture_output=True, text=True, timeout=120,
-                          preexec_fn=limit)
+                           str(tmp_path / "p.pt")], cwd=work, env=subprocess_env(COLUMNS="200"), capture_output=True,
+                          text=True, timeout=120, preexec_fn=limit)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert re.search(r"--out \S+p.pt: cannot write the predictions \(torch.save's write failed: the disk is full, or "
@@ -813,10 +803,12 @@ def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Pa
 
     argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(held / "sweep46.toml"), "--sweep-dir",
             str(tmp_path / "s")]
-    proc = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240, preexec_fn=limit)
+    proc = subprocess.run(argv, cwd=held, env=subprocess_env(COLUMNS="200"), capture_output=True, text=True, timeout=240,
+                          preexec_fn=limit)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert re.search(r"cannot write the sweep's study \S+/study.db \(.*\): free disk space \(or raise the file-size "
                      r"limit\) and run the sweep again", lines[0]), lines[0]
-    again = subprocess.run(argv, cwd=held, env=_env(), capture_output=True, text=True, timeout=240)
+    again = subprocess.run(argv, cwd=held, env=subprocess_env(COLUMNS="200"), capture_output=True, text=True,
+                           timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]

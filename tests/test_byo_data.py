@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import data, mlp, params
+from helpers import batches, data, DataStream, mlp, params, sgd
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
@@ -23,29 +23,13 @@ from gputrain.checkpoint.store import CheckpointStore
 CPU = torch.device("cpu")
 
 
-class Stream(IterableDataset):
-    """n samples of helpers.data (x, y) in order, no length: what a new user writes."""
-
-    def __init__(self, n=96):
-        self.x, self.y = data(n)
-
-    def __iter__(self):
-        for i in range(len(self.x)):
-            yield self.x[i], self.y[i]
-
-
-def _batches(n=96, size=16):
-    x, y = data(n)
-    return [(x[i:i + size], y[i:i + size]) for i in range(0, n, size)]
-
-
 # ---------------------------------------------------------------- 1. iterables of any kind
 
 
 def test_a_dataloader_over_an_iterable_dataset_trains_for_its_steps_with_its_batch_size():
     model = mlp()
     before = params(model).clone()
-    h = fit(model, DataLoader(Stream(), batch_size=32), loss_fn=nn.CrossEntropyLoss(),
+    h = fit(model, DataLoader(DataStream(), batch_size=32), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=10, log_every=5))
     assert h.summary["steps"] == 10 and h.summary["batch_size"] == 32 and h.summary["data"] == "iterable"
     assert h.summary["samples"] == 10 * 32  # 3 batches of 32 per pass: it started new passes
@@ -54,17 +38,17 @@ def test_a_dataloader_over_an_iterable_dataset_trains_for_its_steps_with_its_bat
 
 
 def test_an_iterable_dataset_given_directly_is_batched_by_the_config():
-    h = fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=7, batch_size=16))
+    h = fit(mlp(), DataStream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=7, batch_size=16))
     assert h.summary["steps"] == 7 and h.summary["batch_size"] == 16 and h.summary["samples"] == 7 * 16
 
 
 def test_without_a_length_steps_are_required():
     with pytest.raises(ConfigError, match=r"no length.*TrainConfig\(steps=N\)"):
-        fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=2))
+        fit(mlp(), DataStream(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=2))
 
 
 def test_a_list_of_batches_has_a_length_so_epochs_work_and_passes_repeat():
-    h = fit(mlp(), _batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=3))
+    h = fit(mlp(), batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", epochs=3))
     assert h.summary["steps"] == 18 and h.summary["samples"] == 3 * 96 and h.summary["batch_size"] is None
 
 
@@ -74,7 +58,7 @@ def test_a_reiterable_object_starts_a_new_pass():
 
         def __iter__(self):
             Batches.passes += 1
-            return iter(_batches())
+            return iter(batches())
 
     h = fit(mlp(), Batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20))
     assert h.summary["steps"] == 20 and Batches.passes == 4 and not h.summary["stopped_early"]
@@ -82,7 +66,7 @@ def test_a_reiterable_object_starts_a_new_pass():
 
 def test_a_generator_ends_the_run_when_it_runs_out_with_a_message(tmp_path, caplog):
     def gen():
-        yield from _batches()  # 6 batches
+        yield from batches()  # 6 batches
 
     caplog.set_level(logging.WARNING, "gputrain")
     h = fit(mlp(), gen(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=20, log_every=4,
@@ -95,19 +79,19 @@ def test_a_generator_ends_the_run_when_it_runs_out_with_a_message(tmp_path, capl
 
 def test_a_generator_of_batches_trains_like_the_same_batches_in_a_list():
     a, b = mlp(), mlp()
-    fit(a, iter(_batches()), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
-    fit(b, _batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+    fit(a, iter(batches()), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+    fit(b, batches(), loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
     assert torch.equal(params(a), params(b))
 
 
 def test_a_one_shot_eval_iterable_is_refused():
     with pytest.raises(DataError, match="read only once"):
-        fit(mlp(), _batches(), eval_data=iter(_batches()), loss_fn=nn.CrossEntropyLoss(),
+        fit(mlp(), batches(), eval_data=iter(batches()), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=2))
 
 
 def test_progress_bar_and_summary_without_a_known_length(capsys):
-    h = fit(mlp(), Stream(), loss_fn=nn.CrossEntropyLoss(),
+    h = fit(mlp(), DataStream(), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", steps=6, batch_size=16, log_every=2, progress=True))
     assert "6/6" in capsys.readouterr().err  # the bar counts steps, which are known
     assert h.summary["samples_per_s"] > 0 and h.summary["steps"] == 6
@@ -136,7 +120,7 @@ def test_workers_and_ranks_each_read_their_own_part():
 
 
 def test_an_iterable_dataset_with_workers_that_does_not_shard_gets_no_workers_by_default():
-    loader, placement = make_loader(Stream(), 16, device=CPU, train=True)
+    loader, placement = make_loader(DataStream(), 16, device=CPU, train=True)
     assert "0 workers" in placement.reason
 
 
@@ -154,10 +138,10 @@ def test_empty_data_say_so():
 
 
 def test_a_batch_whose_dtype_or_structure_changes_is_named():
-    batches = _batches()
-    batches[3] = (batches[3][0], batches[3][1].float())
+    changed = batches()
+    changed[3] = (changed[3][0], changed[3][1].float())
     with pytest.raises(DataError, match=r"batch 3 of epoch 0 .*batch\[1\] was int64 with 1 dim and is now float32"):
-        fit(mlp(), batches, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
+        fit(mlp(), changed, loss_fn=nn.CrossEntropyLoss(), config=TrainConfig(device="cpu", steps=6))
     x, y = data(32)
     dicts = [{"x": x[:16], "labels": y[:16]}, {"x": x[16:]}]
     with pytest.raises(DataError, match="batch 1 of epoch 0 .*structure changed"):
@@ -382,7 +366,7 @@ def test_the_readmes_token_weighting_equals_one_batch_of_the_full_size():
     def train(batch_size, accumulate, count):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg)
-        fit(model, batch, num_items=count, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        fit(model, batch, num_items=count, optimizer=sgd(1.0),
             config=TrainConfig(device="cpu", steps=1, batch_size=batch_size, accumulate=accumulate))
         return params(model)
 

@@ -16,14 +16,13 @@ from gputrain.checkpoint.store import CheckpointStore
 from gputrain.errors import CheckpointError, ConfigError, StopRequested
 
 import word_lm
-from helpers import params
+from helpers import params, sgd
 
 STEPS = 30
 CFG = dict(device="cpu", steps=STEPS, log_every=5, loggers=("csv",), seed=11, max_grad_norm=0.25)
 
 
-def _sgd(params_):
-    return torch.optim.SGD(params_, lr=5.0)
+SGD = sgd(5.0)  # every run of the word model here steps with the same plain SGD
 
 
 def _run(how: str, config: TrainConfig, carry: dict | None = None, register: bool = True):
@@ -31,10 +30,10 @@ def _run(how: str, config: TrainConfig, carry: dict | None = None, register: boo
     model = word_lm.make_model()
     batches = word_lm.corpus_batches(STEPS)
     if how == "own":
-        history = fit(model, batches, step_fn=word_lm.lm_step, optimizer=_sgd, config=config)
+        history = fit(model, batches, step_fn=word_lm.lm_step, optimizer=SGD, config=config)
         return model, history, None
     carry = {"hidden": None} if carry is None else carry
-    history = fit(model, batches, compute_loss=word_lm.lm_loss(carry), optimizer=_sgd, config=config,
+    history = fit(model, batches, compute_loss=word_lm.lm_loss(carry), optimizer=SGD, config=config,
                   state=carry if register else None)
     return model, history, carry
 
@@ -90,7 +89,7 @@ def test_a_sigterm_mid_run_checkpoints_the_hidden_state_and_the_resume_is_bit_eq
 
     cfg = TrainConfig(**CFG, run_dir=str(tmp_path / "run"))
     with pytest.raises(StopRequested) as info:
-        fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=stopping_step, optimizer=_sgd, config=cfg)
+        fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=stopping_step, optimizer=SGD, config=cfg)
     assert info.value.step == 17 and signal.getsignal(signal.SIGTERM) is handler
     resumed, history, _ = _run("own", cfg.replace(resume=True))
     assert torch.equal(params(resumed), weights)
@@ -126,9 +125,9 @@ def test_an_object_registered_by_the_step_after_the_resume_gets_its_saved_state(
         return word_lm.lm_step(step, batch)
 
     cfg = TrainConfig(**CFG, run_dir=str(tmp_path / "run"))
-    fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=step_fn, optimizer=_sgd,
+    fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=step_fn, optimizer=SGD,
         config=cfg.replace(stop_at_step=9))
-    fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=step_fn, optimizer=_sgd,
+    fit(word_lm.make_model(), word_lm.corpus_batches(STEPS), step_fn=step_fn, optimizer=SGD,
         config=cfg.replace(resume=True))
     assert seen == [(0, [], None), (9, [6, 7, 8], 9)]
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from helpers import file_names
 
 from gputrain.checkpoint.format import FORMAT, VERSION, check_model_state, load_checkpoint, write_checkpoint
 from gputrain.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -39,10 +40,6 @@ def _state(value=1.0, schedule="cosine"):
             "config": TrainConfig(device="cpu", steps=10, recompute=["a", "b"]).to_dict(),
             "history": [{"step": 5, "loss": 0.5, "eval_accuracy": None, "device": "cpu"}],
             "loader": {"generator": shuffle.get_state()}}
-
-
-def _files(folder):
-    return sorted(p.name for p in folder.iterdir())
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "onecycle"])
@@ -84,7 +81,7 @@ def test_unloadable_values_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(CheckpointError, match="nn.modules.linear.Linear"):
         write_checkpoint(path, {"obj": nn.Linear(1, 1)})
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
-    assert _files(tmp_path) == ["ck.pt"]
+    assert file_names(tmp_path) == ["ck.pt"]
 
 
 def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -103,7 +100,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         write_checkpoint(path, _state(2.0))
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
-    assert _files(tmp_path) == ["ck.pt"]  # no temp file left behind
+    assert file_names(tmp_path) == ["ck.pt"]  # no temp file left behind
 
 
 def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
@@ -126,12 +123,12 @@ def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
-    leftovers = [n for n in _files(tmp_path) if n != "ck.pt"]
+    leftovers = [n for n in file_names(tmp_path) if n != "ck.pt"]
     assert len(leftovers) == 1 and leftovers[0].endswith(".tmp")  # it died after writing, before the rename
     assert (tmp_path / leftovers[0]).stat().st_size > 100_000
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.ones(2, 3))
     write_checkpoint(path, _state(3.0))
-    assert _files(tmp_path) == ["ck.pt"]
+    assert file_names(tmp_path) == ["ck.pt"]
     assert torch.equal(load_checkpoint(path)["model"]["weight"], torch.full((2, 3), 3.0))
 
 

@@ -8,12 +8,12 @@ import random
 import select
 import signal
 import time
-import traceback
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from helpers import file_names, flip_a_byte, fork_child
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError, ConfigError
@@ -46,16 +46,6 @@ def _save(store, step, writer=None, metrics=None):
     return path
 
 
-def _names(folder):
-    return sorted(p.name for p in folder.iterdir())
-
-
-def _flip_a_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 # ---------------------------------------------------------------- the store's promises, for folders
 
 
@@ -63,8 +53,8 @@ def test_a_sharded_checkpoint_is_a_committed_folder_with_a_manifest_of_every_fil
     store = CheckpointStore(tmp_path, keep_last=2)
     path = _save(store, 7)
     assert path == store.folder / "step-000007.dcp" and path.is_dir()
-    assert _names(store.folder) == ["latest", "step-000007.dcp"]  # no staging folder left
-    assert _names(path) == [".metadata", "MANIFEST.sha256", "__0_0.distcp", "run-00000.pt"]
+    assert file_names(store.folder) == ["latest", "step-000007.dcp"]  # no staging folder left
+    assert file_names(path) == [".metadata", "MANIFEST.sha256", "__0_0.distcp", "run-00000.pt"]
     listed = [line.split("  ")[1] for line in (path / "MANIFEST.sha256").read_text().splitlines()]
     assert listed == [".metadata", "__0_0.distcp", "run-00000.pt"]
     assert (store.folder / "latest").read_text() == "step-000007.dcp\n"
@@ -88,14 +78,14 @@ def test_retention_and_the_best_span_both_formats(tmp_path):
     _save(store, 5, metrics={"acc": 0.95})
     assert [p.name for p in store.list()] == ["step-000004.dcp", "step-000005.dcp"]
     assert store.best_path() == store.folder / "step-000005.dcp"
-    assert not [n for n in _names(store.folder) if n.endswith(".tmp")]
+    assert not [n for n in file_names(store.folder) if n.endswith(".tmp")]
 
 
 def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_naming_the_file(tmp_path):
     store = CheckpointStore(tmp_path, keep_last=3)
     for step in (1, 2, 3):
         _save(store, step)
-    _flip_a_byte(store.folder / "step-000003.dcp" / "__0_0.distcp")
+    flip_a_byte(store.folder / "step-000003.dcp" / "__0_0.distcp")
     why = store.verify(store.folder / "step-000003.dcp")
     assert not why and "__0_0.distcp: its content hash does not match MANIFEST.sha256" in why
     with pytest.warns(CheckpointWarning, match=r"step-000003.dcp skipped: __0_0.distcp: its content hash does not "
@@ -113,7 +103,7 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_naming_the_file(t
 
 def test_shares_of_the_files_verify_separately(tmp_path):
     path = _save(CheckpointStore(tmp_path), 1)
-    _flip_a_byte(path / "run-00000.pt")  # the third of .metadata, __0_0.distcp, run-00000.pt
+    flip_a_byte(path / "run-00000.pt")  # the third of .metadata, __0_0.distcp, run-00000.pt
     damage = verify(path, share=(0, 2))  # files 0 and 2
     assert isinstance(damage, Damage) and bool(damage) is False  # a reason that tests false
     assert "run-00000.pt: its content hash does not match" in damage
@@ -172,7 +162,7 @@ def test_a_staging_folder_is_never_taken_for_a_checkpoint_and_the_next_save_clea
     (staged / "__0_0.distcp").write_bytes(b"half of a shard")
     assert [p.name for p in store.list()] == ["step-000001.dcp"] and store.load_latest()[0]["step"] == 1
     _save(store, 2)
-    assert _names(store.folder) == ["latest", "step-000001.dcp", "step-000002.dcp"]
+    assert file_names(store.folder) == ["latest", "step-000001.dcp", "step-000002.dcp"]
 
 
 def test_formats_and_their_settings():
@@ -257,20 +247,7 @@ def test_a_writer_killed_at_any_moment_of_a_dcp_save_leaves_a_verifying_checkpoi
     _save(CheckpointStore(tmp_path / "warm-up"), 1)  # DCP imported and torch initialized before the forks
     for trial in range(12):
         progress.write_text("")
-        read_fd, ready_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                os.close(read_fd)
-                _writer(run_dir, progress, ready_fd)
-            except BaseException:  # noqa: BLE001
-                with open(tmp_path / "writer-error.txt", "w") as f:
-                    traceback.print_exc(file=f)
-                code = 70
-            finally:
-                os._exit(code)
-        os.close(ready_fd)
+        pid, read_fd = fork_child(lambda ready_fd: _writer(run_dir, progress, ready_fd), tmp_path / "writer-error.txt")
         assert select.select([read_fd], [], [], 60)[0], "the writer never got ready"
         os.close(read_fd)
         time.sleep(rng.uniform(0.0, 0.1))
@@ -278,9 +255,9 @@ def test_a_writer_killed_at_any_moment_of_a_dcp_save_leaves_a_verifying_checkpoi
         os.waitpid(pid, 0)
         assert not (tmp_path / "writer-error.txt").exists(), (tmp_path / "writer-error.txt").read_text()
         saved = [int(line.split()[1]) for line in progress.read_text().splitlines()]
-        mid_save += store.folder.is_dir() and any(name.endswith(".tmp") for name in _names(store.folder))
+        mid_save += store.folder.is_dir() and any(name.endswith(".tmp") for name in file_names(store.folder))
         for path in store.list():  # every folder under a step name is whole
-            assert store.verify(path) is True, (trial, path, store.verify(path), _names(path))
+            assert store.verify(path) is True, (trial, path, store.verify(path), file_names(path))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing skipped: the newest is intact
             found = store.load_latest()

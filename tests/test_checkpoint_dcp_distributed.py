@@ -20,14 +20,15 @@ import torch
 from gputrain.checkpoint.names import step_of
 from gputrain.checkpoint.read import read_checkpoint
 from gputrain.checkpoint.store import CheckpointStore
-from test_distributed import TORCHRUN, _descendants, _finish, _free_port, _single, _start, _torchrun
+from helpers import (TORCHRUN, finish_process, free_port, process_descendants, run_python, start_process,
+                     torchrun)
 
 SCRIPT = str(Path(__file__).parent / "dist_scripts" / "train_dcp.py")
 
 
 def _run(nproc: int, run_dir, *args, timeout=240):
     argv = [SCRIPT, str(run_dir), *map(str, args)]
-    proc = _single(argv, timeout=timeout) if nproc == 1 else _torchrun(argv, nproc=nproc, timeout=timeout)
+    proc = run_python(argv, timeout=timeout) if nproc == 1 else torchrun(argv, nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -172,7 +173,7 @@ def test_a_checkpoint_of_n_processes_resumes_in_m_all_pairs(tmp_path, n, m, shar
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of torchrun's workers, from their environment (Linux /proc)."""
     found = {}
-    for pid in _descendants(launcher_pid):
+    for pid in process_descendants(launcher_pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -190,9 +191,9 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_from_the_new
     _run(2, reference, *flags)
     run = tmp_path / "run"
     cmd = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-conf=last_call_timeout=1",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=last_call_timeout=1",
            SCRIPT, str(run), *flags, "--resume", "auto", "--sleep-ms", "40"]
-    proc = _start(cmd)
+    proc = start_process(cmd)
     store = CheckpointStore(run)
     deadline = time.time() + 180
     newest = None
@@ -202,11 +203,11 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_resumes_from_the_new
             newest = step_of(latest)
             break
         time.sleep(0.05)
-    assert newest is not None, _finish(proc, 30).stderr[-3000:]
+    assert newest is not None, finish_process(proc, 30).stderr[-3000:]
     ranks = _rank_pids(proc.pid)
     assert sorted(ranks) == [0, 1], ranks
     os.kill(ranks[1], signal.SIGKILL)
-    out = _finish(proc, 240)
+    out = finish_process(proc, 240)
     assert out.returncode == 0, out.stderr[-4000:]
     resumed = re.findall(r"rank0 resumed from \S+step-(\d+)\.dcp at step (\d+)", out.stderr)
     assert len(resumed) == 1, out.stderr[-4000:]  # the restarted attempt, once

@@ -9,12 +9,12 @@ import select
 import signal
 import sys
 import time
-import traceback
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from helpers import file_names, flip_a_byte, fork_child
 
 from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import digests, format as checkpoint, store as checkpoint_store
@@ -28,19 +28,8 @@ def _state(step):
     return {"step": step, "model": {"w": torch.full((1000,), float(step))}}
 
 
-def _names(folder):
-    return sorted(p.name for p in folder.iterdir())
-
-
 def _saved_steps(store):
     return [step_of(p) for p in store.list()]
-
-
-def _flip_a_byte(path, at=None):
-    data = bytearray(path.read_bytes())
-    at = len(data) // 2 if at is None else at
-    data[at] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 # ---------------------------------------------------------------- saving and retention
@@ -52,7 +41,7 @@ def test_save_writes_the_checkpoint_its_hash_and_latest_and_keeps_the_last_two(t
         path = store.save(_state(step), step)
     folder = tmp_path / "checkpoints"
     assert path == folder / "step-000300.pt"
-    assert _names(folder) == ["latest", "step-000200.pt", "step-000200.pt.sha256",
+    assert file_names(folder) == ["latest", "step-000200.pt", "step-000200.pt.sha256",
                               "step-000300.pt", "step-000300.pt.sha256"]
     # sha256sum's format, of the file's bytes
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -108,14 +97,14 @@ def test_bad_settings_and_unsaveable_states_fail_before_anything_is_written(tmp_
         CheckpointStore(tmp_path, best_mode="maximum")
     store = CheckpointStore(tmp_path, best_metric="acc")
     store.save(_state(1), 1)
-    before = _names(store.folder)
+    before = file_names(store.folder)
     with pytest.raises(CheckpointError, match="numpy"):
         store.save({"x": np.float64(1.0)}, 2)
     with pytest.raises(ConfigError, match="'acc'.*not a number"):
         store.save(_state(2), 2, {"acc": "high"})
     with pytest.raises(ValueError, match="step must be an integer >= 0"):
         store.save(_state(2), -1)
-    assert _names(store.folder) == before and store.load_latest()[0]["step"] == 1
+    assert file_names(store.folder) == before and store.load_latest()[0]["step"] == 1
 
 
 def test_a_failed_write_leaves_the_previous_checkpoints(tmp_path, monkeypatch):
@@ -131,7 +120,7 @@ def test_a_failed_write_leaves_the_previous_checkpoints(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         store.save(_state(2), 2)
     monkeypatch.setattr(torch, "save", real)
-    assert _names(store.folder) == ["latest", "step-000001.pt", "step-000001.pt.sha256"]
+    assert file_names(store.folder) == ["latest", "step-000001.pt", "step-000001.pt.sha256"]
     assert store.load_latest()[0]["step"] == 1
 
 
@@ -142,7 +131,7 @@ def test_a_save_clears_what_killed_writers_left(tmp_path):
     for name in leftovers:
         (store.folder / name).write_bytes(b"left by a writer killed while saving step 7")
     store.save(_state(2), 2)
-    assert _names(store.folder) == ["latest", "step-000001.pt", "step-000001.pt.sha256",
+    assert file_names(store.folder) == ["latest", "step-000001.pt", "step-000001.pt.sha256",
                                     "step-000002.pt", "step-000002.pt.sha256"]
 
 
@@ -154,7 +143,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_with_a_warning
     for step in (1, 2, 3):
         store.save(_state(step), step)
     newest = store.folder / "step-000003.pt"
-    _flip_a_byte(newest)
+    flip_a_byte(newest)
     why = store.verify(newest)
     assert not why and isinstance(why, Damage) and "content hash does not match" in why
     assert verify(newest, share=(0, 2)) == why and verify(newest, share=(1, 2)) is True  # a file: rank 0 reads it
@@ -179,7 +168,7 @@ def test_none_verifying_is_an_error_listing_them_and_an_empty_run_is_none(tmp_pa
     assert store.load_latest() is None and store.latest_path() is None
     for step in (1, 2):
         store.save(_state(step), step)
-    _flip_a_byte(store.folder / "step-000001.pt")
+    flip_a_byte(store.folder / "step-000001.pt")
     (store.folder / "step-000002.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"no checkpoint verifies \(step-000002.pt: its content hash.*"
                                               r"0 bytes.*; step-000001.pt: its content hash.*--resume"):
@@ -211,7 +200,7 @@ def test_latest_wins_over_higher_steps_left_by_a_rewound_run(tmp_path):
     assert (rewound.folder / "step-000003.pt.sha256").read_text().count("\n") == 1  # the old digest is gone
     state, path = rewound.load_latest()
     assert path.name == "step-000003.pt" and torch.equal(state["model"]["w"], torch.zeros(1000))
-    _flip_a_byte(path)  # then the one below latest, not the stale step 4
+    flip_a_byte(path)  # then the one below latest, not the stale step 4
     with pytest.warns(CheckpointWarning, match="step-000003.pt skipped"):
         assert rewound.load_latest()[1].name == "step-000002.pt"
     rewound.save(_state(4), 4)
@@ -339,20 +328,8 @@ def _writer(run_dir, progress, mode, arg, ready_fd):
 
 def _fork_writer(run_dir, progress, mode, arg, delay=None, timeout=30.0):
     """Run one writer in a forked child until it dies; returns how it ended."""
-    read_fd, ready_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 0
-        try:
-            os.close(read_fd)
-            _writer(run_dir, progress, mode, arg, ready_fd)
-        except BaseException:  # noqa: BLE001
-            with open(run_dir / "writer-error.txt", "w") as f:
-                traceback.print_exc(file=f)
-            code = 70
-        finally:
-            os._exit(code)
-    os.close(ready_fd)
+    pid, read_fd = fork_child(lambda ready_fd: _writer(run_dir, progress, mode, arg, ready_fd),
+                              run_dir / "writer-error.txt")
     try:
         if delay is not None:
             assert select.select([read_fd], [], [], timeout)[0], "the writer never got ready"
@@ -389,7 +366,7 @@ def test_writers_killed_before_their_prune_do_not_pile_up_checkpoints(tmp_path, 
         progress.write_text("")
         _fork_writer(run_dir, progress, "before_prune", None)
         assert "before pruning after" in (tmp_path / "where.txt").read_text().splitlines()[-1]
-        assert len(store.list()) <= KEEP + 2, (i, _names(store.folder))
+        assert len(store.list()) <= KEEP + 2, (i, file_names(store.folder))
     assert step_of(store.load_latest()[1]) == 3 + 4  # every killed writer's save was whole
 
 
@@ -435,7 +412,7 @@ def test_a_writer_killed_at_any_moment_leaves_a_verifying_checkpoint(tmp_path, m
         completed += done
         last = done[-1] if done else int(events[0].split()[1])
         at = where.read_text().splitlines()[-1] if mode != "time" else f"after {delay:.3f} s"
-        context = f"kill {i} ({mode} {arg or ''}, {at}), files {_names(store.folder)}"
+        context = f"kill {i} ({mode} {arg or ''}, {at}), files {file_names(store.folder)}"
         # Every checkpoint present verifies: none appears without its hash, none loses it first.
         for path in store.list():
             assert store.verify(path) is True, (path, store.verify(path), context)
@@ -458,12 +435,12 @@ def test_a_writer_killed_at_any_moment_leaves_a_verifying_checkpoint(tmp_path, m
             overwritten = store.folder / f"step-{last + 1:06d}.pt.sha256"
             assert overwritten.read_text().count("\n") == 2, context
         if mode == "mid_write":
-            assert any(n.endswith(".tmp") for n in _names(store.folder)), context
+            assert any(n.endswith(".tmp") for n in file_names(store.folder)), context
     assert len(completed) >= len(kills) // 2  # the writers got somewhere
     # The next clean save clears what the killed writers left.
     state, _ = store.load_latest()
     store.save(_payload(state["step"] + 1), state["step"] + 1, {"acc": 0.0})
-    leftovers = [n for n in _names(store.folder) if n.endswith(".tmp")
+    leftovers = [n for n in file_names(store.folder) if n.endswith(".tmp")
                  or (n.endswith(".sha256") and not (store.folder / n[:-7]).exists())]
     assert not leftovers
     assert len(store.list()) <= KEEP + 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from helpers import sgd
 
 from gputrain import ConfigError, TrainConfig, fit
 from gputrain.report.html import render_report
@@ -63,7 +64,7 @@ def _fit(compile_, run_dir=None, **kw):
     # SGD: the parameters' difference follows the gradients' (AdamW's normalized step can flip a sign
     # on a gradient near zero and move an element by 2 x lr).
     history = fit(model, _data(), loss_fn=nn.functional.cross_entropy, config=cfg,
-                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+                  optimizer=sgd())
     return model, history
 
 

@@ -11,19 +11,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from gputrain.cli import main
+from helpers import cli
 
 QUIET = ("--device", "cpu", "--no-tensorboard", "--progress", "off", "--json")
-
-
-def _fit(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(["fit", *argv])
-    except SystemExit as exc:  # argparse's refusals
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _summary(out: str) -> dict:
@@ -39,9 +29,9 @@ def test_a_run_repeated_from_its_config_ends_with_the_same_loss(tmp_path, capsys
     trains the same batches in the same order to the same losses, and records the same config."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "first.toml").write_text('[train]\nwarmup_steps = 4\nschedule = "cosine"\n')
-    code, out, err = _fit(capsys, "linear-regression", "--config", "first.toml", "--option", "n=300",
-                          "--batch-size", "16", "--steps", "30", "--log-every", "5", "--lr", "0.02", "--seed", "7",
-                          "--run-dir", "a", *QUIET)
+    code, out, err = cli(capsys, "fit", "linear-regression", "--config", "first.toml", "--option", "n=300",
+                         "--batch-size", "16", "--steps", "30", "--log-every", "5", "--lr", "0.02", "--seed", "7",
+                         "--run-dir", "a", *QUIET)
     assert code == 0, err
     first = _summary(out)
     recorded = tomllib.loads((tmp_path / "a" / "config.toml").read_text())
@@ -52,7 +42,7 @@ def test_a_run_repeated_from_its_config_ends_with_the_same_loss(tmp_path, capsys
     assert "tensorboard" not in train
     assert "epochs" not in train and "run_dir" not in train and "resume" not in train
 
-    code, out, err = _fit(capsys, "--config", "a/config.toml", "--run-dir", "b", "--json")
+    code, out, err = cli(capsys, "fit", "--config", "a/config.toml", "--run-dir", "b", "--json")
     assert code == 0, err
     again = _summary(out)
     assert again["workload"] == "linear-regression" and again["steps"] == 30
@@ -70,7 +60,8 @@ def test_the_recorded_config_holds_every_field_and_reads_back(tmp_path, capsys):
     from gputrain.runs.stated import load_run_config
     from gputrain.runs.spec import RunSettings
 
-    code, _, err = _fit(capsys, "iris-mlp", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET[:-1], "--quiet")
+    code, _, err = cli(capsys, "fit", "iris-mlp", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET[:-1],
+                       "--quiet")
     assert code == 0, err
     path = tmp_path / "r" / "config.toml"
     text = path.read_text()
@@ -95,7 +86,7 @@ def test_the_old_tensorboard_key_warns_and_sets_the_loggers(tmp_path, capsys, mo
     Path("old.toml").write_text('workload = "iris-mlp"\n[train]\nsteps = 2\ndevice = "cpu"\ntensorboard = false\n')
     with pytest.warns(DeprecationWarning, match=r"old.toml line 5: \[train\] tensorboard is deprecated: TensorBoard is "
                                                 r"one of the loggers.*write loggers = \[\"csv\"\] instead"):
-        code, _, err = _fit(capsys, "--config", "old.toml", "--run-dir", "r", "--progress", "off", "--json")
+        code, _, err = cli(capsys, "fit", "--config", "old.toml", "--run-dir", "r", "--progress", "off", "--json")
     assert code == 0, err
     assert not list(Path("r").glob("events.out.tfevents.*")) and Path("r/metrics.jsonl").is_file()
     recorded = tomllib.loads(Path("r/config.toml").read_text())["train"]
@@ -115,8 +106,8 @@ def test_the_command_line_overrides_the_file_which_overrides_the_workload(tmp_pa
     cfg = tmp_path / "run.toml"
     cfg.write_text('workload = "iris-mlp"\n[train]\nlr = 0.05\nsteps = 7\nwarmup_steps = 3\ndevice = "cpu"\n'
                    '[fit]\nema = 0.9\npatience = 5\n')
-    code, out, err = _fit(capsys, "--config", str(cfg), "--lr", "0.02", "--run-dir", str(tmp_path / "x"),
-                          "--print-config")
+    code, out, err = cli(capsys, "fit", "--config", str(cfg), "--lr", "0.02", "--run-dir", str(tmp_path / "x"),
+                         "--print-config")
     assert code == 0, err
     printed = tomllib.loads(out)
     t = printed["train"]
@@ -127,11 +118,11 @@ def test_the_command_line_overrides_the_file_which_overrides_the_workload(tmp_pa
     assert (printed["fit"]["ema"], printed["fit"]["patience"]) == (0.9, 5)
     assert not (tmp_path / "x").exists()
 
-    code, out, _ = _fit(capsys, "--config", str(cfg), "--epochs", "2", "--print-config")
+    code, out, _ = cli(capsys, "fit", "--config", str(cfg), "--epochs", "2", "--print-config")
     t = tomllib.loads(out)["train"]
     assert code == 0 and t["epochs"] == 2 and "steps" not in t and t["lr"] == 0.05
 
-    code, out, _ = _fit(capsys, "digits-cnn", "--config", str(cfg), "--no-save", "--print-config")
+    code, out, _ = cli(capsys, "fit", "digits-cnn", "--config", str(cfg), "--no-save", "--print-config")
     printed = tomllib.loads(out)
     assert code == 0 and printed["workload"] == "digits-cnn" and printed["fit"]["no_save"] is True
     assert printed["train"]["batch_size"] == 64 and printed["train"]["lr"] == 0.05  # digits' batch, the file's lr
@@ -140,12 +131,12 @@ def test_the_command_line_overrides_the_file_which_overrides_the_workload(tmp_pa
 def test_print_config_output_is_itself_a_config(tmp_path, capsys):
     """What --print-config prints trains as the same command line would (the same final loss)."""
     argv = ("iris-mlp", "--steps", "6", "--log-every", "3", "--lr", "0.05", "--seed", "2")
-    code, out, _ = _fit(capsys, *argv, "--print-config", *QUIET)
+    code, out, _ = cli(capsys, "fit", *argv, "--print-config", *QUIET)
     assert code == 0
     (tmp_path / "printed.toml").write_text(out)
-    code, direct, err = _fit(capsys, *argv, "--no-save", *QUIET)
+    code, direct, err = cli(capsys, "fit", *argv, "--no-save", *QUIET)
     assert code == 0, err
-    code, from_file, err = _fit(capsys, "--config", str(tmp_path / "printed.toml"), "--no-save")
+    code, from_file, err = cli(capsys, "fit", "--config", str(tmp_path / "printed.toml"), "--no-save")
     assert code == 0, err
     assert _summary(direct)["final_loss"] == _summary(from_file)["final_loss"]
 
@@ -190,8 +181,8 @@ def test_fit_config_trains_from_python_what_the_command_line_repeats(tmp_path, c
     tree = {"workload": "iris-mlp", "train": {"steps": 6, "log_every": 3, "lr": 0.05, "seed": 2, "device": "cpu",
                                               "loggers": ["csv"]}}
     history = gputrain.fit_config(tree, run_dir=str(tmp_path / "py"), progress=False)
-    code, out, err = _fit(capsys, "--config", str(tmp_path / "py" / "config.toml"), "--run-dir", str(tmp_path / "cli"),
-                          "--json", "--quiet")
+    code, out, err = cli(capsys, "fit", "--config", str(tmp_path / "py" / "config.toml"),
+                         "--run-dir", str(tmp_path / "cli"), "--json", "--quiet")
     assert code == 0, err
     assert history.summary["final_loss"] == _summary(out)["final_loss"] and history.summary["steps"] == 6
     with pytest.raises(gputrain.ConfigError, match=r"\[train\] weight_decay: weight_decay must be a finite number >= 0"):
@@ -231,7 +222,7 @@ def test_a_bad_config_file_is_one_line_naming_the_key_and_its_line(name, text, s
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text(text)
-    code, out, err = _fit(capsys, "iris-mlp", "--config", "run.toml", "--run-dir", "r")
+    code, out, err = cli(capsys, "fit", "iris-mlp", "--config", "run.toml", "--run-dir", "r")
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("gputrain fit: error: ") and "run.toml" in lines[0], lines[0]
@@ -240,9 +231,9 @@ def test_a_bad_config_file_is_one_line_naming_the_key_and_its_line(name, text, s
 
 
 def test_a_missing_or_folder_config_is_one_line(tmp_path, capsys):
-    code, _, err = _fit(capsys, "--config", str(tmp_path / "nope.toml"))
+    code, _, err = cli(capsys, "fit", "--config", str(tmp_path / "nope.toml"))
     assert code == 2 and "--config" in err and "no such file" in err and len(err.strip().splitlines()) == 1
-    code, _, err = _fit(capsys, "--config", str(tmp_path))
+    code, _, err = cli(capsys, "fit", "--config", str(tmp_path))
     assert code == 2 and "is a folder: give a TOML file" in err
 
 
@@ -298,7 +289,7 @@ def test_the_readmes_config_example_runs_and_repeats(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     outputs = []
     for command in commands:
-        code, out, err = _fit(capsys, *shlex.split(command)[2:], "--quiet", "--progress", "off")
+        code, out, err = cli(capsys, "fit", *shlex.split(command)[2:], "--quiet", "--progress", "off")
         assert code == 0, err
         outputs.append(out)
     printed = tomllib.loads(outputs[1])

@@ -8,9 +8,9 @@ read-ahead on: test_data_resume.py. The CUDA side stream itself: tests/test_gpu_
 
 import pytest
 import torch
-from helpers import data, mlp
+from helpers import batches, data, DataRows, DataStream, mlp
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from gputrain import TrainConfig, fit
 from gputrain.data import make_loader
@@ -86,25 +86,6 @@ def test_a_batch_that_fails_to_load_while_read_ahead_is_named_and_the_step_befor
 # ---------------------------------------------------------------- the rule, for every kind of data
 
 
-class Rows(Dataset):
-    def __init__(self, n=48):
-        self.x, self.y = data(n)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
-class Stream(IterableDataset):
-    def __init__(self, n=48):
-        self.x, self.y = data(n)
-
-    def __iter__(self):
-        return ((self.x[i], self.y[i]) for i in range(len(self.x)))
-
-
 class Backwards(Sampler):
     """A sampler of the user's own: gputrain uses the DataLoader as is."""
 
@@ -125,26 +106,21 @@ def _hf(kind):
     return ds if kind == "map" else ds.to_iterable_dataset()
 
 
-def _batches():
-    x, y = data(48)
-    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]
-
-
 # (data, make_loader's keywords, whether the feed reads ahead): only a StatefulDataLoader's state is
 # the saved position (torchdata is installed here, so gputrain builds one for every IterableDataset).
 KINDS = {
-    "a Dataset": (Rows, {}, True),
+    "a Dataset": (DataRows, {}, True),
     "host tensor columns": (lambda: data(48), {"on_device": False}, True),  # a DataLoader only off the CPU
-    "a user DataLoader, rebuilt": (lambda: DataLoader(Rows(), batch_size=8, shuffle=True), {}, True),
-    "a user DataLoader as is": (lambda: DataLoader(Rows(), batch_size=8, sampler=Backwards(48)), {}, True),
-    "a user DataLoader, evaluated": (lambda: DataLoader(Rows(), batch_size=8), {"train": False}, True),
+    "a user DataLoader, rebuilt": (lambda: DataLoader(DataRows(), batch_size=8, shuffle=True), {}, True),
+    "a user DataLoader as is": (lambda: DataLoader(DataRows(), batch_size=8, sampler=Backwards(48)), {}, True),
+    "a user DataLoader, evaluated": (lambda: DataLoader(DataRows(), batch_size=8), {"train": False}, True),
     "a Hugging Face Dataset": (lambda: _hf("map"), {}, True),
-    "a list of batches": (_batches, {}, True),
-    "a generator of batches": (lambda: iter(_batches()), {}, True),
+    "a list of batches": (lambda: batches(48, 8), {}, True),
+    "a generator of batches": (lambda: iter(batches(48, 8)), {}, True),
     "a plain DataLoader over an IterableDataset, as is": (
-        lambda: DataLoader(Stream(), batch_size=8), {"rebuild_loader": False}, True),
-    "an IterableDataset (a StatefulDataLoader)": (Stream, {}, False),
-    "a DataLoader over an IterableDataset (rebuilt stateful)": (lambda: DataLoader(Stream(), batch_size=8), {},
+        lambda: DataLoader(DataStream(48), batch_size=8), {"rebuild_loader": False}, True),
+    "an IterableDataset (a StatefulDataLoader)": (lambda: DataStream(48), {}, False),
+    "a DataLoader over an IterableDataset (rebuilt stateful)": (lambda: DataLoader(DataStream(48), batch_size=8), {},
                                                                 False),
     "a Hugging Face IterableDataset (a StatefulDataLoader)": (lambda: _hf("iterable"), {}, False),
 }

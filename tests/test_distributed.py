@@ -9,100 +9,23 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import (DIST_SCRIPTS, TORCHRUN, assert_same_tensors, finish_process, free_port, run_python,
+                     start_process, subprocess_env, torchrun)
 
 from gputrain.checkpoint.store import CheckpointStore
-import torch
 
 from gputrain.runtime import distributed as D
 from gputrain.checkpoint.format import load_checkpoint
 from gputrain.errors import ConfigError, DeviceError
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
-SCRIPT = str(SCRIPTS / "train_small.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith("TORCHELASTIC_")}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    # The subprocesses import the gputrain under test (a relative PYTHONPATH=src would not survive cwd=tmp_path).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(D.__file__).resolve().parents[1]),
-                                                      env.get("PYTHONPATH")]))
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=kwargs.pop("env", None) or _env(), **kwargs)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (Linux /proc; [] elsewhere)."""
-    children = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for proc; on a timeout kill it and everything below it, and fail.
-
-    torchrun starts each worker in a session of its own, so killing torchrun's session is not
-    enough: the orphaned workers would keep running, and keep stdout/stderr open, so that
-    communicate() would wait for them however long they hang.
-    """
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        below = _descendants(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            out, err = "", "(output unavailable: something below the job still holds its pipes)"
-        pytest.fail(f"{proc.args[:6]}... still running after {timeout} s (a hang):\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _torchrun(args, nproc=2, extra=(), timeout=180, **kwargs):
-    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", *extra, *args]
-    return _finish(_start(cmd, **kwargs), timeout)
-
-
-def _single(args, timeout=120):
-    return _finish(_start([sys.executable, *args]), timeout)
+SCRIPT = str(DIST_SCRIPTS / "train_small.py")
 
 
 def _checkpoint(path):
@@ -120,12 +43,6 @@ def _result(run_dir):
     return json.loads((Path(run_dir) / "result.json").read_text())
 
 
-def _assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), (k, (a[k] - b[k]).abs().max())
-
-
 def _initial_first_weight():
     """net.0.weight as train_small.py initializes it (torch.manual_seed(0), then the first Linear)."""
     with torch.random.fork_rng():
@@ -137,7 +54,7 @@ def _initial_first_weight():
 
 
 def _load_primitives():
-    spec = importlib.util.spec_from_file_location("gputrain_test_primitives", SCRIPTS / "primitives.py")
+    spec = importlib.util.spec_from_file_location("gputrain_test_primitives", DIST_SCRIPTS / "primitives.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -150,7 +67,7 @@ P = _load_primitives()
 def primitives(tmp_path_factory):
     """One 2-process torchrun of dist_scripts/primitives.py; what it observed and saved."""
     out = tmp_path_factory.mktemp("primitives")
-    proc = _torchrun([str(SCRIPTS / "primitives.py"), str(out)], timeout=150)
+    proc = torchrun([str(DIST_SCRIPTS / "primitives.py"), str(out)], timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "checks.json").read_text()), out
 
@@ -175,7 +92,7 @@ def test_collectives_and_rank_helpers_under_torchrun(primitives):
 def test_ddp_hand_loop_with_accumulation_matches_one_process(primitives):
     checks, out = primitives
     ref, _ = P.reference(P.STEPS)
-    _assert_same(_saved(out, "ddp.pt")["model"], ref.state_dict())
+    assert_same_tensors(_saved(out, "ddp.pt")["model"], ref.state_dict(), atol=1e-5)
     for seen in checks:
         assert seen["ddp"]["wrapper"] == "DistributedDataParallel" and seen["ddp"]["unwrapped"] == "Sequential"
         # One all-reduce per optimizer step, not per micro-step: no_sync skipped the first of 2.
@@ -189,7 +106,7 @@ def test_fsdp2_hand_loop_matches_one_process_and_defers_the_reduce_scatter(primi
     saved = _saved(out, "fsdp.pt")
     assert list(saved["model"]) == list(ref.state_dict())  # plain names, full tensors
     assert all(type(v) is torch.Tensor for v in saved["model"].values())
-    _assert_same(saved["model"], ref.state_dict())
+    assert_same_tensors(saved["model"], ref.state_dict(), atol=1e-5)
     for seen in checks:
         fsdp = seen["fsdp"]
         assert fsdp["wrapper"] == "FSDPSequential" and fsdp["unwrapped_is_model"] and fsdp["dtensor_params"]
@@ -208,7 +125,7 @@ def test_fsdp2_full_state_continues_in_one_plain_process(primitives):
     D.load_optimizer_state_dict(model, optimizer, saved["optimizer"], D.SINGLE)
     P.train(model, optimizer, P.MORE, start=P.STEPS)
     ref, _ = P.reference(P.STEPS + P.MORE)  # momentum carried over exactly, or this differs
-    _assert_same(model.state_dict(), ref.state_dict())
+    assert_same_tensors(model.state_dict(), ref.state_dict(), atol=1e-5)
 
 
 def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
@@ -216,7 +133,7 @@ def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
     ref, ref_opt = P.reference(P.STEPS + P.MORE)
     for name in ("ddp_resumed.pt", "fsdp_resumed.pt"):
         saved = _saved(out, name)
-        _assert_same(saved["model"], ref.state_dict())
+        assert_same_tensors(saved["model"], ref.state_dict(), atol=1e-5)
     assert all(seen["ddp_resumed_replica_equal"] for seen in checks)
     momentum = _saved(out, "fsdp_resumed.pt")["optimizer"]["state"]["0.weight"]["momentum_buffer"]
     assert torch.allclose(momentum, ref_opt.state[ref.get_parameter("0.weight")]["momentum_buffer"], atol=1e-6)
@@ -228,11 +145,11 @@ def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate):
     steps = 8
-    one = _single([SCRIPT, str(tmp_path / "one"), "32", str(accumulate), "0", str(steps)])
+    one = run_python([SCRIPT, str(tmp_path / "one"), "32", str(accumulate), "0", str(steps)])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = _torchrun([SCRIPT, str(tmp_path / "two"), "16", str(accumulate), "0", str(steps)])
+    two = torchrun([SCRIPT, str(tmp_path / "two"), "16", str(accumulate), "0", str(steps)])
     assert two.returncode == 0, two.stderr[-2000:]
-    _assert_same(_params(tmp_path / "one"), _params(tmp_path / "two"))
+    assert_same_tensors(_params(tmp_path / "one"), _params(tmp_path / "two"), atol=1e-5)
     result = _result(tmp_path / "two")
     summary = result["summary"]
     assert result["wrapper"] == "DistributedDataParallel"
@@ -245,7 +162,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate
 
 def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     fsdp, one = tmp_path / "fsdp", tmp_path / "one"
-    proc = _torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
+    proc = torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _result(fsdp)["wrapper"].startswith("FSDP")  # fully_shard swaps in an FSDP<Model> class
     state = _checkpoint(CheckpointStore(fsdp).latest_path())
@@ -253,20 +170,20 @@ def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     # Full tensors, not DTensor shards: loadable without a process group.
     assert all(type(v) is torch.Tensor for v in state["model"].values())
     assert state["optimizer"]["state"], "the momentum buffers are missing from the checkpoint"
-    ref = _single([SCRIPT, str(one), "32", "2", "0", "10"])  # global batch 64 = 2 processes x 16 x 2
+    ref = run_python([SCRIPT, str(one), "32", "2", "0", "10"])  # global batch 64 = 2 processes x 16 x 2
     assert ref.returncode == 0, ref.stderr[-2000:]
     # The FSDP run directory, continued to step 10 by a single process: the same parameters as
     # one process all along, so the sharded run and its momentum were exact.
-    cont = _single([SCRIPT, str(fsdp), "32", "2", "0", "10"])
+    cont = run_python([SCRIPT, str(fsdp), "32", "2", "0", "10"])
     assert cont.returncode == 0, cont.stderr[-2000:]
     assert "resumed from" in cont.stderr and "at step 6" in cont.stderr
     assert _result(fsdp)["summary"]["steps"] == 10 and _result(fsdp)["summary"]["world_size"] == 1
-    _assert_same(_params(one), _params(fsdp))
+    assert_same_tensors(_params(one), _params(fsdp), atol=1e-5)
 
 
 def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     start = time.monotonic()
-    proc = _torchrun([SCRIPT, str(tmp_path / "fail"), "16", "1", "0", "8", "raise"], timeout=90)
+    proc = torchrun([SCRIPT, str(tmp_path / "fail"), "16", "1", "0", "8", "raise"], timeout=90)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "planted failure on rank 1" in proc.stdout + proc.stderr
@@ -282,7 +199,7 @@ def test_a_hung_job_is_killed_whole_on_timeout(tmp_path):
                       "time.sleep(600)\n")
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="still running after 15 s"):
-        _torchrun([str(script), str(tmp_path)], timeout=15)
+        torchrun([str(script), str(tmp_path)], timeout=15)
     assert time.monotonic() - start < 60
     pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in (0, 1)]
     time.sleep(0.5)
@@ -297,7 +214,7 @@ def test_a_hung_job_is_killed_whole_on_timeout(tmp_path):
 
 def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     run = tmp_path / "restart"
-    proc = _torchrun([SCRIPT, str(run), "16", "1", "0", "12", "kill-once"], extra=["--max-restarts=1"], timeout=240)
+    proc = torchrun([SCRIPT, str(run), "16", "1", "0", "12", "kill-once"], extra=["--max-restarts=1"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = _result(run)
     assert result["restart"] == "1" and result["summary"]["steps"] == 12
@@ -305,23 +222,23 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     assert "resumed from" in proc.stderr and "at step 6" in proc.stderr, proc.stderr[-3000:]
     assert _checkpoint(CheckpointStore(run).latest_path())["step"] == 12
     # The interrupted job ends where an uninterrupted one (here: one process, same global batch) does.
-    ref = _single([SCRIPT, str(tmp_path / "one"), "32", "1", "0", "12"])
+    ref = run_python([SCRIPT, str(tmp_path / "one"), "32", "1", "0", "12"])
     assert ref.returncode == 0, ref.stderr[-2000:]
-    _assert_same(_params(tmp_path / "one"), _params(run))
+    assert_same_tensors(_params(tmp_path / "one"), _params(run), atol=1e-5)
 
 
 def test_two_nodes_rendezvous_on_loopback(tmp_path):
     # Two launchers stand in for two machines. Both endpoints are this machine, so each would offer
     # to host the rendezvous store: is_host names the one that does (on real machines the one whose
     # address is the endpoint hosts it). --node-rank is ignored by the c10d backend.
-    port = _free_port()
+    port = free_port()
     cmds = [[*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=gputrain-test-{port}",
              f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
              SCRIPT, str(tmp_path / "nodes"), "16", "1", "0", "4"] for node in (0, 1)]
-    procs = [_start(c) for c in cmds]
+    procs = [start_process(c) for c in cmds]
     try:
-        outs = [_finish(p, 120) for p in procs]
+        outs = [finish_process(p, 120) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -336,7 +253,8 @@ def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache
     def gputrain_fit(*args, timeout=180):
         cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--steps", "20", "--json",
                *args]
-        return _finish(_start(cmd, env=_env(GPUTRAIN_CACHE=str(cache_dir)), cwd=tmp_path), timeout)
+        env = subprocess_env(GPUTRAIN_CACHE=str(cache_dir))
+        return finish_process(start_process(cmd, env=env, cwd=tmp_path), timeout)
 
     one = gputrain_fit("--batch-size", "64", "--run-dir", "one")  # also builds the cached data set
     assert one.returncode == 0, one.stderr[-3000:]
@@ -349,7 +267,7 @@ def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache
     assert summary["world_size"] == 2 and summary["steps"] == 20
     single = json.loads(one.stdout)["summary"]
     assert summary["effective_batch"] == 32 * summary["accumulate"] * 2 == single["effective_batch"]
-    _assert_same(_params(tmp_path / "one"), _params(tmp_path / "two"))
+    assert_same_tensors(_params(tmp_path / "one"), _params(tmp_path / "two"), atol=1e-5)
 
 
 def test_data_parallel_is_unwrapped_with_a_warning():
@@ -384,7 +302,7 @@ def test_single_process_is_a_no_op_everywhere():
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
     D.load_model_state_dict(other, state, info)
     D.load_optimizer_state_dict(other, other_opt, copy.deepcopy(D.optimizer_state_dict(model, optimizer, info)), info)
-    _assert_same(other.state_dict(), model.state_dict())
+    assert_same_tensors(other.state_dict(), model.state_dict(), atol=1e-5)
     momentum = [opt.state[m[0].weight]["momentum_buffer"] for opt, m in ((other_opt, other), (optimizer, model))]
     assert torch.equal(*momentum)
 
@@ -538,8 +456,8 @@ def test_sigterm_to_fit_nproc_checkpoints_every_rank_and_exits_143(tmp_path, cac
     checkpoint, and the launcher exits 143; --resume then finishes the run."""
     cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--batch-size", "32",
            "--steps", "100000", "--log-every", "10", "--run-dir", "run", "--nproc", "2", "--no-tensorboard"]
-    env = _env(GPUTRAIN_CACHE=str(cache_dir))
-    proc = _start(cmd, env=env, cwd=tmp_path)
+    env = subprocess_env(GPUTRAIN_CACHE=str(cache_dir))
+    proc = start_process(cmd, env=env, cwd=tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 150
     while time.time() < deadline and proc.poll() is None:  # wait until both ranks train
@@ -548,12 +466,12 @@ def test_sigterm_to_fit_nproc_checkpoints_every_rank_and_exits_143(tmp_path, cac
         time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as a scheduler would
-    out = _finish(proc, 120)
+    out = finish_process(proc, 120)
     assert out.returncode == 143, out.stderr[-3000:]
     store = CheckpointStore(tmp_path / "run")
     step = _checkpoint(store.latest_path())["step"]
     assert 0 < step < 100000
-    resumed = _finish(_start([sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu",
+    resumed = finish_process(start_process([sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu",
                               "--batch-size", "32", "--steps", str(step + 20), "--log-every", "10", "--resume", "run",
                               "--nproc", "2", "--no-tensorboard", "--json"], env=env, cwd=tmp_path), 180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -4,12 +4,12 @@ resumed to exactly the parameters of an uninterrupted run (dist_scripts/resume_d
 import json
 
 import pytest
-from test_distributed import SCRIPTS, _torchrun
+from helpers import DIST_SCRIPTS, torchrun
 
 
 @pytest.mark.parametrize("kind", ["loader", "iterable"])
 def test_user_data_under_two_processes_resumes_exactly(tmp_path, kind):
-    proc = _torchrun([str(SCRIPTS / "resume_data.py"), str(tmp_path), kind], timeout=300)
+    proc = torchrun([str(DIST_SCRIPTS / "resume_data.py"), str(tmp_path), kind], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["equal"], result

@@ -6,14 +6,9 @@ import sys
 import textwrap
 
 import pytest
+from helpers import cli
 
 from gputrain.cli import main
-
-
-def _run(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -36,7 +31,7 @@ def test_fit_errors_are_one_line_with_exit_code_2(args, needle, capsys):
 
 
 def test_fit_list(capsys):
-    code, out, _ = _run(["fit", "--list", "--json"], capsys)
+    code, out, _ = cli(capsys, "fit", "--list", "--json")
     rows = json.loads(out)
     names = {r["name"] for r in rows}
     assert code == 0
@@ -61,24 +56,24 @@ def test_recompute_and_its_old_name_set_the_config(flag, capsys):
 
 def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "iris"
-    code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
-                         "--run-dir", str(run_dir), "--json", "--stop-at-step", "200"], capsys)
+    code, out, _ = cli(capsys, "fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                               "--run-dir", str(run_dir), "--json", "--stop-at-step", "200")
     assert code == 0
     summary = json.loads(out)["summary"]
     assert summary["steps"] == 200 and summary["stopped_early"]
     for name in ("checkpoints", "metrics.jsonl", "metrics.csv", "history.json", "curves.png"):
         assert (run_dir / name).stat().st_size > 0, name
     stopped = json.loads((run_dir / "history.json").read_text())["records"]
-    code, out, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
-                         "--resume", str(run_dir), "--json"], capsys)
+    code, out, _ = cli(capsys, "fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                               "--resume", str(run_dir), "--json")
     summary = json.loads(out)["summary"]
     assert code == 0 and summary["steps"] == 300 and not summary["stopped_early"]
     assert summary["final_eval_accuracy"] > 0.8
     # The resumed run continued the stopped one: it ends exactly where an uninterrupted run ends
     # (a run that ignored --resume would start from fresh weights and log other losses).
     whole = tmp_path / "whole"
-    code, _, _ = _run(["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
-                       "--run-dir", str(whole), "--json"], capsys)
+    code, _, _ = cli(capsys, "fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100",
+                             "--run-dir", str(whole), "--json")
     resumed = json.loads((run_dir / "history.json").read_text())["records"]
     reference = json.loads((whole / "history.json").read_text())["records"]
     assert code == 0 and [r["step"] for r in resumed] == [100, 200, 300]
@@ -89,8 +84,8 @@ def test_fit_iris_writes_its_run_dir_and_resumes(tmp_path, capsys):
 
 
 def test_fit_option_parsing_reaches_the_workload(capsys):
-    code, out, _ = _run(["fit", "linear-regression", "--device", "cpu", "--option", "n=300", "--epochs", "1",
-                         "--no-save", "--json"], capsys)
+    code, out, _ = cli(capsys, "fit", "linear-regression", "--device", "cpu", "--option", "n=300", "--epochs", "1",
+                               "--no-save", "--json")
     assert code == 0 and json.loads(out)["summary"]["samples"] == 300
     with pytest.raises(SystemExit) as exc_info:
         raise SystemExit(main(["fit", "linear-regression", "--option", "n300", "--no-save"]))
@@ -98,8 +93,8 @@ def test_fit_option_parsing_reaches_the_workload(capsys):
 
 
 def test_fit_batch_size_auto_on_the_cpu_keeps_the_default_and_says_why(capsys):
-    code, out, err = _run(["fit", "mlp-binary", "--device", "cpu", "--batch-size", "auto", "--steps", "3",
-                         "--no-save", "--json"], capsys)
+    code, out, err = cli(capsys, "fit", "mlp-binary", "--device", "cpu", "--batch-size", "auto", "--steps", "3",
+                               "--no-save", "--json")
     from gputrain.workloads import get_workload
 
     assert code == 0
@@ -126,7 +121,7 @@ def test_user_workload_module_function(tmp_path, monkeypatch, capsys):
                 defaults={"batch_size": 25, "epochs": 30, "lr": 0.01})
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, _ = _run(["fit", "my_wl:make", "--device", "cpu", "--no-save", "--json"], capsys)
+    code, out, _ = cli(capsys, "fit", "my_wl:make", "--device", "cpu", "--no-save", "--json")
     summary = json.loads(out)["summary"]
     assert code == 0 and summary["workload"] == "mine"
     assert summary["final_eval_accuracy"] > 0.9
@@ -146,13 +141,13 @@ def test_resume_alone_continues_the_newest_run_of_the_workload_with_a_checkpoint
     folder without any is passed over; no run at all is a one-line error naming the workload."""
     monkeypatch.chdir(tmp_path)
     common = ["fit", "iris-mlp", "--device", "cpu", "--epochs", "300", "--log-every", "100", "--json"]
-    code, _, err = _run([*common, "--resume"], capsys)
+    code, _, err = cli(capsys, *common, "--resume")
     assert code == 2 and "no earlier run of iris-mlp with a checkpoint under runs/" in err
     stopped = tmp_path / "runs" / "iris-mlp" / "20260101-000000"
-    code, out, _ = _run([*common, "--run-dir", str(stopped), "--stop-at-step", "200"], capsys)
+    code, out, _ = cli(capsys, *common, "--run-dir", str(stopped), "--stop-at-step", "200")
     assert code == 0 and json.loads(out)["summary"]["steps"] == 200
     (tmp_path / "runs" / "iris-mlp" / "20991231-235959").mkdir()  # newer, but nothing to resume from
-    code, out, _ = _run([*common, "--resume"], capsys)
+    code, out, _ = cli(capsys, *common, "--resume")
     summary = json.loads(out)["summary"]
     assert code == 0 and summary["steps"] == 300 and not summary["stopped_early"]
     records = json.loads((stopped / "history.json").read_text())["records"]

@@ -24,7 +24,7 @@ from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint.format import load_checkpoint
 from gputrain.checkpoint.frozen import CHUNK, FrozenBase, tensor_digests
 
-from helpers import data, mlp, params
+from helpers import DIST_SCRIPTS, data, mlp, params, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -443,9 +443,8 @@ def test_the_readme_lora_example_runs_and_is_the_one_in_the_readme(tmp_path, mon
 def test_a_frozen_base_under_two_processes(tmp_path):
     """DDP with one-file checkpoints: trainable-only, resumed bit-equal to the uninterrupted run; the
     sharded format keeps every weight; another base and FSDP are refused, each with its reason."""
-    from test_distributed import SCRIPTS, _torchrun
 
-    proc = _torchrun([str(SCRIPTS / "frozen_base.py"), str(tmp_path)], timeout=300)
+    proc = torchrun([str(DIST_SCRIPTS / "frozen_base.py"), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["equal"] and r["has_frozen"] and r["keys"] == ["3.bias", "3.weight"], r

@@ -31,7 +31,7 @@ from gputrain.diagnostics.syncs import watch_host_reads
 from gputrain.train.loop.trainer import Trainer
 
 from graph_capture import CaptureGraphs, EagerGraphs
-from helpers import data, mlp, params
+from helpers import data, DictNet, mlp, params
 
 STEPS = 24  # 3 eager warm-up steps, the capture, 20 replays; log points at 8, 16, 24
 
@@ -58,17 +58,6 @@ class BatchNormNet(nn.Module):
 
     def forward(self, x):
         return self.body(x)
-
-
-class DictNet(nn.Module):
-    """Takes a dict batch and returns its own loss (the third way a batch becomes a loss)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = mlp()
-
-    def forward(self, features, labels):
-        return {"loss": F.cross_entropy(self.net(features), labels)}
 
 
 class Rows(Dataset):

@@ -8,7 +8,7 @@ from torch import nn
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.train.loop.guards import NonFiniteError, SpikeDetector
-from helpers import data, mlp, params
+from helpers import data, mlp, params, sgd
 
 
 class _PoisonAt(nn.Module):
@@ -78,7 +78,7 @@ def test_skip_of_an_all_nan_step_is_an_exact_no_op():
 
 def test_skip_needs_a_fused_optimizer():
     with pytest.raises(ConfigError, match="on_nan='skip'.*fused"):
-        fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
             config=TrainConfig(device="cpu", steps=1, on_nan="skip"))
 
 

@@ -18,15 +18,6 @@ from gputrain.runtime.oom import free_after_oom, is_oom
 from gputrain.train.step.recompute import apply_recompute, recompute_units
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops: one thread avoids OpenMP spin-waits on a busy 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))  # 325 parameters

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import data, mlp
+from helpers import data, DictNet, mlp
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -59,20 +59,12 @@ def test_the_loss_line_names_the_call_made_on_a_tuple_batch(caplog):
 def test_the_loss_line_names_each_way(caplog):
     x, y = data(64)
 
-    class DictModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp()
-
-        def forward(self, features, labels):
-            return {"loss": F.cross_entropy(self.net(features), labels)}
-
     def compute_loss(model, batch):
         return F.cross_entropy(model(batch[0]), batch[1])
 
     with caplog.at_level(logging.INFO, logger="gputrain"):
         cfg = TrainConfig(device="cpu", steps=2, batch_size=16)
-        fit(DictModel(), {"features": x, "labels": y}, config=cfg)
+        fit(DictNet(), {"features": x, "labels": y}, config=cfg)
         fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
         fit(mlp(), (x, y), compute_loss=compute_loss, config=cfg)
     assert _info(caplog) == ["loss: the model's own loss: model(**batch) with features, labels, the loss: its ['loss']",

@@ -6,6 +6,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from helpers import modes
 
 import gputrain
 from gputrain.train.modes import UserModes, eval_mode
@@ -28,15 +29,11 @@ def _data(n=64):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def _modes(model):
-    return {name: m.training for name, m in model.named_modules()}
-
-
 def test_eval_mode_teacher_stays_in_eval_mode_during_and_after_fit(caplog):
     torch.manual_seed(0)
     model = Distill()
     model.teacher.eval()
-    given = _modes(model)
+    given = modes(model)
     stats = model.teacher[1].running_mean.clone()
     seen = []
 
@@ -55,7 +52,7 @@ def test_eval_mode_teacher_stays_in_eval_mode_during_and_after_fit(caplog):
                                config=gputrain.TrainConfig(steps=6, batch_size=16, eval_every=3, log_every=3))
     assert seen and all(s == (True, True, False, False) for s in seen), seen  # after evaluation too
     assert torch.equal(model.teacher[1].running_mean, stats)  # eval-mode BatchNorm never updated
-    assert _modes(model) == given
+    assert modes(model) == given
     assert "kept in eval mode as you set it: teacher (5 modules)" in caplog.text
     rows = {d["name"]: d for d in history.summary["decisions"]}
     assert rows["modes"]["value"] == "kept in eval mode as you set it: teacher (5 modules)"
@@ -78,14 +75,14 @@ def test_evaluate_and_predict_leave_a_mixed_state_as_found():
     model = Distill()
     model.teacher.eval()
     model.teacher[2].train()  # a mode set flag by flag survives too
-    given = _modes(model)
+    given = modes(model)
     x, y = _data(32)
     seen = []
     model.student.register_forward_pre_hook(lambda m, a: seen.append(any(s.training for s in model.modules())))
     gputrain.evaluate(model, (x, y), loss_fn=nn.CrossEntropyLoss())
     gputrain.predict(model, x)
     assert len(seen) == 2 and not any(seen)  # all in eval mode inside
-    assert _modes(model) == given
+    assert modes(model) == given
 
 
 def test_user_modes_train_and_restore_flag_by_flag():

@@ -19,7 +19,7 @@ from gputrain.errors import ConfigError, DataError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
 import own_step as examples  # noqa: E402
 
-from helpers import params  # noqa: E402
+from helpers import params, records_without_timings, run_python, subprocess_env, torchrun  # noqa: E402
 
 CFG = dict(device="cpu", batch_size=64, log_every=8, loggers=("csv",), seed=5)
 
@@ -52,12 +52,6 @@ def _case(name: str):
                    "scheduler": {"student": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 40, 0.5)}}
 
 
-def _state(model, history):
-    return params(model), [{k: v for k, v in r.items() if k not in ("samples_per_s", "wall_time_s",
-                                                                       "step_page_faults", "peak_memory_bytes")}
-                           for r in history.records]
-
-
 @pytest.mark.parametrize("name", ["gan", "distill", "penalty"])
 def test_the_examples_train_and_resume_bit_equal(name, tmp_path):
     """Each example trains 40 steps straight, and stopped at step 20 and resumed: the same weights
@@ -66,14 +60,14 @@ def test_the_examples_train_and_resume_bit_equal(name, tmp_path):
     model, kw = _case(name)
     history = fit(model, examples.digits(), config=TrainConfig(**CFG, steps=40, run_dir=str(tmp_path / "whole"),
                                                                checkpoint_every=10), **kw)
-    whole = _state(model, history)
+    whole = (params(model), records_without_timings(history))
     first, kw = _case(name)
     part = TrainConfig(**CFG, steps=40, run_dir=str(tmp_path / "part"), checkpoint_every=10)
     fit(first, examples.digits(), config=part.replace(stop_at_step=20), **kw)
     resumed, kw = _case(name)
     history = fit(resumed, examples.digits(), config=part.replace(resume=True), **kw)
-    assert torch.equal(_state(resumed, history)[0], whole[0]), f"{name}: resumed weights differ"
-    assert _state(resumed, history)[1] == whole[1]
+    assert torch.equal(params(resumed), whole[0]), f"{name}: resumed weights differ"
+    assert records_without_timings(history) == whole[1]
     record = history.records[-1]
     named = {"gan": ("d_loss", "g_loss"), "distill": ("kd_loss", "ce_loss"), "penalty": ("critic", "penalty", "g_loss")}
     assert all(k in record for k in named[name]) and torch.isfinite(torch.tensor(record["loss"]))
@@ -251,19 +245,18 @@ def test_two_processes_average_each_optimizers_gradients_and_resume_exactly(shar
     name) and resumed, the run ends where the uninterrupted one does."""
     import json
 
-    from test_distributed import _env, _single, _torchrun
 
-    env = _env(SHARD="1" if sharding == "fsdp2" else "0")
+    env = subprocess_env(SHARD="1" if sharding == "fsdp2" else "0")
 
     script = str(Path(__file__).parent / "dist_scripts" / "own_step_ddp.py")
 
     def result(run_dir):
         return json.loads((run_dir / "result.json").read_text())
 
-    _single([script, str(tmp_path / "one"), "64", "8"])
-    _torchrun([script, str(tmp_path / "two"), "32", "8"], env=env)
-    _torchrun([script, str(tmp_path / "resumed"), "32", "8", "4"], env=env)
-    _torchrun([script, str(tmp_path / "resumed"), "32", "8"], env=env)
+    run_python([script, str(tmp_path / "one"), "64", "8"])
+    torchrun([script, str(tmp_path / "two"), "32", "8"], env=env)
+    torchrun([script, str(tmp_path / "resumed"), "32", "8", "4"], env=env)
+    torchrun([script, str(tmp_path / "resumed"), "32", "8"], env=env)
     one, two, resumed = result(tmp_path / "one"), result(tmp_path / "two"), result(tmp_path / "resumed")
     assert any(name.endswith(".dcp") for name in two["checkpoints"])  # several processes: the sharded format
     for a, b in zip(one["params"], two["params"]):

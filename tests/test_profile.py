@@ -16,14 +16,6 @@ from gputrain.diagnostics.trace import trace_summary
 from gputrain.diagnostics.verdict import VERDICTS, diagnose
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- profile_workload
 
 

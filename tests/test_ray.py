@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gputrain.checkpoint import sharded
-from gputrain.checkpoint.format import load_checkpoint
+from gputrain.checkpoint.read import read_checkpoint
 from gputrain.checkpoint.store import CheckpointStore
-from test_distributed import _env, _finish, _start
+from helpers import finish_process, start_process, subprocess_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="needs Ray (pip install 'gputrain[ray]')")
@@ -72,12 +71,8 @@ def make():
 '''
 
 
-def _checkpoint(path):
-    return sharded.load_full(path) if sharded.is_dcp(path) else load_checkpoint(path)
-
-
 def _latest(run_dir):
-    return _checkpoint(CheckpointStore(run_dir).latest_path())
+    return read_checkpoint(CheckpointStore(run_dir).latest_path())
 
 
 def _listing(run_dir: Path) -> list[str]:
@@ -92,7 +87,7 @@ def _listing(run_dir: Path) -> list[str]:
 def api_run(tmp_path_factory):
     """One TorchTrainer run of dist_scripts/ray_train_func.py: fit with RayReport on 2 workers."""
     out = tmp_path_factory.mktemp("ray-api")
-    proc = _finish(_start([sys.executable, SCRIPT, str(out)], env=_env(HOME=str(out / "home"))), 300)
+    proc = finish_process(start_process([sys.executable, SCRIPT, str(out)], env=subprocess_env(HOME=str(out / "home"))), 300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -156,8 +151,8 @@ def test_a_sigkilled_worker_restarts_the_group_which_resumes_exactly_where_torch
     common = ("fit", "killwl.py:make", "--nproc", "2", "--steps", "12", "--log-every", "2", "--checkpoint-every", "4",
               "--device", "cpu", "--no-tensorboard")  # the run log on (--json would quiet it)
     home = tmp_path / "home"
-    on_ray = _finish(_start([sys.executable, "-m", "gputrain", *common, "--launcher", "ray", "--max-restarts", "1",
-                             "--run-dir", "on-ray"], env=_env(HOME=str(home), KILL_ONCE="1", RAY_DEDUP_LOGS="0",
+    on_ray = finish_process(start_process([sys.executable, "-m", "gputrain", *common, "--launcher", "ray", "--max-restarts", "1",
+                             "--run-dir", "on-ray"], env=subprocess_env(HOME=str(home), KILL_ONCE="1", RAY_DEDUP_LOGS="0",
                                                         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5"), cwd=tmp_path), 400)
     assert on_ray.returncode == 0, on_ray.stderr[-4000:]
     assert (tmp_path / "killed").exists(), "the planted SIGKILL did not happen"
@@ -169,8 +164,8 @@ def test_a_sigkilled_worker_restarts_the_group_which_resumes_exactly_where_torch
     summary = json.loads((tmp_path / "on-ray" / "history.json").read_text())["summary"]
     assert summary["steps"] == 12 and summary["world_size"] == 2
 
-    torchrun = _finish(_start([sys.executable, "-m", "gputrain", *common, "--run-dir", "torchrun"],
-                              env=_env(HOME=str(home)), cwd=tmp_path), 240)
+    torchrun = finish_process(start_process([sys.executable, "-m", "gputrain", *common, "--run-dir", "torchrun"],
+                              env=subprocess_env(HOME=str(home)), cwd=tmp_path), 240)
     assert torchrun.returncode == 0, torchrun.stderr[-4000:]
     a, b = _latest(tmp_path / "on-ray"), _latest(tmp_path / "torchrun")
     assert a["step"] == b["step"] == 12
@@ -199,6 +194,6 @@ def test_import_gputrain_and_a_run_without_ray_never_import_ray(tmp_path):
             "fit(torch.nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), loss_fn=torch.nn.CrossEntropyLoss(),\n"
             "    config=TrainConfig(device='auto', steps=2, batch_size=16, progress=False, loggers=()))\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
-    proc = _finish(_start([sys.executable, "-c", code]), 120)
+    proc = finish_process(start_process([sys.executable, "-c", code]), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from helpers import png_size
 
 from gputrain import cli
 from gputrain.report.html import render_report, write_report
@@ -146,10 +146,6 @@ def _assert_self_contained(page: _Page) -> list[bytes]:
     return pngs
 
 
-def _png_size(data: bytes) -> tuple[int, int]:
-    return struct.unpack(">II", data[16:24])
-
-
 # ---------------------------------------------------------------- the page's content
 
 def test_report_of_a_fit_run_shows_summary_curves_and_decisions(fit_run, tmp_path):
@@ -160,7 +156,7 @@ def test_report_of_a_fit_run_shows_summary_curves_and_decisions(fit_run, tmp_pat
     text = page.plain
     pngs = _assert_self_contained(page)
     # curves: loss, eval accuracy, lr, samples/s (a CPU run has no peak memory series)
-    assert len(pngs) == 4 and all(_png_size(p)[0] >= 400 for p in pngs)
+    assert len(pngs) == 4 and all(png_size(p)[0] >= 400 for p in pngs)
     assert {i["alt"] for i in page.all("img")} == {"loss curve", "eval_accuracy curve", "learning rate curve",
                                                     "samples/s curve"}
     # the title: the workload (where the summary names it) or the run directory's name
@@ -466,7 +462,7 @@ def test_browser_renders_the_report(browser, run_copy, tmp_path):
     assert got["errors"] == []
     assert [u for u in got["requests"] if not u.startswith(("file:", "data:"))] == []
     data = shot.read_bytes()
-    assert data.startswith(PNG_MAGIC) and _png_size(data)[0] == 1200 and _png_size(data)[1] > 2000
+    assert data.startswith(PNG_MAGIC) and png_size(data)[0] == 1200 and png_size(data)[1] > 2000
 
 
 def test_browser_renders_the_bench_index(browser, tmp_path):

@@ -3,10 +3,10 @@
 import csv
 import io
 import json
-import struct
 
 import numpy as np
 import pytest
+from helpers import png_size
 from rich.console import Console
 
 from gputrain.errors import GputrainError
@@ -140,19 +140,13 @@ def test_truncate_after_step_drops_what_a_crashed_run_logged_after_its_checkpoin
 
 # ---------------------------------------------------------------- plot
 
-def _png_size(path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    return struct.unpack(">II", data[16:24])
-
-
 def test_plot_is_a_png_with_an_accuracy_panel_when_there_is_accuracy(tmp_path):
     path = plot_history(History(records=RECORDS, summary={"device": "cpu", "precision": "fp32"}), tmp_path / "c.png")
     assert path.stat().st_size > 5000
-    width, height = _png_size(path)
+    width, height = png_size(path.read_bytes())
     assert (width, height) == (1000, 400)  # loss and accuracy side by side
     loss_only = [{k: v for k, v in r.items() if not (k.startswith("eval_") and k != "eval_loss")} for r in RECORDS]
-    assert _png_size(plot_history(History(records=loss_only), tmp_path / "l.png")) == (600, 400)
+    assert png_size(plot_history(History(records=loss_only), tmp_path / "l.png").read_bytes()) == (600, 400)
     assert plot_history(History(), tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 
@@ -230,4 +224,5 @@ def test_formatting_helpers():
 
 def test_curves_show_the_users_eval_metrics_too(tmp_path):
     recs = [{"step": s, "loss": 1.0 / s, "eval_loss": 1.2 / s, "eval_f1": 0.5 + s / 100} for s in (1, 2, 3)]
-    assert _png_size(plot_history(History(records=recs), tmp_path / "f1.png")) == (1000, 400)  # a second panel
+    two_panels = plot_history(History(records=recs), tmp_path / "f1.png")
+    assert png_size(two_panels.read_bytes()) == (1000, 400)  # a second panel

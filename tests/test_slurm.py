@@ -19,7 +19,7 @@ from gputrain.checkpoint.store import CheckpointStore
 from gputrain.runtime.distributed import SINGLE, DistInfo
 from gputrain.runtime.slurm import (DEFAULT_PORT_BASE, launcher_rank, parse_nodelist, requeue_after_stop,
                                     slurm_task)
-from test_distributed import _env, _finish, _start
+from helpers import finish_process, start_process, subprocess_env
 
 TINY = f"{Path(__file__).parent / 'fault_scripts' / 'tiny.py'}:workload"
 
@@ -144,11 +144,11 @@ def _srun(tmp_path, job_id: int, extra_env: dict[str, str], *fit_args: str):
     """Two local `gputrain fit` processes with the variables srun gives two tasks of one step."""
     procs = []
     for rank in (0, 1):
-        env = _env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0",
+        env = subprocess_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0",
                    SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST="localhost,gpu[02-04]", **extra_env)
         cmd = [sys.executable, "-m", "gputrain", "fit", TINY, "--device", "cpu", "--run-dir", "run", "--resume", "run",
                "--checkpoint-every", "5", "--log-every", "5", "--no-tensorboard", "--async-checkpoint", *fit_args]
-        procs.append(_start(cmd, env=env, cwd=tmp_path))
+        procs.append(start_process(cmd, env=env, cwd=tmp_path))
     return procs
 
 
@@ -170,7 +170,7 @@ def test_sigusr1_under_slurm_checkpoints_requeues_and_the_next_start_resumes(tmp
         pytest.fail("\n".join(p.communicate(timeout=60)[1][-3000:] for p in procs))
     for p in procs:  # Slurm signals every task of the job's steps
         os.kill(p.pid, signal.SIGUSR1)
-    outs = [_finish(p, 120) for p in procs]
+    outs = [finish_process(p, 120) for p in procs]
     assert [o.returncode for o in outs] == [138, 138], [o.stderr[-3000:] for o in outs]
     assert "requeued" in outs[0].stderr, outs[0].stderr[-3000:]
     calls = log.read_text().splitlines()
@@ -184,7 +184,7 @@ def test_sigusr1_under_slurm_checkpoints_requeues_and_the_next_start_resumes(tmp
 
     # The requeued job starts again: the same script, SLURM_RESTART_COUNT=1.
     procs = _srun(tmp_path, job, {**path, "SLURM_RESTART_COUNT": "1"}, "--steps", str(step + 10))
-    outs = [_finish(p, 180) for p in procs]
+    outs = [finish_process(p, 180) for p in procs]
     assert [o.returncode for o in outs] == [0, 0], [o.stderr[-3000:] for o in outs]
     assert f"at step {step}" in outs[0].stderr and "resumed from" in outs[0].stderr, outs[0].stderr[-3000:]
     final, _ = store.load_latest()

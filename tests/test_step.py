@@ -16,7 +16,7 @@ from torch import nn
 import gputrain
 from gputrain import TrainConfig, fit
 from gputrain.errors import CheckpointError
-from helpers import data, mlp, params
+from helpers import data, mlp, OOMAbove, params, sgd
 
 
 CPU = torch.device("cpu")
@@ -26,10 +26,6 @@ def _latest(run_dir):
     from gputrain.checkpoint.store import CheckpointStore
 
     return CheckpointStore(run_dir).latest_path()
-
-
-def _sgd(lr=0.1):
-    return lambda p: torch.optim.SGD(p, lr=lr)
 
 
 # ---------------------------------------------------------------- the public API
@@ -68,7 +64,7 @@ def test_host_reads_happen_only_at_log_points():
 
     few, many = count_host_reads(lambda: run(20), steps=1), count_host_reads(lambda: run(60), steps=1)
     assert few["total"] == 2 and many["total"] == 6, (few["sites"], many["sites"])  # one read per log point
-    assert {s["file"].rsplit("/", 1)[-1] for s in many["sites"]} == {"step.py"}  # TrainStep.read_totals
+    assert {s["file"].rsplit("/", 1)[-1] for s in many["sites"]} == {"train_step.py"}  # TrainStep.read_totals
 
 
 # ---------------------------------------------------------------- the update
@@ -77,9 +73,9 @@ def test_unequal_micro_batches_weigh_by_samples():
     """40 samples as micro-batches of 24 and 16 make the update of one batch of 40."""
     x, y = data(40)
     a, b = mlp(), mlp()
-    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
+    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
         config=TrainConfig(device="cpu", batch_size=24, accumulate=2, steps=1, seed=1))
-    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(),
+    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
         config=TrainConfig(device="cpu", batch_size=40, steps=1, seed=1))
     assert torch.allclose(params(a), params(b), atol=1e-6)
     assert not torch.allclose(params(a), params(mlp()), atol=1e-4)
@@ -320,7 +316,7 @@ def test_max_grad_norm_clips_the_gradient():
     max_norm = float(norm) / 10
     expected = [p.detach() - 1.0 * g * (max_norm / (float(norm) + 1e-6)) for p, g in zip(ref.parameters(), grads)]
     clipped = mlp()
-    fit(clipped, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(1.0),
+    fit(clipped, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(1.0),
         config=TrainConfig(device="cpu", batch_size=32, steps=1, max_grad_norm=max_norm))
     assert torch.allclose(params(clipped), torch.cat([e.flatten() for e in expected]), atol=1e-6)
 
@@ -436,7 +432,7 @@ def test_graph_blockers_each_say_why(changes, model, optimizer, needle):
     from gputrain.runtime.speed import decide_speed
 
     net = _Hooked() if model == "hooked" else nn.Linear(4, 2)
-    opt = {"plain": torch.optim.SGD(net.parameters(), lr=0.1), "factory": _sgd(), None: None}[optimizer]
+    opt = {"plain": torch.optim.SGD(net.parameters(), lr=0.1), "factory": sgd(), None: None}[optimizer]
     speed = decide_speed(TrainConfig(**changes), net, torch.device("cuda"), optimizer=opt)
     if needle is None:
         assert speed.cuda_graphs is True
@@ -491,20 +487,9 @@ def test_the_schedule_drives_the_optimizer_lr():
 
 # ---------------------------------------------------------------- out of memory settings
 
-class _OOMAbove(nn.Module):
-    def __init__(self, inner, limit):
-        super().__init__()
-        self.inner, self.limit = inner, limit
-
-    def forward(self, x):
-        if self.training and x.shape[0] > self.limit:  # training steps only: evaluation does not split
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
-        return self.inner(x)
-
-
 def test_oom_recovery_off_lets_the_error_through():
     with pytest.raises(torch.OutOfMemoryError):
-        fit(_OOMAbove(mlp(), limit=4), data(32), loss_fn=nn.CrossEntropyLoss(),
+        fit(OOMAbove(mlp(), limit=4), data(32), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=16, steps=1, oom_recovery=False))
 
 
@@ -577,15 +562,15 @@ def test_golden_run_accumulation_oom_split_stop_and_resume(tmp_path):
     cfg = dict(device="cpu", batch_size=12, accumulate=2, steps=16, log_every=4, seed=9, schedule="cosine",
                warmup_steps=2, eval_every=8)
     ref = mlp()
-    h_ref = fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+    h_ref = fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(0.2), eval_data=(x, y),
                 config=TrainConfig(**cfg))
     run_dir = str(tmp_path / "run")
-    first = _OOMAbove(mlp(), limit=8)  # micro-batches of 12 do not fit: cut in 2 (6 + 6)
-    h1 = fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+    first = OOMAbove(mlp(), limit=8)  # micro-batches of 12 do not fit: cut in 2 (6 + 6)
+    h1 = fit(first, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(0.2), eval_data=(x, y),
              config=TrainConfig(**cfg, run_dir=run_dir, stop_at_step=7))
     assert h1.summary["oom_splits"] == 2 and h1.summary["steps"] == 7
-    second = _OOMAbove(mlp(seed=1), limit=8)
-    h2 = fit(second, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=_sgd(0.2), eval_data=(x, y),
+    second = OOMAbove(mlp(seed=1), limit=8)
+    h2 = fit(second, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(0.2), eval_data=(x, y),
              config=TrainConfig(**cfg, run_dir=run_dir, resume=True))
     assert torch.allclose(params(second.inner), params(ref), atol=1e-6)
     for a, b in zip(h2.records, h_ref.records, strict=True):

@@ -18,7 +18,7 @@ from gputrain import TrainConfig, fit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
 import own_step as examples  # noqa: E402
 
-from helpers import params  # noqa: E402
+from helpers import params, records_without_timings  # noqa: E402
 from test_own_step import _capturable_gan  # noqa: E402
 
 CFG = dict(device="cpu", batch_size=64, log_every=8, loggers=("csv",), seed=5)
@@ -30,11 +30,6 @@ def _wgan(step_fn=examples.wgan_gp_step):
     return model, {"step_fn": step_fn, "optimizer": examples.gan_optimizers(model)}
 
 
-def _records(history):
-    return [{k: v for k, v in r.items() if k not in ("samples_per_s", "wall_time_s", "step_page_faults",
-                                                      "peak_memory_bytes")} for r in history.records]
-
-
 STRAIGHT: list = []
 
 
@@ -42,7 +37,7 @@ def _straight():
     if not STRAIGHT:
         model, kw = _wgan()
         history = fit(model, examples.digits(), config=TrainConfig(**CFG, steps=STEPS), **kw)
-        STRAIGHT.extend([params(model), _records(history)])
+        STRAIGHT.extend([params(model), records_without_timings(history)])
     return STRAIGHT
 
 
@@ -57,7 +52,7 @@ def test_an_n_critic_wgan_gp_stopped_at_any_step_resumes_bit_equal(stop, tmp_pat
     resumed, kw = _wgan()
     history = fit(resumed, examples.digits(), config=cfg.replace(resume=True), **kw)
     assert torch.equal(params(resumed), weights), f"stopped at {stop}: resumed weights differ"
-    got = _records(history)
+    got = records_without_timings(history)
     assert [sorted(r) for r in got] == [sorted(r) for r in records]
     for a, b in zip(got, records):  # the stop's checkpoint read the device sums: other float groupings
         assert a == pytest.approx(b, rel=1e-5)

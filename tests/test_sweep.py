@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import cli as _cli
+from helpers import cli as _cli, subprocess_env
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 needs_optuna = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
@@ -45,13 +45,6 @@ startup_trials = 2
 lr = {loguniform = [1e-4, 1e-1]}
 weight_decay = {uniform = [0.0, 0.1], step = 0.01}
 '''
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
-    return env
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -80,7 +73,7 @@ def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
     sweep_dir = tmp_path / "s"
     argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(tmp_path / "sweep.toml"), "--sweep-dir",
             str(sweep_dir)]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)  # its own process group: the kill takes the workers too
     deadline = time.monotonic() + 240
     try:
@@ -102,7 +95,7 @@ def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
     running = [n for n, (state, _, _) in before.items() if state == TrialState.RUNNING]
     assert running and len(before) < 8 + len(running)
 
-    resumed = subprocess.run([*argv[:4], "--sweep-dir", str(sweep_dir), "--json"], cwd=tmp_path, env=_env(),
+    resumed = subprocess.run([*argv[:4], "--sweep-dir", str(sweep_dir), "--json"], cwd=tmp_path, env=subprocess_env(),
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr[-3000:]  # --json: no progress lines
 
@@ -150,8 +143,8 @@ def test_sigterm_to_the_sweep_stops_its_workers_and_exits_143_leaving_the_trials
     (tmp_path / "sweep.toml").write_text(SWEEP)
     sweep_dir = tmp_path / "s"
     proc = subprocess.Popen([sys.executable, "-m", "gputrain", "sweep", "--config", str(tmp_path / "sweep.toml"),
-                             "--sweep-dir", str(sweep_dir)], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             "--sweep-dir", str(sweep_dir)], cwd=tmp_path, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:  # SIGTERM with a trial running
@@ -359,7 +352,8 @@ def test_the_default_folder_is_named_for_the_config_so_the_same_command_resumes(
 
 def test_optuna_is_imported_only_when_a_sweep_runs():
     code = "import sys, gputrain; gputrain.sweep; gputrain.SweepResult; print('optuna' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
 
 

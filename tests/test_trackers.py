@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from helpers import mlp
 
 from gputrain import TrainConfig, fit
 from gputrain.errors import ConfigError
@@ -19,16 +20,11 @@ def _data(n=64):
     return x, (x[:, 0] > 0).long()
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
 def _fit(run_dir: Path, loggers, **changes):
     x, y = _data()
     cfg = TrainConfig(device="cpu", batch_size=16, steps=8, log_every=4, run_dir=str(run_dir), name="toy",
                       loggers=loggers, **changes)
-    return fit(_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), config=cfg)
+    return fit(mlp(classes=2, hidden=8), (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y), config=cfg)
 
 
 @pytest.fixture
@@ -229,7 +225,7 @@ class _Breaks(nn.Module):
 
     def __init__(self, at: int):
         super().__init__()
-        self.inner, self.at, self.calls = _model(), at, 0
+        self.inner, self.at, self.calls = mlp(classes=2, hidden=8), at, 0
 
     def forward(self, x):
         self.calls += 1

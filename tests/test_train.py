@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import data, mlp, params
+from helpers import data, mlp, OOMAbove, params, sgd
 from torch import nn
 
 from gputrain import TrainConfig, fit
@@ -63,11 +63,10 @@ def test_checkpointing_is_the_old_name_of_recompute():
 
 def test_accumulation_equals_one_big_batch():
     x, y = data(64)
-    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     a, b = mlp(), mlp()
-    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+    fit(a, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
         config=TrainConfig(device="cpu", batch_size=8, accumulate=4, steps=4, seed=3))
-    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+    fit(b, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
         config=TrainConfig(device="cpu", batch_size=32, accumulate=1, steps=4, seed=3))
     assert torch.allclose(params(a), params(b), atol=1e-6)
     assert not torch.equal(params(a), params(mlp()))  # it did train
@@ -157,27 +156,12 @@ def test_resume_rejects_another_models_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------- out of memory
 
-class _OOMAbove(nn.Module):
-    """Raises the allocator's OOM error for batches larger than `limit` (a fake memory limit)."""
-
-    def __init__(self, inner, limit):
-        super().__init__()
-        self.inner, self.limit, self.ooms = inner, limit, 0
-
-    def forward(self, x):
-        if x.shape[0] > self.limit:
-            self.ooms += 1
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
-        return self.inner(x)
-
-
 def test_oom_halves_the_micro_batch_and_keeps_the_result():
     x, y = data(64)
-    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     ref = mlp()
-    fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd, config=TrainConfig(device="cpu", batch_size=32, steps=4))
-    small = _OOMAbove(mlp(), limit=10)
-    h = fit(small, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd,
+    fit(ref, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(), config=TrainConfig(device="cpu", batch_size=32, steps=4))
+    small = OOMAbove(mlp(), limit=10)
+    h = fit(small, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=sgd(),
             config=TrainConfig(device="cpu", batch_size=32, steps=4))
     assert small.ooms >= 2  # 32 -> 16 -> 8
     assert h.summary["oom_splits"] == 4 and h.summary["effective_batch"] == 32
@@ -187,7 +171,7 @@ def test_oom_halves_the_micro_batch_and_keeps_the_result():
 def test_oom_at_micro_batch_one_gives_up_clearly():
     x, y = data(8)
     with pytest.raises(GputrainError, match="out of memory on cpu even with micro-batches of 1"):
-        fit(_OOMAbove(mlp(), limit=0), (x, y), loss_fn=nn.CrossEntropyLoss(),
+        fit(OOMAbove(mlp(), limit=0), (x, y), loss_fn=nn.CrossEntropyLoss(),
             config=TrainConfig(device="cpu", batch_size=4, steps=1))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from helpers import mlp
 
 import gputrain
 from gputrain import TrainConfig, fit
@@ -23,17 +24,12 @@ def _data(n=200, seed=0):
     return x, (x[:, :2].sum(1) > 0).long()
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
-
-
 # ---------------------------------------------------------------- the Python API
 
 
 def test_evaluate_gives_fits_numbers_and_predict_the_outputs_in_order(tmp_path):
     x, y = _data()
-    model = _model()
+    model = mlp(classes=2)
     history = fit(model, (x[:150], y[:150]), loss_fn=nn.CrossEntropyLoss(), eval_data=(x[150:], y[150:]),
                   config=TrainConfig(device="cpu", batch_size=16, epochs=3))
     metrics = gputrain.evaluate(model, (x[150:], y[150:]), loss_fn=nn.CrossEntropyLoss(), batch_size=7)

@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import modes
 from zoo import Case, cases
 
 import gputrain
@@ -59,10 +60,6 @@ def _amp(device: torch.device, name: str):
     return lambda: torch.autocast(device.type, dtype=precision.autocast_dtype)
 
 
-def _modes(model: torch.nn.Module) -> dict[str, bool]:
-    return {name: m.training for name, m in model.named_modules()}
-
-
 def _differences(fit_state: dict, hand_state: dict, initial: dict, exact: bool) -> list[str]:
     out = []
     for name, ours in fit_state.items():
@@ -88,7 +85,7 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     model = case.make().to(device)
     hand_model = copy.deepcopy(model)  # the same initial weights and modes
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    given = _modes(model)
+    given = modes(model)
     data = [move(b, device) for b in case.batches()]
 
     np.random.seed(SEED)
@@ -106,7 +103,7 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     with matmul_settings(resolve_precision(used, device), device):
         case.hand(hand_model, data, _amp(device, used))
     assert history.records and history.records[-1]["step"] == len(data)
-    assert _modes(model) == given, "fit left modules in other modes than the user gave"
+    assert modes(model) == given, "fit left modules in other modes than the user gave"
     exact = device.type == "cpu"
     problems = _differences(model.state_dict(), hand_model.state_dict(), initial, exact)
     assert not problems, (f"{len(problems)} of {len(initial)} tensors differ from the author's loop in {used} "

@@ -3,15 +3,16 @@
     from gputrain.bench import run_matmul
     result = run_matmul(quick=True)          # {"environment", "config", "rows", "summary", "notes", ...}
 
-| function        | measures                                                                  |
-|-----------------|---------------------------------------------------------------------------|
-| run_matmul      | square matmul TFLOP/s, % of peak, GPU/CPU speed-up (fp32/tf32/bf16/fp16)   |
-| run_transfer    | host <-> device GB/s: pageable vs pinned, blocking vs non_blocking        |
-| run_crossover   | one MLP training step CPU vs GPU (eager, CUDA graph) over width x data    |
-| run_precision   | training samples/s, memory, final loss per precision, vs fp32             |
-| run_memory      | memory vs batch size with/without recompute, largest batch               |
+| module: function        | measures                                                                  |
+|-------------------------|---------------------------------------------------------------------------|
+| matmul: run_matmul      | square matmul TFLOP/s, % of peak, GPU/CPU speed-up (fp32/tf32/bf16/fp16)   |
+| transfer: run_transfer  | host <-> device GB/s: pageable vs pinned, blocking vs non_blocking        |
+| crossover: run_crossover| one MLP training step CPU vs GPU (eager, CUDA graph) over width x data    |
+| precision: run_precision| training samples/s, memory, final loss per precision, vs fp32             |
+| memory: run_memory      | memory vs batch size with/without recompute, largest batch               |
 
-Plots: gputrain.bench.plots; JSON: gputrain.bench.common.write_json; `bench all`: gputrain.bench.index.
+cases: the models and data the precision and memory benchmarks train; plots: their figures; common:
+what every benchmark shares (the environment, the JSON written by `write_json`); index: `bench all`.
 """
 
 from gputrain.bench.crossover import run_crossover

@@ -4,7 +4,8 @@ spec.py: the tree (RunSpec: the workload and its options, TrainConfig, RunSettin
 text; stated.py: what one source states (RunConfig: a config file read and checked, merged over
 another source); flags.py: the command line generated from the tree's fields; resolve.py: from what a source
 states (a file, the command line, a sweep's trial, Python) to a checked RunSpec; train.py:
-`train_spec`, which `gputrain fit`, a sweep's trial and `fit_config` call.
+`train_spec`, which `gputrain fit`, a sweep's trial and `fit_config` call; ray_run.py: a spec trained
+on a Ray cluster (`--launcher ray`: TorchTrainer, each worker through `train_spec`).
 
     flags or file or trial -> RunConfig (stated) -> resolve -> RunSpec -> train_spec -> RunResult
 """
