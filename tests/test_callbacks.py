@@ -82,7 +82,7 @@ def test_on_checkpoint_tells_each_committed_checkpoint_once(tmp_path, fmt, async
     """The hook report/ray_report.py hands Ray its checkpoints by: each checkpoint of the run's store,
     once it is whole (an asynchronous one once committed), never a save to a path of your own."""
     from gputrain.checkpoint.store import CheckpointStore
-    from gputrain.checkpoint.verify import verify
+    from gputrain.checkpoint.digests import verify
 
     class Told(Callback):
         def __init__(self):

@@ -489,3 +489,24 @@ def test_two_files_of_one_step_count_once_the_canonical_name_or_the_one_latest_n
     folder.mkdir()
     (store.folder / "latest").write_text(folder.name)
     assert store.list() == [folder]
+
+
+def test_a_save_removes_the_temp_files_of_latest_and_the_index_left_by_a_killed_writer(tmp_path):
+    """A writer killed while rewriting `latest` or index.json leaves `.NAME.<host>-<pid>.<random>.tmp`;
+    those files are rewritten only when they change, so the next save (one that is not the best)
+    removes them with the step files' leftovers. A live writer's temp file is left alone."""
+    import subprocess
+
+    from gputrain.io import atomic
+
+    store = CheckpointStore(tmp_path / "run", keep_last=KEEP, best_metric="acc")
+    store.save(_payload(1), 1, {"acc": 0.9})
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = atomic._writer_tag().rsplit("-", 1)[0]
+    dead = [store.folder / f".{name}.{host}-{gone.stdout.strip()}.x1y2z3.tmp" for name in ("latest", "index.json")]
+    live = store.folder / f".index.json.{atomic._writer_tag()}.a1b2c3.tmp"  # this process: a writer at work
+    for path in (*dead, live):
+        path.write_text("cut short")
+    store.save(_payload(2), 2, {"acc": 0.1})  # not the best: the index is not rewritten
+    assert [p.name for p in dead if p.exists()] == []
+    assert live.exists()

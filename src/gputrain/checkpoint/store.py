@@ -55,7 +55,7 @@ from gputrain.checkpoint.names import (BEST_INDEX, DCP_SUFFIX, LATEST, SHA256_SU
                                        step_file_name, step_of)
 from gputrain.checkpoint.read import read_checkpoint
 from gputrain.errors import CheckpointError, ConfigError
-from gputrain.io.atomic import atomic_file, fsync_dir
+from gputrain.io.atomic import atomic_file, fsync_dir, remove_stale_temps
 from gputrain.io.run_layout import CHECKPOINTS_DIR, LEGACY_CHECKPOINT
 from gputrain.metric_direction import Direction, metric_direction
 
@@ -221,6 +221,10 @@ class CheckpointStore:
             if not sidecar.with_name(sidecar.name[: -len(SHA256_SUFFIX)]).exists():
                 with contextlib.suppress(OSError):
                     sidecar.unlink()
+        # `latest` and the best's index are rewritten only when they change: a temp file of a writer
+        # killed while writing one would otherwise stay until the next such write.
+        for name in (LATEST, BEST_INDEX):
+            remove_stale_temps(self.folder / name)
 
     def bytes_held(self) -> int:
         """The bytes of the one-file checkpoints here and of a RUN_DIR/checkpoint.pt from before the

@@ -55,7 +55,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             os.unlink(tmp_name)
         raise
     fsync_dir(path.parent)
-    _remove_stale_temps(path)
+    remove_stale_temps(path)
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
@@ -88,7 +88,7 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _remove_stale_temps(path: Path) -> None:
+def remove_stale_temps(path: Path) -> None:
     """Temp files of `path` left by a writer that was killed before its rename: those of a process of
     this host that no longer exists, and those naming no writer once older than UNOWNED_STALE_S.
     A live writer's file (another rank, another process) and another host's are left alone."""
