@@ -1,4 +1,4 @@
-"""bf16 against float8 training of the GPT-mini through torchao (optional part (e) of `gpu_session.sh day`).
+"""bf16 against float8 training of the GPT-mini through torchao (optional part (f) of `gpu_session.sh day`).
 
 The hand loop of real_models.py (data on the device, fused AdamW, bf16 autocast, torch.compile'd), once
 on the plain GPT-mini and once with its Linear layers swapped for torchao's Float8Linear

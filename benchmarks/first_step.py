@@ -16,10 +16,14 @@ gputrain's end of the first step is the run's own timestamp (summary "startup": 
 after one device sync at the end of the first step, train/loop/startup_costs.py); the hand loop's is
 its own clock after the first `optimizer.step()` (CPU: nothing is asynchronous).
 
-Models (tiny, for 2 CPU cores; random data of the real shapes, fp32):
-  gpt-mini   GPTMini: 12 blocks of width 32, 2 heads, context 32, vocabulary 65, batch 8 of 256
-  resnet18   ResNet18Cifar width 8 (the stages 8, 16, 32, 64 channels), 3x32x32 float images,
-             10 classes, batch 8 of 256
+Models (random data of the real shapes):
+  gpt-mini   GPTMini of 12 blocks, vocabulary 65. On the CPU (tiny, for 2 cores, fp32): width 32, 2
+             heads, context 32, batch 8 of 256 (--n-embd / --n-head change the width). On CUDA
+             (`--device cuda`, the GPU day's part (e)): the GPT-mini of real_models.py with 12 blocks,
+             width 384, 6 heads, context 256, batch 64 of 1024, fit's default precision (bf16 on an
+             H100) and the hand loop under bf16 autocast
+  resnet18   ResNet18Cifar, 3x32x32 float images, 10 classes: width 8 (the stages 8, 16, 32, 64
+             channels), batch 8 of 256 on the CPU; width 64, batch 128 of 1024 on CUDA
 
 Cases: gputrain `fit()` and a hand loop (the same model, data slices, fused AdamW, compiled the same
 way: `torch.compile(model)` or `block.compile()` for each block) for eager / whole / regional;
@@ -35,10 +39,16 @@ loop step eager, whole-compiled and regional-compiled (each built and warmed up 
 default cache), then ROUNDS rounds of one step of each in turn; median and min ms per step. A case
 per process (above) meets a different machine load in each; this compares like with like.
 
+`--repeats N` runs the whole plan N times, round after round (each round with its own empty cache
+folders, so a first start is always cold), and reports each case's median; `--only REGEX` keeps the
+cases whose names match; `--budget S` starts no case after S seconds (the rest: "skipped").
+
 Usage:
   python benchmarks/first_step.py                      # all cases, JSON to a temp folder
-  python benchmarks/first_step.py --json out.json --models gpt-mini
+  python benchmarks/first_step.py --json out.json --models gpt-mini --repeats 3
   python benchmarks/first_step.py --steady 60          # the steady step only, interleaved
+  python benchmarks/first_step.py --steady 30 --n-embd 192 --n-head 6
+  python benchmarks/first_step.py --device cuda --budget 90 --json first_step.json   # the GPU day's (e)
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,30 +66,44 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STEPS, LOG_EVERY, STOP_AT = 16, 4, 8
-BATCH = 8
-GPT = {"vocab_size": 65, "block_size": 32, "n_layer": 12, "n_embd": 32, "n_head": 2, "dropout": 0.0}
-RESNET_WIDTH = 8
+# Sizes per device kind: the GPT's dimensions, the ResNet's width, the batch, the data's rows.
+SIZES = {
+    "cpu": {"gpt": {"vocab_size": 65, "block_size": 32, "n_layer": 12, "n_embd": 32, "n_head": 2, "dropout": 0.0},
+            "resnet_width": 8, "batch": {"gpt-mini": 8, "resnet18": 8}, "rows": 256},
+    "cuda": {"gpt": {"vocab_size": 65, "block_size": 256, "n_layer": 12, "n_embd": 384, "n_head": 6, "dropout": 0.0},
+             "resnet_width": 64, "batch": {"gpt-mini": 64, "resnet18": 128}, "rows": 1024},
+}
+
+
+def sizes(device: str, n_embd: int | None = None, n_head: int | None = None) -> dict:
+    size = json.loads(json.dumps(SIZES["cuda" if device.startswith("cuda") else "cpu"]))
+    if n_embd:
+        size["gpt"]["n_embd"] = n_embd
+    if n_head:
+        size["gpt"]["n_head"] = n_head
+    return size
 
 
 # ---------------------------------------------------------------- models and data (child side)
 
-def make_model(name: str):
+def make_model(name: str, size: dict):
     import torch
 
     from gputrain.workloads.real_models import GPTMini, ResNet18Cifar
 
     torch.manual_seed(0)
-    return GPTMini(**GPT) if name == "gpt-mini" else ResNet18Cifar(num_classes=10, width=RESNET_WIDTH)
+    return GPTMini(**size["gpt"]) if name == "gpt-mini" else ResNet18Cifar(num_classes=10, width=size["resnet_width"])
 
 
-def make_data(name: str):
+def make_data(name: str, size: dict):
     import torch
 
-    g = torch.Generator().manual_seed(1)
+    g, n = torch.Generator().manual_seed(1), size["rows"]
     if name == "gpt-mini":
-        seq = torch.randint(0, GPT["vocab_size"], (256, GPT["block_size"] + 1), generator=g)
+        gpt = size["gpt"]
+        seq = torch.randint(0, gpt["vocab_size"], (n, gpt["block_size"] + 1), generator=g)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-    return torch.randn(256, 3, 32, 32, generator=g), torch.randint(0, 10, (256,), generator=g)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def loss_fn(name: str):
@@ -90,91 +115,113 @@ def loss_fn(name: str):
 
 
 def gpt_workload():
-    """The GPT-mini as a gputrain Workload, for `gputrain fit first_step:gpt_workload`."""
+    """The GPT-mini as a gputrain Workload, for `gputrain fit first_step:gpt_workload` (its sizes from
+    $FIRST_STEP_SIZE, which the parent sets, else the CPU's)."""
     from gputrain.workloads.base import DataSplits, Workload
 
-    return Workload("gpt-mini-12", "GPTMini 12x32 on random tokens", lambda: DataSplits(make_data("gpt-mini")),
-                    lambda: make_model("gpt-mini"), loss_fn("gpt-mini"), task=None,
-                    defaults={"batch_size": BATCH, "steps": STEPS, "log_every": LOG_EVERY})
+    size = json.loads(os.environ.get("FIRST_STEP_SIZE") or json.dumps(SIZES["cpu"]))
+    return Workload("gpt-mini-12", "GPTMini of 12 blocks on random tokens",
+                    lambda: DataSplits(make_data("gpt-mini", size)), lambda: make_model("gpt-mini", size),
+                    loss_fn("gpt-mini"), task=None,
+                    defaults={"batch_size": size["batch"]["gpt-mini"], "steps": STEPS, "log_every": LOG_EVERY})
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that the clock reads its end."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def child_fit(spec: dict) -> dict:
     from gputrain import TrainConfig, fit
 
-    model, data = make_model(spec["model"]), make_data(spec["model"])
+    size, batch = spec["size"], spec["size"]["batch"][spec["model"]]
+    model, data = make_model(spec["model"], size), make_data(spec["model"], size)
     compile_ = {"eager": False, "whole": True, "regional": "regional"}[spec["compile"]]
-    cfg = TrainConfig(device="cpu", precision="fp32", batch_size=BATCH, steps=STEPS, log_every=LOG_EVERY,
+    cfg = TrainConfig(device=spec["device"], precision="fp32" if spec["device"] == "cpu" else "auto",
+                      batch_size=batch, steps=STEPS, log_every=LOG_EVERY,
                       loggers=(), compile=compile_, run_dir=spec.get("run_dir"),
                       compile_cache=spec.get("compile_cache", False), stop_at_step=spec.get("stop_at"),
                       resume=bool(spec.get("resume")))
     t_fit = time.time()
     history = fit(model, data, loss_fn=loss_fn(spec["model"]), config=cfg)
-    return {"t_fit": t_fit, **_from_summary(history.summary, history.records)}
+    return {"t_fit": t_fit, **_from_summary(history.summary, history.records, batch)}
 
 
-def _from_summary(summary: dict, records: list) -> dict:
+def _from_summary(summary: dict, records: list, batch: int) -> dict:
     rates = [r["samples_per_s"] for r in records if r.get("samples_per_s")][1:]
     startup = summary.get("startup") or {}
-    compile_row = next((d for d in summary.get("decisions", []) if d["name"] == "compile"), {})
-    return {"first_end": startup.get("ended_at"), "steady_ms": 1000 * BATCH / statistics.median(rates)
-            if rates else None, "startup": startup, "compile_decision": compile_row.get("reason")}
+    decisions = {d["name"]: d for d in summary.get("decisions", [])}
+    return {"first_end": startup.get("ended_at"), "steady_ms": 1000 * batch / statistics.median(rates)
+            if rates else None, "startup": startup, "compile_decision": decisions.get("compile", {}).get("reason"),
+            "precision": decisions.get("precision", {}).get("value")}
 
 
-def child_loop(spec: dict) -> dict:
+def hand_step(model, model_name: str, how: str, device: str, size: dict, x, y):
+    """The hand loop's step: `model` (built, on the host) moved to `device` and compiled as `how`
+    (eager / whole / regional), on `x`, `y` (on the device): a function of no arguments that runs one
+    step and waits for its end. fit's default precision: bf16 autocast on a CUDA GPU, fp32 on the CPU."""
+    import contextlib
+
     import torch
 
-    model, (x, y), lf = make_model(spec["model"]), make_data(spec["model"]), loss_fn(spec["model"])
-    t_fit = time.time()  # as for fit: the model and the data are built
-    if spec["compile"] == "whole":
-        model = torch.compile(model)
-    elif spec["compile"] == "regional":
+    model, lf, batch = model.to(device), loss_fn(model_name), size["batch"][model_name]
+    run = model
+    if how == "whole":
+        run = torch.compile(model)
+    elif how == "regional":
         for block in model.blocks:
             block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    g = torch.Generator().manual_seed(0)
-    times, first_end = [], None
-    for step in range(STEPS):
-        t0 = time.perf_counter()
-        idx = torch.randint(0, len(x), (BATCH,), generator=g)
-        loss = lf(model(x.index_select(0, idx)), y.index_select(0, idx))
+    g = torch.Generator(device=device).manual_seed(0)
+    cuda = device.startswith("cuda")
+
+    def step() -> None:
+        idx = torch.randint(0, len(x), (batch,), generator=g, device=device)
+        with torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext():
+            loss = lf(run(x.index_select(0, idx)), y.index_select(0, idx))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync(device)  # measurement only: the step's end, not its launch
+
+    step.precision = "bf16" if cuda else "fp32"  # type: ignore[attr-defined]
+    return step
+
+
+def child_loop(spec: dict) -> dict:
+    device, size, name = spec["device"], spec["size"], spec["model"]
+    model, (x, y) = make_model(name, size), make_data(name, size)
+    t_fit = time.time()  # as for fit: the model and the data are built (on the host)
+    x, y = x.to(device), y.to(device)
+    step = hand_step(model, name, spec["compile"], device, size, x, y)
+    times, first_end = [], None
+    for i in range(STEPS):
+        t0 = time.perf_counter()
+        step()
         times.append(time.perf_counter() - t0)
-        if step == 0:
+        if i == 0:
             first_end = time.time()
-    return {"t_fit": t_fit, "first_end": first_end, "steady_ms": 1000 * statistics.median(times[4:])}
+    return {"t_fit": t_fit, "first_end": first_end, "steady_ms": 1000 * statistics.median(times[4:]),
+            "precision": step.precision}  # type: ignore[attr-defined]
 
 
-def steady_side_by_side(rounds: int) -> dict[str, dict[str, float]]:
+def steady_side_by_side(rounds: int, device: str, size: dict) -> dict[str, dict[str, float]]:
     """The GPT-mini's hand-loop step eager / whole / regional, interleaved in this process: median
     and min ms per step over `rounds` rounds (after 4 warm-up steps each, which compile)."""
     import torch
 
-    torch.set_num_threads(1)
-    model_name = "gpt-mini"
-    (x, y), lf = make_data(model_name), loss_fn(model_name)
+    if device == "cpu":
+        torch.set_num_threads(1)
+    x, y = make_data("gpt-mini", size)
+    x, y = x.to(device), y.to(device)
     steps = {}
     for how in ("eager", "whole", "regional"):
-        model = make_model(model_name)
-        run = model
-        if how == "whole":
-            run = torch.compile(model)
-        elif how == "regional":
-            for block in model.blocks:
-                block.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        g = torch.Generator().manual_seed(0)
-
-        def step(run=run, opt=opt, g=g) -> None:
-            idx = torch.randint(0, len(x), (BATCH,), generator=g)
-            lf(run(x.index_select(0, idx)), y.index_select(0, idx)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        steps[how] = hand_step(make_model("gpt-mini", size), "gpt-mini", how, device, size, x, y)
         for _ in range(4):
-            step()
-        steps[how] = step
+            steps[how]()
     times: dict[str, list[float]] = {how: [] for how in steps}
     for _ in range(rounds):
         for how, step in steps.items():
@@ -187,18 +234,24 @@ def steady_side_by_side(rounds: int) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------- the parent: cases in turn
 
 def run_child(spec: dict, work: Path) -> dict:
-    """One case in a fresh process with an empty inductor cache; its figures, or its error."""
-    # One thread: on the shared 2 cores, OpenMP threads spin-waiting for a core made small steps many
-    # times slower (tests/conftest.py); both sides run with the same.
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"), OMP_NUM_THREADS="1",
+    """One case in a fresh process with an empty inductor (and Triton) cache; its figures, or its error."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"),
+               FIRST_STEP_SIZE=json.dumps(spec["size"]),
                PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("GPUTRAIN_COMPILE_CACHE", None)
+    if spec["device"] == "cpu":
+        # One thread: on the shared 2 cores, OpenMP threads spin-waiting for a core made small steps
+        # many times slower (tests/conftest.py); both sides run with the same.
+        env["OMP_NUM_THREADS"] = "1"
+    for name in ("GPUTRAIN_COMPILE_CACHE", "TRITON_CACHE_DIR"):  # Triton's cache then follows inductor's
+        env.pop(name, None)
     if spec.get("compile_cache"):  # a named folder: gputrain keeps inductor's cache in it (empty on a first start)
         env.pop("TORCHINDUCTOR_CACHE_DIR")
     if spec["kind"] == "cli":
         run_dir = Path(spec["run_dir"])
-        cmd = [sys.executable, "-m", "gputrain", "fit", "first_step:gpt_workload", "--device", "cpu",
-               "--precision", "fp32", "--run-dir", str(run_dir), "--no-tensorboard", "--quiet"]
+        cmd = [sys.executable, "-m", "gputrain", "fit", "first_step:gpt_workload", "--device", spec["device"],
+               "--run-dir", str(run_dir), "--no-tensorboard", "--quiet"]
+        if spec["device"] == "cpu":
+            cmd += ["--precision", "fp32"]
         if spec["compile"] == "whole":
             cmd.append("--compile")
         elif spec["compile"] == "regional":
@@ -212,7 +265,8 @@ def run_child(spec: dict, work: Path) -> dict:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["exit %d" % proc.returncode]}
     if spec["kind"] == "cli":
         hist = json.loads((run_dir / "history.json").read_text())
-        out = {"t_fit": None, **_from_summary(hist.get("summary", {}), hist.get("records", []))}
+        out = {"t_fit": None, **_from_summary(hist.get("summary", {}), hist.get("records", []),
+                                              spec["size"]["batch"]["gpt-mini"])}
     else:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["from_command_s"] = out["first_end"] - t_spawn if out.get("first_end") else None
@@ -221,7 +275,7 @@ def run_child(spec: dict, work: Path) -> dict:
     return out
 
 
-def plan(models: list[str], work: Path) -> list[dict]:
+def plan(models: list[str], work: Path, device: str, size: dict) -> list[dict]:
     """The cases in order. The GPT's regional fit stops at STOP_AT (a checkpoint) and is then resumed;
     second starts and the resume name the first start's compile cache folder."""
     specs = []
@@ -245,6 +299,8 @@ def plan(models: list[str], work: Path) -> list[dict]:
         for c in ("whole", "regional") if m == "gpt-mini" else ("whole",):
             specs.append({"name": f"{m} fit {c} second start", "kind": "fit", "model": m, "compile": c,
                           "compile_cache": str(work / f"cache-{m}-{c}")})
+    for spec in specs:
+        spec.update(device=device, size=size)
     return specs
 
 
@@ -254,7 +310,9 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
         return (f"{key}: {a} / {b}", x / y) if x and y else None
 
     pairs = [r("gpt-mini fit whole", "gpt-mini fit regional", "from_fit_s"),
+             r("gpt-mini loop whole", "gpt-mini loop regional", "from_fit_s"),
              r("gpt-mini fit regional", "gpt-mini fit whole", "steady_ms"),
+             r("gpt-mini loop regional", "gpt-mini loop whole", "steady_ms"),
              r("gpt-mini fit whole", "gpt-mini fit whole second start", "from_fit_s"),
              r("gpt-mini fit regional", "gpt-mini fit regional second start", "from_fit_s"),
              r("gpt-mini fit regional", f"gpt-mini fit regional resumed at {STOP_AT}", "from_fit_s"),
@@ -264,55 +322,123 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
     return dict(p for p in pairs if p is not None)
 
 
+NUMBERS = ("from_command_s", "from_fit_s", "steady_ms", "process_s")
+
+
+def medians(rounds: list[dict]) -> dict:
+    """One case over its rounds: the median of each figure, the rounds' values beside it, the first
+    round's other fields (decisions, startup); an error in any round is the case's error."""
+    errors = [r for r in rounds if "error" in r]
+    if errors:
+        return {**errors[0], "rounds": len(rounds)}
+    out = dict(rounds[0])
+    for key in NUMBERS:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+        if len(rounds) > 1:
+            out[f"{key}_rounds"] = values
+    out["rounds"] = len(rounds)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help="cpu (default; tiny sizes) or cuda")
     p.add_argument("--models", default="gpt-mini,resnet18")
+    p.add_argument("--n-embd", type=int, default=None, help="the GPT-mini's width (default 32 on the CPU, 384 on CUDA)")
+    p.add_argument("--n-head", type=int, default=None, help="its heads (default 2 on the CPU, 6 on CUDA)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the whole plan; each case's median is reported")
+    p.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose names match")
+    p.add_argument("--budget", type=float, default=None, metavar="S", help="start no case after S seconds")
     p.add_argument("--json", default=None, help="where the JSON goes (default: a temp folder)")
     p.add_argument("--steady", type=int, default=None, metavar="ROUNDS",
                    help="only the GPT-mini's steady step, eager / whole / regional interleaved in one process")
     args = p.parse_args(argv)
-    if args.steady:
-        figures = steady_side_by_side(args.steady)
-        for how, f in figures.items():
-            print(f"{how:<9} median {f['median_ms']:7.2f} ms  min {f['min_ms']:7.2f} ms  ({args.steady} rounds)")
-        print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
-              f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
-        return 0
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_fit(spec) if spec["kind"] == "fit" else child_loop(spec), default=str))
         return 0
     import torch
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"first_step: --device {args.device}, but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
+    size = sizes(args.device, args.n_embd, args.n_head)
+    if args.steady:
+        figures = steady_side_by_side(args.steady, args.device, size)
+        gpt = size["gpt"]
+        print(f"GPT-mini {gpt['n_layer']} x {gpt['n_embd']}, {gpt['n_head']} heads, context {gpt['block_size']}, "
+              f"batch {size['batch']['gpt-mini']}, {args.device}, torch {torch.__version__}")
+        for how, f in figures.items():
+            print(f"{how:<9} median {f['median_ms']:7.2f} ms  min {f['min_ms']:7.2f} ms  ({args.steady} rounds)")
+        print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
+              f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "torch": torch.__version__,
+                                                   "device": args.device, "size": size, "rounds": args.steady,
+                                                   "steady": figures}, indent=1))
+        return 0
+
+    t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="first-step-"))
-    results: dict[str, dict] = {}
-    print(f"torch {torch.__version__}, 1 CPU thread (OMP_NUM_THREADS=1); each case a fresh process", flush=True)
+    path = Path(args.json) if args.json else work / "first_step.json"
+    only = re.compile(args.only) if args.only else None
+    rounds: dict[str, list[dict]] = {}
+    skipped: list[str] = []
+    threads = "1 CPU thread (OMP_NUM_THREADS=1)" if args.device == "cpu" else args.device
+    print(f"torch {torch.__version__}, {threads}; each case a fresh process; {args.repeats} round(s)", flush=True)
     print(f"{'case':<44} {'from command s':>14} {'from fit s':>10} {'steady ms':>9}  compile decision", flush=True)
-    for spec in plan(args.models.split(","), work):
-        out = results[spec["name"]] = run_child(spec, work)
-        if "error" in out:
-            print(f"{spec['name']:<44} error: {out['error']}", flush=True)
-            continue
+    for i in range(args.repeats):
+        rwork = work / f"round-{i}"
+        rwork.mkdir()
+        for spec in plan(args.models.split(","), rwork, args.device, size):
+            if only is not None and not only.search(spec["name"]):
+                continue
+            if args.budget is not None and time.monotonic() - t0 > args.budget:
+                skipped.append(f"{spec['name']} (round {i + 1})")
+                continue
+            out = run_child(spec, rwork)
+            rounds.setdefault(spec["name"], []).append(out)
+            write_json(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
+            if "error" in out:
+                print(f"{spec['name']:<44} error: {out['error']}", flush=True)
+                continue
 
-        def f(v, fmt):
-            return format(v, fmt) if v is not None else "-"
+            def f(v, fmt):
+                return format(v, fmt) if v is not None else "-"
 
-        print(f"{spec['name']:<44} {f(out['from_command_s'], '14.2f')} {f(out['from_fit_s'], '10.2f')} "
-              f"{f(out['steady_ms'], '9.2f')}  {(out.get('compile_decision') or '')[:90]}", flush=True)
+            print(f"{spec['name']:<44} {f(out['from_command_s'], '14.2f')} {f(out['from_fit_s'], '10.2f')} "
+                  f"{f(out['steady_ms'], '9.2f')}  {(out.get('compile_decision') or '')[:90]}", flush=True)
+    results = write_json(path, args, size, rounds, skipped)
     rs = ratios(results)
-    print("\nratios (one run, side by side):")
+    print(f"\nratios (medians of {args.repeats} round(s), side by side):" if args.repeats > 1 else
+          "\nratios (one run, side by side):")
     for k, v in rs.items():
         print(f"  {k}: {v:.2f}x")
-    path = Path(args.json) if args.json else work / "first_step.json"
+    if skipped:
+        print(f"skipped (--budget {args.budget:.0f} s spent): {', '.join(skipped)}")
+    print(f"JSON: {path}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def write_json(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
+               skipped: list[str]) -> dict[str, dict]:
+    """The figures so far (each case's median over its rounds), written atomically; returns them."""
+    import torch
+
     from gputrain.io.atomic import atomic_file
 
+    results = {name: medians(outs) for name, outs in rounds.items()}
+    errors = sorted(name for name, r in results.items() if "error" in r)
     with atomic_file(path, "w") as fh:
-        json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "steps": STEPS, "log_every": LOG_EVERY,
-                   "batch": BATCH, "gpt": GPT, "resnet_width": RESNET_WIDTH, "results": results, "ratios": rs},
-                  fh, indent=1, default=str)
-    print(f"JSON: {path}")
-    return 0
+        status = ("failures" if errors else "skipped: the budget was spent before the first case"
+                  if skipped and not results else "ok")
+        json.dump({"part": "first_step", "status": status, "errors": errors,
+                   "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
+                   "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
+                   "skipped": skipped, "results": results, "ratios": ratios(results)}, fh, indent=1, default=str)
+    return results
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
 # command may run 10 minutes, so the work is split: `gpu_session.sh smoke|tests|speed|iris|bench`
 # (also speed-compile|probe|real-resnet|real-gpt; each fits one command; `all` runs them in a row where there is no such limit).
 # Start with `day` (< 9 min on an H100; benchmarks/gpu_day.py): (a) every `gpu` test and a smoke of
-# every CLI command, (b) the conformance zoo, (c) steady host syncs, (d) the speed table, (e) bf16 vs
-# float8 (torchao), each part with its own budget; $OUT/gpu_day.json, gpu_day.md, gpu_day_logs.tar.gz
+# every CLI command, (b) the conformance zoo, (c) steady host syncs, (d) the speed table, (e) the
+# time to the first step, whole vs regional compile (first_step.py), (f) bf16 vs float8 (torchao),
+# each part with its own budget; $OUT/gpu_day.json, gpu_day.md, gpu_day_logs.tar.gz
 # and gpu_day.log (4 of the 8 files a device command returns). `day --device cpu` runs the same code
 # at tiny sizes without a GPU (CI does). Arguments after `day` go to gpu_day.py.
 # The GPU machine has torch with CUDA, Lightning, Accelerate and most dependencies but no network:
-# bring the mnist1d wheel (pure Python) and, for part (e), torchao's, in .whl/:
+# bring the mnist1d wheel (pure Python) and, for part (f), torchao's, in .whl/:
 #   bash benchmarks/gpu_session.sh wheels      # here, with pip and the network; .whl/ is git-ignored
 # and carry .whl; this script installs them into /tmp/site.
 set -uo pipefail

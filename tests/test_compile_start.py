@@ -6,6 +6,8 @@ and names its startup parts; a second run, with nothing compiled in memory, load
 from a named folder that then keeps inductor's kernels. A whole-model run trains as eager does. The
 other tests build a Trainer without stepping (torch.compile compiles nothing before the first call),
 use the cache's files directly, or parse the command line and a sweep's space (--compile-scope).
+`import gputrain` and `gputrain --help`, each in a fresh process, leave the optional extras, the
+compiler stack and tomllib unimported.
 """
 
 from __future__ import annotations
@@ -285,3 +287,25 @@ def test_the_time_before_the_first_step_is_named_by_part(regional, tmp_path):
     _, resumed = _fit(False, str(tmp_path / "eager"), resume=True)
     _check_parts(resumed.summary["startup"], "checkpoint load", "first step (besides compiling)")
     assert not any(p["name"].startswith("compile") for p in resumed.summary["startup"]["parts"])
+
+
+# What `import gputrain` and `gputrain --help` must not import (issue 45: both within 10% of
+# `import torch`): the optional extras, plotting, the terminal renderer, the compiler stack (dynamo
+# and inductor come with the first compile), and tomllib (its regular expressions cost ~80 ms).
+NOT_AT_IMPORT = ("tomllib", "matplotlib", "rich", "torch.utils.tensorboard", "tensorboard", "ray", "lightning",
+                 "accelerate", "datasets", "mlflow", "wandb", "optuna", "torchmetrics", "onnx", "sklearn", "scipy",
+                 "pandas", "transformers", "peft", "mnist1d", "torch._dynamo", "torch._inductor")
+
+
+@pytest.mark.parametrize("what", ["import gputrain", "gputrain --help"])
+def test_import_and_help_leave_the_optional_and_slow_modules_unimported(what):
+    import subprocess
+    import sys
+
+    run = ("import contextlib, io\nfrom gputrain.cli import main\n"
+           "with contextlib.redirect_stdout(io.StringIO()):\n    try:\n        main(['--help'])\n"
+           "    except SystemExit:\n        pass\n") if what == "gputrain --help" else "import gputrain\n"
+    code = run + f"import sys\nprint(sorted(m for m in {NOT_AT_IMPORT!r} if m in sys.modules))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"{what} imported {out.stdout.strip()}"

@@ -1,7 +1,9 @@
 """The GPU day's driver (benchmarks/gpu_day.py): a missing zoo is "not present", the zoo's cases are
 read from pytest's JUnit XML, a part that crashes or overruns its budget fails the day with its log's
-tail in the summary, and the goals are read from the measured figures. The whole day on the CPU is
-.ci/run's step under torch 2.11 (`bash benchmarks/gpu_session.sh day --device cpu`)."""
+tail in the summary, and the goals are read from the measured figures; the first-step part's script
+(benchmarks/first_step.py) reports medians over its rounds, stops starting cases when its budget is
+spent and writes its JSON after every case. The whole day on the CPU is .ci/run's step under torch
+2.11 (`bash benchmarks/gpu_session.sh day --device cpu`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import day_report  # noqa: E402
+import first_step  # noqa: E402
 import gpu_day  # noqa: E402
 
 
@@ -93,6 +96,72 @@ def test_the_goals_are_read_from_the_measured_figures():
     assert met["graphed step wall / replay, iris-mlp"] == (1.1, True)
     assert met["steady host syncs, EMA"] == (0, True)
     assert met["steady host syncs, DataLoader input"] == (2, False)
+
+
+def test_the_first_step_goals_are_read_from_the_first_step_part():
+    cases = {"gpt-mini loop whole": {"from_fit_s": 30.0, "steady_ms": 10.0},
+             "gpt-mini loop regional": {"from_fit_s": 8.0, "steady_ms": 10.4},
+             "gpt-mini fit whole": {"from_fit_s": 33.0, "steady_ms": 10.0},
+             "gpt-mini fit regional": {"from_fit_s": 15.0, "steady_ms": 11.0},
+             "gpt-mini fit regional second start": {"from_fit_s": 3.0},
+             "gpt-mini fit whole second start": {"error": ["RuntimeError: boom"]}}
+    day = {"parts": {"e": {"result": {"results": cases}}}}
+    met = {g["goal"]: (g["value"], g["met"]) for g in day_report.goals(day)}
+    assert met["GPT-mini 12 blocks, the hand loop: whole compile's first step / regional's"] == (3.75, True)
+    assert met["GPT-mini 12 blocks, gputrain fit: whole compile's first step / regional's"] == (2.2, False)
+    assert met["GPT-mini 12 blocks, the hand loop: regional's steady step / whole compile's"][1] is True  # 1.04
+    assert met["GPT-mini 12 blocks, gputrain fit: regional's steady step / whole compile's"] == (1.1, False)
+    assert met["GPT-mini 12 blocks, gputrain fit regional: first start / second start (compile cache)"] == (5.0, True)
+    assert met["GPT-mini 12 blocks, gputrain fit whole: first start / second start (compile cache)"] == (None, None)
+
+
+def test_first_step_reports_medians_of_its_rounds_and_an_error_in_any_round():
+    rounds = [{"from_fit_s": 3.0, "steady_ms": 9.0, "compile_decision": "x"},
+              {"from_fit_s": 1.0, "steady_ms": None}, {"from_fit_s": 2.0, "steady_ms": 7.0}]
+    got = first_step.medians(rounds)
+    assert got["from_fit_s"] == 2.0 and got["from_fit_s_rounds"] == [3.0, 1.0, 2.0]
+    assert got["steady_ms"] == 8.0 and got["rounds"] == 3 and got["compile_decision"] == "x"
+    assert "error" in first_step.medians([*rounds, {"error": ["boom"]}])
+
+
+def test_first_step_writes_its_json_after_each_case_and_starts_none_past_its_budget(tmp_path, monkeypatch):
+    ran = []
+
+    def child(spec, work):  # a case that "runs" by taking a second of the budget
+        if ran:  # the cases before this one are on disk already
+            assert set(json.loads(out.read_text())["results"]) == set(ran)
+        ran.append(spec["name"])
+        clock[0] += 1.0
+        return {"from_fit_s": 1.0, "from_command_s": 2.0, "steady_ms": 2.0}
+
+    clock = [0.0]
+    out = tmp_path / "fs.json"
+    monkeypatch.setattr(first_step, "run_child", child)
+    monkeypatch.setattr(first_step.time, "monotonic", lambda: clock[0])
+    rc = first_step.main(["--models", "gpt-mini", "--only", "^gpt-mini (fit|loop) (whole|regional)$",
+                          "--budget", "1.5", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and ran == ["gpt-mini fit whole", "gpt-mini loop whole"]  # the clock passed 1.5 s after two
+    assert result["status"] == "ok" and set(result["results"]) == set(ran)
+    assert result["skipped"] == ["gpt-mini fit regional (round 1)", "gpt-mini loop regional (round 1)"]
+    assert first_step.main(["--models", "gpt-mini", "--budget", "-1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["status"].startswith("skipped")
+
+
+def test_the_day_runs_first_step_on_its_device_with_a_budget_that_leaves_the_last_case_time():
+    args = gpu_day.parse_args(["--device", "cpu"])
+    cmd, _, result = gpu_day.first_step_part(args, Path("/w"), 150.0)
+    assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--only") + 1] == gpu_day.FIRST_STEP_CPU
+    assert float(cmd[cmd.index("--budget") + 1]) == 150.0 - gpu_day.FIRST_STEP_LAST_START_S
+    assert result == Path("/w/first_step.json")
+    import re
+
+    names = [s["name"] for s in first_step.plan(["gpt-mini"], Path("/w"), "cuda", first_step.sizes("cuda"))]
+    chosen = [n for n in names if re.search(gpu_day.FIRST_STEP_GPU, n)]
+    assert chosen == ["gpt-mini fit whole", "gpt-mini loop whole", "gpt-mini fit regional", "gpt-mini loop regional",
+                      "gpt-mini fit whole second start", "gpt-mini fit regional second start"]
+    assert [n for n in names if re.search(gpu_day.FIRST_STEP_CPU, n)] == [
+        "gpt-mini fit regional", "gpt-mini loop regional", "gpt-mini fit regional second start"]
 
 
 def test_a_cuda_day_without_a_gpu_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
