@@ -171,6 +171,8 @@ def _first_step(result: dict) -> list[str]:
                     (r.get("compile_decision") or "")[:80]] if "error" not in r else [name, f"error: {r['error']}"]
                    for name, r in result.get("results", {}).items()])
     out += [""] + [f"- {k}: {_f(v)}x" for k, v in result.get("ratios", {}).items()]
+    if result.get("timed_out"):
+        out += ["", f"timed out (killed at the part's end, not failed): {', '.join(result['timed_out'])}"]
     if result.get("skipped"):
         out += ["", f"skipped (the part's time was spent): {', '.join(result['skipped'])}"]
     return out

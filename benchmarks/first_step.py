@@ -41,7 +41,9 @@ per process (above) meets a different machine load in each; this compares like w
 
 `--repeats N` runs the whole plan N times, round after round (each round with its own empty cache
 folders, so a first start is always cold), and reports each case's median; `--only REGEX` keeps the
-cases whose names match; `--budget S` starts no case after S seconds (the rest: "skipped").
+cases whose names match; `--budget S` starts no case after S seconds (the rest: "skipped"); `--end S`
+kills a case still running S seconds after the start (with its compile workers; "timed out", not an
+error). The JSON is written again after every case.
 
 Usage:
   python benchmarks/first_step.py                      # all cases, JSON to a temp folder
@@ -57,6 +59,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,8 +236,10 @@ def steady_side_by_side(rounds: int, device: str, size: dict) -> dict[str, dict[
 
 # ---------------------------------------------------------------- the parent: cases in turn
 
-def run_child(spec: dict, work: Path) -> dict:
-    """One case in a fresh process with an empty inductor (and Triton) cache; its figures, or its error."""
+def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
+    """One case in a fresh process with an empty inductor (and Triton) cache; its figures, or its error.
+    A case still running after `timeout` seconds is killed with its process group (inductor's compile
+    workers included) and reported as timed out."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"),
                FIRST_STEP_SIZE=json.dumps(spec["size"]),
                PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -259,7 +264,15 @@ def run_child(spec: dict, work: Path) -> dict:
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     t_spawn = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"timed_out": True, "error": [f"killed after {timeout:.0f} s: the end of --end"]}
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     t_exit = time.time()
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["exit %d" % proc.returncode]}
@@ -328,9 +341,10 @@ NUMBERS = ("from_command_s", "from_fit_s", "steady_ms", "process_s")
 def medians(rounds: list[dict]) -> dict:
     """One case over its rounds: the median of each figure, the rounds' values beside it, the first
     round's other fields (decisions, startup); an error in any round is the case's error."""
-    errors = [r for r in rounds if "error" in r]
-    if errors:
-        return {**errors[0], "rounds": len(rounds)}
+    errors = [r for r in rounds if "error" in r and not r.get("timed_out")]
+    if errors or all(r.get("timed_out") for r in rounds):
+        return {**(errors or rounds)[0], "rounds": len(rounds)}
+    rounds = [r for r in rounds if not r.get("timed_out")]
     out = dict(rounds[0])
     for key in NUMBERS:
         values = [r[key] for r in rounds if r.get(key) is not None]
@@ -351,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="rounds of the whole plan; each case's median is reported")
     p.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose names match")
     p.add_argument("--budget", type=float, default=None, metavar="S", help="start no case after S seconds")
+    p.add_argument("--end", type=float, default=None, metavar="S",
+                   help="kill a case still running S seconds after the start (reported as timed out, not an error)")
     p.add_argument("--json", default=None, help="where the JSON goes (default: a temp folder)")
     p.add_argument("--steady", type=int, default=None, metavar="ROUNDS",
                    help="only the GPT-mini's steady step, eager / whole / regional interleaved in one process")
@@ -398,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget is not None and time.monotonic() - t0 > args.budget:
                 skipped.append(f"{spec['name']} (round {i + 1})")
                 continue
-            out = run_child(spec, rwork)
+            left = None if args.end is None else max(1.0, args.end - (time.monotonic() - t0))
+            out = run_child(spec, rwork, timeout=left)
             rounds.setdefault(spec["name"], []).append(out)
             write_json(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
             if "error" in out:
@@ -419,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"skipped (--budget {args.budget:.0f} s spent): {', '.join(skipped)}")
     print(f"JSON: {path}")
-    return 1 if any("error" in r for r in results.values()) else 0
+    return 1 if any("error" in r and not r.get("timed_out") for r in results.values()) else 0
 
 
 def write_json(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
@@ -430,11 +447,12 @@ def write_json(path: Path, args: argparse.Namespace, size: dict, rounds: dict[st
     from gputrain.io.atomic import atomic_file
 
     results = {name: medians(outs) for name, outs in rounds.items()}
-    errors = sorted(name for name, r in results.items() if "error" in r)
+    errors = sorted(name for name, r in results.items() if "error" in r and not r.get("timed_out"))
+    timed_out = sorted(name for name, r in results.items() if r.get("timed_out"))
     with atomic_file(path, "w") as fh:
         status = ("failures" if errors else "skipped: the budget was spent before the first case"
                   if skipped and not results else "ok")
-        json.dump({"part": "first_step", "status": status, "errors": errors,
+        json.dump({"part": "first_step", "status": status, "errors": errors, "timed_out": timed_out,
                    "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
                    "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
                    "skipped": skipped, "results": results, "ratios": ratios(results)}, fh, indent=1, default=str)

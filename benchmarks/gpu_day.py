@@ -163,11 +163,16 @@ def speed_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
             *(["--require-peers"] if args.require_peers else [])], {}, work / "speed.json"
 
 
-def first_step_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
+def first_step_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path] | dict:
+    if budget < FIRST_STEP_LAST_START_S + 15:
+        return {"status": "skipped: the day's budget is spent",
+                "reason": f"{budget:.0f} s left, under the {FIRST_STEP_LAST_START_S + 15} s that one case may take"}
+    # no case starts in the part's last FIRST_STEP_LAST_START_S seconds; one still running 5 s before
+    # the part's end is killed ("timed out"), so the part writes its JSON before the day's kill
     return [args.python, str(BENCH / "first_step.py"), "--device", args.device, "--models", "gpt-mini",
             "--only", FIRST_STEP_CPU if args.cpu else FIRST_STEP_GPU,
-            "--budget", str(max(5.0, budget - FIRST_STEP_LAST_START_S)), "--json", str(work / "first_step.json")], \
-        {}, work / "first_step.json"
+            "--budget", str(budget - FIRST_STEP_LAST_START_S), "--end", str(budget - 5),
+            "--json", str(work / "first_step.json")], {}, work / "first_step.json"
 
 
 def float8_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:

@@ -122,12 +122,23 @@ def test_first_step_reports_medians_of_its_rounds_and_an_error_in_any_round():
     assert got["from_fit_s"] == 2.0 and got["from_fit_s_rounds"] == [3.0, 1.0, 2.0]
     assert got["steady_ms"] == 8.0 and got["rounds"] == 3 and got["compile_decision"] == "x"
     assert "error" in first_step.medians([*rounds, {"error": ["boom"]}])
+    killed = {"timed_out": True, "error": ["killed after 9 s: the end of --end"]}
+    assert first_step.medians([killed, *rounds])["from_fit_s"] == 2.0  # the rounds that ended count
+    assert first_step.medians([killed])["timed_out"] is True
+
+
+def test_a_first_step_case_past_its_end_is_killed_and_reported_timed_out(tmp_path):
+    spec = first_step.plan(["gpt-mini"], tmp_path, "cpu", first_step.sizes("cpu"))[1]  # the eager hand loop
+    t0 = __import__("time").monotonic()
+    out = first_step.run_child(spec, tmp_path, timeout=0.5)  # still importing torch then
+    assert out["timed_out"] is True and "killed after" in out["error"][0]
+    assert __import__("time").monotonic() - t0 < 30
 
 
 def test_first_step_writes_its_json_after_each_case_and_starts_none_past_its_budget(tmp_path, monkeypatch):
     ran = []
 
-    def child(spec, work):  # a case that "runs" by taking a second of the budget
+    def child(spec, work, timeout=None):  # a case that "runs" by taking a second of the budget
         if ran:  # the cases before this one are on disk already
             assert set(json.loads(out.read_text())["results"]) == set(ran)
         ran.append(spec["name"])
@@ -153,7 +164,10 @@ def test_the_day_runs_first_step_on_its_device_with_a_budget_that_leaves_the_las
     cmd, _, result = gpu_day.first_step_part(args, Path("/w"), 150.0)
     assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--only") + 1] == gpu_day.FIRST_STEP_CPU
     assert float(cmd[cmd.index("--budget") + 1]) == 150.0 - gpu_day.FIRST_STEP_LAST_START_S
+    assert float(cmd[cmd.index("--end") + 1]) == 145.0  # a case still running is killed before the day's kill
     assert result == Path("/w/first_step.json")
+    short = gpu_day.first_step_part(args, Path("/w"), gpu_day.FIRST_STEP_LAST_START_S + 5)
+    assert short["status"] == "skipped: the day's budget is spent"  # no case could finish: none starts
     import re
 
     names = [s["name"] for s in first_step.plan(["gpt-mini"], Path("/w"), "cuda", first_step.sizes("cuda"))]
