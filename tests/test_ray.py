@@ -1,7 +1,7 @@
 """Ray Train as a launcher, on the CPU: 2 gloo workers on a local Ray cluster of 2 CPUs.
 
 Every Ray run happens in a subprocess (its own Ray cluster, started and shut down there; HOME in the
-test's folder, so that Ray's storage, ~/ray_results, is too), killed whole on a timeout, as
+test's folder, so that Ray's default storage, ~/ray_results, is too), killed whole on a timeout, as
 tests/test_distributed.py runs torchrun. Skipped, with the reason, where Ray is not installed.
 """
 
@@ -144,23 +144,26 @@ def test_rays_result_knows_the_latest_and_the_best_checkpoint_with_their_metrics
 
 
 def test_a_sigkilled_worker_restarts_the_group_which_resumes_exactly_where_torchrun_ends(tmp_path):
-    """`fit --launcher ray --nproc 2 --max-restarts 1`: rank 1 dies by SIGKILL inside step 7; Ray restarts
-    the group, which resumes from the newest checkpoint Ray holds (step 4) and ends bit-equal to an
-    uninterrupted `fit --nproc 2` under torchrun, with the same run directory."""
+    """`fit --launcher ray --nproc 2 --max-restarts 1 --ray-storage store`: rank 1 dies by SIGKILL inside
+    step 7; Ray restarts the group, which resumes from the newest checkpoint Ray holds in the storage
+    named (step 4) and ends bit-equal to an uninterrupted `fit --nproc 2` under torchrun, with the same
+    run directory."""
     (tmp_path / "killwl.py").write_text(KILLED_ONCE)
     common = ("fit", "killwl.py:make", "--nproc", "2", "--steps", "12", "--log-every", "2", "--checkpoint-every", "4",
               "--device", "cpu", "--no-tensorboard")  # the run log on (--json would quiet it)
     home = tmp_path / "home"
     on_ray = finish_process(start_process([sys.executable, "-m", "gputrain", *common, "--launcher", "ray", "--max-restarts", "1",
-                             "--run-dir", "on-ray"], env=subprocess_env(HOME=str(home), KILL_ONCE="1", RAY_DEDUP_LOGS="0",
+                             "--ray-storage", "store", "--run-dir", "on-ray"], env=subprocess_env(HOME=str(home), KILL_ONCE="1", RAY_DEDUP_LOGS="0",
                                                         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5"), cwd=tmp_path), 400)
     assert on_ray.returncode == 0, on_ray.stderr[-4000:]
     assert (tmp_path / "killed").exists(), "the planted SIGKILL did not happen"
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", on_ray.stderr)
     assert len(resumed) == 1, on_ray.stderr[-4000:]  # rank 0 of the restarted group says so (the others: warnings)
     for path, step in resumed:
-        # Ray's copy in its storage (~/ray_results), not the run directory's own store
-        assert step == "4" and path.startswith(str(home / "ray_results")) and path.endswith("step-000004.dcp"), path
+        # Ray's copy in the storage --ray-storage named (relative: to the command's folder), not the run
+        # directory's own store, nor Ray's default ~/ray_results
+        assert step == "4" and path.startswith(str(tmp_path / "store")) and path.endswith("step-000004.dcp"), path
+    assert not (home / "ray_results").exists()
     summary = json.loads((tmp_path / "on-ray" / "history.json").read_text())["summary"]
     assert summary["steps"] == 12 and summary["world_size"] == 2
 

@@ -74,6 +74,7 @@ def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, ru
         torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=timeout_s),
         run_config=RayRunConfig(
             name=f"gputrain-{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=ray_storage(spec.fit.ray_storage),
             failure_config=FailureConfig(max_failures=spec.fit.max_restarts),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.train.keep_last)))
     try:
@@ -83,6 +84,16 @@ def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, ru
         if refusal is not None:
             raise refusal from None
         raise
+
+
+def ray_storage(stated: str | None) -> str | None:
+    """Ray Train's storage_path for --ray-storage: a URI (s3://, gs://, ...) as given, a folder made
+    absolute (Ray's workers run in folders of their own); None: Ray's default, ~/ray_results."""
+    if stated is None:
+        return None
+    if "://" in stated:
+        return stated
+    return str(Path(stated).expanduser().resolve())
 
 
 def _refusal_in(exc: BaseException) -> GputrainError | None:

@@ -73,6 +73,11 @@ class RunSettings:
                             help="what starts the --nproc processes: torchrun (this machine), or ray (Ray Train "
                                  "workers on a local Ray cluster, or the one RAY_ADDRESS names; pip install "
                                  "'gputrain[ray]')")
+    ray_storage: str | None = setting(None, flag="--ray-storage", metavar="PATH",
+                                      help="with --launcher ray: where Ray keeps its copies of the run's checkpoints "
+                                           "(Ray Train's RunConfig(storage_path=...): a folder, or a URI such as "
+                                           "s3://bucket/runs; shared storage on a cluster of several machines). "
+                                           "Default: Ray's, ~/ray_results")
     autotune: bool = setting(False, flag="--autotune", action="store_true", check=boolean,
                              help="try graphs/compile/channels_last/precision for a few steps each, train with the "
                                   "fastest (cached per model, device and batch shape; the batch size is never changed)")
@@ -97,6 +102,12 @@ class RunSettings:
         check_fields(self)
         if self.launcher == "torchrun":
             _check_cores("nproc", self.nproc)
+        if self.ray_storage is not None and self.launcher != "ray":
+            raise ConfigError("--ray-storage says where Ray Train keeps its checkpoints: it needs --launcher ray "
+                              "(torchrun's runs keep theirs in the run directory only)")
+        if self.ray_storage is not None and not str(self.ray_storage).strip():
+            raise ConfigError("--ray-storage is empty: give a folder or a URI (s3://bucket/path), or leave it out "
+                              "for Ray's default, ~/ray_results")
         if (self.nproc or 1) > 1 and (self.autotune or self.autotune_force):
             raise ConfigError("--autotune runs its trials in one process: run it once without --nproc, then start "
                               "the job with --nproc and the switches it chose (--precision, --cuda-graphs, "
