@@ -164,8 +164,9 @@ def _from_summary(summary: dict, records: list, batch: int) -> dict:
 
 def hand_step(model, model_name: str, how: str, device: str, size: dict, x, y):
     """The hand loop's step: `model` (built, on the host) moved to `device` and compiled as `how`
-    (eager / whole / regional), on `x`, `y` (on the device): a function of no arguments that runs one
-    step and waits for its end. fit's default precision: bf16 autocast on a CUDA GPU, fp32 on the CPU."""
+    (eager / whole / regional), on `x`, `y` (on the device). Returns (step, precision): a function of
+    no arguments that runs one step and waits for its end, and fit's default precision it runs in
+    (bf16 autocast on a CUDA GPU, fp32 on the CPU)."""
     import contextlib
 
     import torch
@@ -190,8 +191,7 @@ def hand_step(model, model_name: str, how: str, device: str, size: dict, x, y):
         opt.zero_grad(set_to_none=True)
         sync(device)  # measurement only: the step's end, not its launch
 
-    step.precision = "bf16" if cuda else "fp32"  # type: ignore[attr-defined]
-    return step
+    return step, "bf16" if cuda else "fp32"
 
 
 def child_loop(spec: dict) -> dict:
@@ -199,7 +199,7 @@ def child_loop(spec: dict) -> dict:
     model, (x, y) = make_model(name, size), make_data(name, size)
     t_fit = time.time()  # as for fit: the model and the data are built (on the host)
     x, y = x.to(device), y.to(device)
-    step = hand_step(model, name, spec["compile"], device, size, x, y)
+    step, precision = hand_step(model, name, spec["compile"], device, size, x, y)
     times, first_end = [], None
     for i in range(STEPS):
         t0 = time.perf_counter()
@@ -208,7 +208,7 @@ def child_loop(spec: dict) -> dict:
         if i == 0:
             first_end = time.time()
     return {"t_fit": t_fit, "first_end": first_end, "steady_ms": 1000 * statistics.median(times[4:]),
-            "precision": step.precision}  # type: ignore[attr-defined]
+            "precision": precision}
 
 
 def steady_side_by_side(rounds: int, device: str, size: dict) -> dict[str, dict[str, float]]:
@@ -222,7 +222,7 @@ def steady_side_by_side(rounds: int, device: str, size: dict) -> dict[str, dict[
     x, y = x.to(device), y.to(device)
     steps = {}
     for how in ("eager", "whole", "regional"):
-        steps[how] = hand_step(make_model("gpt-mini", size), "gpt-mini", how, device, size, x, y)
+        steps[how] = hand_step(make_model("gpt-mini", size), "gpt-mini", how, device, size, x, y)[0]
         for _ in range(4):
             steps[how]()
     times: dict[str, list[float]] = {how: [] for how in steps}

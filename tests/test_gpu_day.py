@@ -115,6 +115,22 @@ def test_the_first_step_goals_are_read_from_the_first_step_part():
     assert met["GPT-mini 12 blocks, gputrain fit whole: first start / second start (compile cache)"] == (None, None)
 
 
+def test_the_first_step_part_is_rendered_with_its_cases_ratios_and_what_did_not_run():
+    result = {"size": first_step.sizes("cuda"), "steps": 16, "repeats": 1,
+              "results": {"gpt-mini fit whole": {"from_fit_s": 31.5, "steady_ms": 9.25, "precision": "bf16",
+                                                 "compile_decision": "whole model"},
+                          "gpt-mini loop regional": {"error": ["RuntimeError: boom"]}},
+              "ratios": {"from_fit_s: a / b": 2.5}, "timed_out": ["gpt-mini fit regional"],
+              "skipped": ["gpt-mini fit whole second start (round 1)"]}
+    md = "\n".join(day_report.RENDER["e"](result))
+    assert "GPT-mini 12 x 384, context 256, batch 64" in md
+    assert "| gpt-mini fit whole | 31.5 | - | 9.25 | bf16 | whole model |" in md
+    assert "| gpt-mini loop regional | error: ['RuntimeError: boom'] |" in md
+    assert "- from_fit_s: a / b: 2.5x" in md
+    assert "timed out (killed at the part's end, not failed): gpt-mini fit regional" in md
+    assert "skipped (the part's time was spent): gpt-mini fit whole second start (round 1)" in md
+
+
 def test_first_step_reports_medians_of_its_rounds_and_an_error_in_any_round():
     rounds = [{"from_fit_s": 3.0, "steady_ms": 9.0, "compile_decision": "x"},
               {"from_fit_s": 1.0, "steady_ms": None}, {"from_fit_s": 2.0, "steady_ms": 7.0}]

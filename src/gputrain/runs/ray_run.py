@@ -46,10 +46,11 @@ def train_on_ray(stated: RunConfig) -> RunResult:
     train = {"run_dir": str(run_dir), "resume": str(Path(resume).resolve()) if isinstance(resume, str) else resume}
     worker_stated = merge(stated, RunConfig(workload=stored_spec(spec.workload.name), train=train))
     worker_stated = dataclasses.replace(worker_stated, source=None)  # the parsed file is not needed there
+    storage = ray_storage(spec.fit.ray_storage)  # refused here, before Ray starts
     where, gpus = connect(nproc, spec.train.device)
     log.info("training on %d Ray worker(s) (%s) in %s", nproc, "one GPU each" if gpus else "CPU", where)
     try:
-        _fit_trainer(worker_stated, nproc, gpus, spec, run_dir)
+        _fit_trainer(worker_stated, nproc, gpus, spec, run_dir, storage)
     finally:
         import ray
 
@@ -61,7 +62,8 @@ def train_on_ray(stated: RunConfig) -> RunResult:
     return RunResult(spec, history, summary, None, True)
 
 
-def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, run_dir: Path) -> Any:
+def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, run_dir: Path,
+                 storage: str | None) -> Any:
     """TorchTrainer.fit over `nproc` workers; a worker's refusal (a GputrainError) is raised here as
     its own one line, any other failure with Ray's report."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
@@ -74,7 +76,7 @@ def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, ru
         torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=timeout_s),
         run_config=RayRunConfig(
             name=f"gputrain-{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-            storage_path=ray_storage(spec.fit.ray_storage),
+            storage_path=storage,
             failure_config=FailureConfig(max_failures=spec.fit.max_restarts),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.train.keep_last)))
     try:
@@ -88,12 +90,17 @@ def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, ru
 
 def ray_storage(stated: str | None) -> str | None:
     """Ray Train's storage_path for --ray-storage: a URI (s3://, gs://, ...) as given, a folder made
-    absolute (Ray's workers run in folders of their own); None: Ray's default, ~/ray_results."""
+    absolute (Ray's workers run in folders of their own); None: Ray's default, ~/ray_results.
+    ConfigError for a local path that is a file (Ray would fail only after its workers started)."""
     if stated is None:
         return None
     if "://" in stated:
         return stated
-    return str(Path(stated).expanduser().resolve())
+    folder = Path(stated).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--ray-storage {stated}: a file, not a folder: give a folder (made if missing) or a URI "
+                          "(s3://bucket/path)")
+    return str(folder)
 
 
 def _refusal_in(exc: BaseException) -> GputrainError | None:
