@@ -13,6 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+FINE = ("ok", "not present", "not installed", "not applicable")
+OPTIONAL = ("e", "f")  # skipped for want of time, the day is still whole
+# A second device call's seconds: a session's 15 minutes of device time, less the machine's start,
+# the day's first call (its 510 s budget and the parts' grace) and a minute to spare.
+RERUN_BUDGET_S = 180
+
 
 def _get(d: Any, *keys: Any) -> Any:
     for k in keys:
@@ -74,6 +80,41 @@ def first_step_goals(cases: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_goal(f"GPT-mini 12 blocks, gputrain fit {how}: first start / second start (compile cache)",
                          ratio(f"gpt-mini fit {how}", f"gpt-mini fit {how} second start", "from_fit_s"), 3.0))
     return out
+
+
+def not_fine(day: dict[str, Any]) -> dict[str, str]:
+    """The parts that did not end fine (failed, crashed, overran, skipped), by key, with their status;
+    an optional part skipped for want of time is not among them."""
+    return {k: p["status"] for k, p in day["parts"].items()
+            if p["status"] not in FINE and not (k in OPTIONAL and p["status"].startswith("skipped"))}
+
+
+def next_call(day: dict[str, Any]) -> dict[str, str] | None:
+    """What the session's second device call should run, or None when the day is whole: the parts
+    that did not end fine and those the day never reached (a call cut short), after their fix; else
+    the optional parts that were skipped or cut short (a first-step case skipped or timed out)."""
+    wanted, parts = day["config"]["parts"], day["parts"]
+    bad, unrun = not_fine(day), [k for k in wanted if k not in parts]
+    short = [k for k in wanted if k in OPTIONAL and k in parts and k not in bad and (
+        parts[k]["status"].startswith("skipped") or _get(parts[k], "result", "skipped")
+        or _get(parts[k], "result", "timed_out"))]
+    if bad or unrun:
+        keys = [k for k in wanted if k in bad or k in unrun]
+        why = "; ".join([f"({k}) {bad[k]}" for k in keys if k in bad] + [f"({k}) not reached" for k in unrun])
+        why = f"fix what failed, then rerun it alone: {why}" if bad else f"the day ended before: {why}"
+    elif short:
+        keys = short
+        why = "every part ended fine; the optional parts ran short of time: " + "; ".join(
+            f"({k}) {parts[k]['status'] if parts[k]['status'].startswith('skipped') else 'cases skipped or cut'}"
+            for k in keys)
+    else:
+        return None
+    cpu = day["config"]["device"] == "cpu"
+    command = (f"bash benchmarks/gpu_session.sh day{' --device cpu' if cpu else ''} --parts {','.join(keys)}"
+               + ("" if cpu else f" --budget {RERUN_BUDGET_S}"))
+    if not cpu:
+        why += f" (--budget: the device time left, less a minute; {RERUN_BUDGET_S} s after a full day)"
+    return {"command": command, "why": why}
 
 
 def headline(env: dict[str, Any], device: str) -> str:
@@ -201,6 +242,9 @@ def write_markdown(day: dict[str, Any], path: Path) -> None:
                   [[f"({k}) {p['name']}", p["status"], f"{p.get('seconds') or 0:.0f}", f"{p.get('budget_s') or 0:.0f}",
                     p["title"]]
                    for k, p in day["parts"].items()])
+    after = next_call(day)
+    out += ["", f"**Next device call:** `{after['command']}`: {after['why']}." if after else
+            "**Next device call:** none: every part ended fine and whole; give the machine back."]
     out += ["", "## Goals (issues 42 and 45; reported against, not tuned toward)", ""]
     if day["device_slug"] == "cpu":
         out += ["A CPU run at tiny sizes checks that every part's code runs: its figures and these goals mean "

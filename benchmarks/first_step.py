@@ -289,19 +289,26 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
 
 
 def plan(models: list[str], work: Path, device: str, size: dict) -> list[dict]:
-    """The cases in order. The GPT's regional fit stops at STOP_AT (a checkpoint) and is then resumed;
-    second starts and the resume name the first start's compile cache folder."""
+    """The cases in order. Each goal's two cases run back to back (fit regional and fit whole, then
+    the hand loop's two), so that a run cut short by its budget (the GPU day's part (e)) still ends
+    with whole pairs; fit's pair first, as fit's figures are gputrain's. The GPT's regional fit stops
+    at STOP_AT (a checkpoint) and is then resumed; second starts and the resume name the first
+    start's compile cache folder."""
     specs = []
     for m in models:
-        for c in ("eager", "whole", "regional"):
-            if m == "resnet18" and c == "regional":
-                continue  # falls back to the whole model (no run of identical blocks holding most weights)
+        # resnet18 has no regional case: it falls back to the whole model (no run of identical blocks
+        # holding most weights)
+        compiled = ("regional", "whole") if m == "gpt-mini" else ("whole",)
+        order = [("fit", "eager"), ("loop", "eager"), *[("fit", c) for c in compiled], *[("loop", c) for c in compiled]]
+        for kind, c in order:
+            if kind == "loop":
+                specs.append({"name": f"{m} loop {c}", "kind": "loop", "model": m, "compile": c})
+                continue
             spec = {"name": f"{m} fit {c}", "kind": "fit", "model": m, "compile": c,
                     "compile_cache": str(work / f"cache-{m}-{c}") if c != "eager" else False}
             if m == "gpt-mini" and c == "regional":
                 spec.update(run_dir=str(work / "resume-run"), stop_at=STOP_AT)
             specs.append(spec)
-            specs.append({"name": f"{m} loop {c}", "kind": "loop", "model": m, "compile": c})
         if m == "gpt-mini":
             specs.append({"name": f"{m} fit regional resumed at {STOP_AT}", "kind": "fit", "model": m,
                           "compile": "regional", "run_dir": str(work / "resume-run"),
@@ -309,7 +316,7 @@ def plan(models: list[str], work: Path, device: str, size: dict) -> list[dict]:
             for c in ("eager", "regional"):
                 specs.append({"name": f"{m} command {c}", "kind": "cli", "model": m, "compile": c,
                               "run_dir": str(work / f"cli-{c}")})
-        for c in ("whole", "regional") if m == "gpt-mini" else ("whole",):
+        for c in compiled:
             specs.append({"name": f"{m} fit {c} second start", "kind": "fit", "model": m, "compile": c,
                           "compile_cache": str(work / f"cache-{m}-{c}")})
     for spec in specs:

@@ -48,11 +48,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from day_report import goals, headline, write_markdown  # noqa: E402
+from day_report import FINE, goals, headline, next_call, not_fine, write_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-FINE = ("ok", "not present", "not installed", "not applicable")
 
 
 @dataclass
@@ -72,7 +71,6 @@ PARTS = [
     Part("e", "first-step", "time to the first step: whole vs regional compile, cold and cached", 60, 150),
     Part("f", "float8", "bf16 vs float8 GPT-mini (torchao)", 30, 30),
 ]
-OPTIONAL = ("e", "f")  # skipped for want of time, the day is still whole
 
 # The first-step cases the day runs, in this order (first_step.py's names): on a GPU the pairs that
 # the goals compare; on the CPU (a check of the code under torch 2.11) the regional ones only.
@@ -288,6 +286,7 @@ def write_outputs(day: dict[str, Any], out: Path, work: Path) -> None:
     import json
 
     day["goals"] = goals(day)
+    day["next_call"] = next_call(day)
     (out / "gpu_day.json").write_text(json.dumps(day, indent=2, default=str) + "\n")
     write_markdown(day, out / "gpu_day.md")
     with tarfile.open(out / "gpu_day_logs.tar.gz", "w:gz") as tar:
@@ -384,10 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t0:5.0f} s] part {part.key} ({part.name}): {day['parts'][part.key]['status']}",
               flush=True)
     # (e) and (f) are optional: with no time left for them the day is still whole
-    bad = {k: p["status"] for k, p in day["parts"].items()
-           if p["status"] not in FINE and not (k in OPTIONAL and p["status"].startswith("skipped"))}
+    bad = not_fine(day)
     print(f"gpu day: {len(day['parts'])} parts in {day['wall_s']:.0f} s; "
           + (f"not fine: {bad}" if bad else "every part fine") + f" -> {out / 'gpu_day.json'}, {out / 'gpu_day.md'}")
+    after = day["next_call"]
+    print(f"next device call: {after['command']}  ({after['why']})" if after else
+          "next device call: none (every part ended fine and whole): give the machine back")
     return 1 if bad else 0
 
 

@@ -18,8 +18,9 @@ The lines (names are what docs/gpu_checklist.md cites, as `smoke:NAME`):
   info, doctor         gputrain info / doctor (NVML telemetry, bandwidth and matmul measurement)
   fit-WORKLOAD         gputrain fit WORKLOAD --steps N: every built-in workload with its defaults
                        (cifar10-cnn and mnist-cnn read tiny files in the real formats, written here)
-  fit-...-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -recompute, -batch-auto, -resume:
-                       the switches' CUDA paths (compile inside the whole-step graph, the autotuner's
+  fit-...-compile, -regional-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -recompute, -batch-auto, -resume:
+                       the switches' CUDA paths (compile inside the whole-step graph, whole and
+                       regional (gpt-mini: each block compiled once), the autotuner's
                        trials, GradScaler, bf16 autocast, the device-side skip of non-finite steps, the
                        pinned DataLoader with its side-stream prefetcher, recompute, the
                        largest batch that fits, resume of a CUDA run's checkpoint)
@@ -151,6 +152,11 @@ def plan(args, work: Path) -> list[Line]:
         Line("fit-gpt-mini-compile",
              [*g, "fit", "gpt-mini", *fit_common, "--compile", "--run-dir", str(runs / "gpt-compile")],
              300, "torch.compile of a transformer (SDPA) inside the graph", expect=r"run directory"),
+        Line("fit-gpt-mini-regional-compile",
+             [*g, "fit", "gpt-mini", *fit_common, "--compile", "--compile-scope", "regional",
+              "--run-dir", str(runs / "gpt-regional")],
+             300, "regional compile (each block compiled once, shared) inside the whole-step graph",
+             expect=r"regional:\s+\d+\s+x\s+Block\s+in\s+blocks\s+compiled\s+once"),
         Line("fit-digits-cnn-fp16", [*g, "fit", "digits-cnn", *fit_common, "--precision", "fp16",
                                      "--run-dir", str(runs / "fp16")],
              180, "fp16 autocast + GradScaler (graphs off for fp16)", expect=r"run directory"),

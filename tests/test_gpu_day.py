@@ -168,9 +168,12 @@ def test_first_step_writes_its_json_after_each_case_and_starts_none_past_its_bud
     rc = first_step.main(["--models", "gpt-mini", "--only", "^gpt-mini (fit|loop) (whole|regional)$",
                           "--budget", "1.5", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert rc == 0 and ran == ["gpt-mini fit whole", "gpt-mini loop whole"]  # the clock passed 1.5 s after two
+    # the clock passed 1.5 s after two: fit's pair, whose ratio is the goal
+    assert rc == 0 and ran == ["gpt-mini fit regional", "gpt-mini fit whole"]
     assert result["status"] == "ok" and set(result["results"]) == set(ran)
-    assert result["skipped"] == ["gpt-mini fit regional (round 1)", "gpt-mini loop regional (round 1)"]
+    assert list(result["ratios"]) == ["from_fit_s: gpt-mini fit whole / gpt-mini fit regional",
+                                      "steady_ms: gpt-mini fit regional / gpt-mini fit whole"]
+    assert result["skipped"] == ["gpt-mini loop regional (round 1)", "gpt-mini loop whole (round 1)"]
     assert first_step.main(["--models", "gpt-mini", "--budget", "-1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["status"].startswith("skipped")
 
@@ -188,10 +191,45 @@ def test_the_day_runs_first_step_on_its_device_with_a_budget_that_leaves_the_las
 
     names = [s["name"] for s in first_step.plan(["gpt-mini"], Path("/w"), "cuda", first_step.sizes("cuda"))]
     chosen = [n for n in names if re.search(gpu_day.FIRST_STEP_GPU, n)]
-    assert chosen == ["gpt-mini fit whole", "gpt-mini loop whole", "gpt-mini fit regional", "gpt-mini loop regional",
-                      "gpt-mini fit whole second start", "gpt-mini fit regional second start"]
+    # each goal's pair back to back, fit's first: a part cut short still ends with whole pairs
+    assert chosen == ["gpt-mini fit regional", "gpt-mini fit whole", "gpt-mini loop regional", "gpt-mini loop whole",
+                      "gpt-mini fit regional second start", "gpt-mini fit whole second start"]
     assert [n for n in names if re.search(gpu_day.FIRST_STEP_CPU, n)] == [
         "gpt-mini fit regional", "gpt-mini loop regional", "gpt-mini fit regional second start"]
+
+
+def _parts(device: str, wanted: str, **parts: dict) -> dict:
+    return {"config": {"device": device, "parts": wanted.split(",")},
+            "parts": {k: {"name": k, "title": k, "seconds": 1.0, "budget_s": 10.0, **p} for k, p in parts.items()}}
+
+
+def test_the_day_names_the_next_device_call_from_what_failed_was_cut_short_or_never_ran(tmp_path):
+    ok = {"status": "ok"}
+    # a failed part and one the day never reached (the device command killed): rerun both after the fix
+    after = day_report.next_call(_parts("cuda", "a,b,c,d,e,f", a=ok, b=ok, c={"status": "crashed"}))
+    assert after["command"] == "bash benchmarks/gpu_session.sh day --parts c,d,e,f --budget 180"
+    assert after["why"].startswith("fix what failed, then rerun it alone: (c) crashed; (d) not reached")
+    # every part fine, but (e) ran out of time for some cases and (f) was skipped: run them again
+    short = {"status": "ok", "result": {"skipped": ["gpt-mini fit whole second start (round 1)"]}}
+    after = day_report.next_call(_parts("cuda", "a,e,f", a=ok, e=short,
+                                        f={"status": "skipped: the day's budget is spent"}))
+    assert after["command"] == "bash benchmarks/gpu_session.sh day --parts e,f --budget 180"
+    assert "(f) skipped: the day's budget is spent" in after["why"]
+    cut = {"status": "ok", "result": {"skipped": [], "timed_out": ["gpt-mini fit whole"]}}
+    assert day_report.next_call(_parts("cpu", "e", e=cut))["command"] == \
+        "bash benchmarks/gpu_session.sh day --device cpu --parts e"
+    # a whole day: nothing to run again
+    whole = _parts("cuda", "a,e,f", a=ok, e={"status": "ok", "result": {"skipped": [], "timed_out": []}},
+                   f={"status": "not installed"})
+    assert day_report.next_call(whole) is None
+    whole.update(device_slug="h100", command="gpu_day.py", results_path="r.json", environment={}, goals=[])
+    whole["config"]["budget_s"] = 510.0
+    day_report.write_markdown(whole, tmp_path / "whole.md")
+    assert "**Next device call:** none: every part ended fine and whole" in (tmp_path / "whole.md").read_text()
+    whole["parts"]["a"]["status"] = "failures"
+    day_report.write_markdown(whole, tmp_path / "failed.md")
+    assert "**Next device call:** `bash benchmarks/gpu_session.sh day --parts a --budget 180`: fix what failed" \
+        in (tmp_path / "failed.md").read_text()
 
 
 def test_a_cuda_day_without_a_gpu_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
