@@ -112,9 +112,19 @@ def next_call(day: dict[str, Any]) -> dict[str, str] | None:
     cpu = day["config"]["device"] == "cpu"
     command = (f"bash benchmarks/gpu_session.sh day{' --device cpu' if cpu else ''} --parts {','.join(keys)}"
                + ("" if cpu else f" --budget {RERUN_BUDGET_S}"))
+    lines = _smoke_lines_to_rerun(_get(parts, "a", "result") or {})
+    if "a" in keys and lines:  # the smoke lines that passed are not run again
+        command += f" --smoke-only '^({'|'.join(lines)})$'"
     if not cpu:
         why += f" (--budget: the device time left, less a minute; {RERUN_BUDGET_S} s after a full day)"
     return {"command": command, "why": why}
+
+
+def _smoke_lines_to_rerun(smoke: dict[str, Any]) -> list[str]:
+    """The smoke lines that failed, or were cut or skipped by the smoke's budget (not those skipped
+    for a reason that a rerun keeps: no optuna, a CUDA-only line on the CPU)."""
+    return [ln["name"] for ln in smoke.get("lines", [])
+            if ln["status"].startswith("fail") or (ln["status"].startswith("skipped") and "budget" in ln["status"])]
 
 
 def headline(env: dict[str, Any], device: str) -> str:

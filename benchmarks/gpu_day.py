@@ -4,6 +4,7 @@
     bash benchmarks/gpu_session.sh day                 # on the GPU machine, into $OUT: < 9 min on an H100
     bash benchmarks/gpu_session.sh day --device cpu    # the same code on the CPU, tiny sizes (CI runs it)
     python benchmarks/gpu_day.py --parts a,c --out DIR
+    bash benchmarks/gpu_session.sh day --parts a --smoke-only '^(profile|report)$' --budget 180   # a rerun
 
 Parts, in this order (the most important first), each a subprocess with its own time budget (plus
 what the parts before it left unused), so that a run cut short still returns what came before; after
@@ -93,7 +94,9 @@ def smoke_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
     cmd = [args.python, str(BENCH / "gpu_smoke.py"), "--out", str(work), "--device", args.device,
            "--budget", str(max(30.0, budget - 15))]
     if args.cpu:
-        cmd += ["--steps", "3", "--only", CPU_SMOKE]
+        cmd += ["--steps", "3"]
+    if args.smoke_only or args.cpu:
+        cmd += ["--only", args.smoke_only or CPU_SMOKE]
     return cmd, {}, work / "gpu_smoke.json"
 
 
@@ -317,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds for the whole day (default 510 on cuda: under 9 minutes; 1200 on cpu)")
     ap.add_argument("--grace", type=float, default=20, help="seconds a part may run past its budget to write")
     ap.add_argument("--zoo-tests", default="tests/test_zoo.py")
+    ap.add_argument("--smoke-only", default=None, metavar="REGEX",
+                    help="part (a): only the smoke lines whose names match (a rerun of the lines that failed)")
     ap.add_argument("--zoo-cases", type=int, default=None, help="run only the first N zoo cases (default: all on "
                     "cuda, 2 on cpu)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     day: dict[str, Any] = {
         "benchmark": "gpu_day", "command": shlex.join(["benchmarks/gpu_day.py", *(argv if argv is not None else sys.argv[1:])]),
         "config": {"device": args.device, "parts": args.wanted, "budget_s": args.budget, "grace_s": args.grace,
-                   "zoo_tests": args.zoo_tests, "zoo_cases": args.zoo_cases or "all",
+                   "smoke_only": args.smoke_only, "zoo_tests": args.zoo_tests, "zoo_cases": args.zoo_cases or "all",
                    "require_peers": args.require_peers,
                    "own_budgets_s": {p.key: p.budget_cpu if args.cpu else p.budget_gpu for p in PARTS},
                    "budget_rule": "a part's own budget plus what earlier parts left unused"},

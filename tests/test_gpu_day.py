@@ -209,6 +209,18 @@ def test_the_day_names_the_next_device_call_from_what_failed_was_cut_short_or_ne
     after = day_report.next_call(_parts("cuda", "a,b,c,d,e,f", a=ok, b=ok, c={"status": "crashed"}))
     assert after["command"] == "bash benchmarks/gpu_session.sh day --parts c,d,e,f --budget 180"
     assert after["why"].startswith("fix what failed, then rerun it alone: (c) crashed; (d) not reached")
+    # the smoke's lines that failed or that its budget cut or skipped, and none of those that passed
+    smoke = {"status": "failures", "result": {"lines": [
+        {"name": "gpu-tests", "status": "pass"}, {"name": "fit-gpt-mini-compile", "status": "fail: exit 1"},
+        {"name": "sweep", "status": "skipped: optuna not installed (pip install 'gputrain[sweep]')"},
+        {"name": "profile", "status": "fail: stopped at the overall budget after 160 s"},
+        {"name": "report", "status": "skipped: overall budget (165 s) spent"}]}}
+    after = day_report.next_call(_parts("cuda", "a,b", a=smoke, b=ok))
+    assert after["command"] == ("bash benchmarks/gpu_session.sh day --parts a --budget 180 "
+                                "--smoke-only '^(fit-gpt-mini-compile|profile|report)$'")
+    args = gpu_day.parse_args(["--smoke-only", "^(profile|report)$"])
+    cmd = gpu_day.smoke_part(args, Path("/w"), 180.0)[0]
+    assert cmd[cmd.index("--only") + 1] == "^(profile|report)$"
     # every part fine, but (e) ran out of time for some cases and (f) was skipped: run them again
     short = {"status": "ok", "result": {"skipped": ["gpt-mini fit whole second start (round 1)"]}}
     after = day_report.next_call(_parts("cuda", "a,e,f", a=ok, e=short,
