@@ -7,7 +7,8 @@
   `assert_same_tensors`;
 - files: `file_names`, `flip_a_byte`, `png_size`, `fork_child` (a child process to kill mid-write);
 - the command line in this process: `cli`;
-- subprocesses of the gputrain under test: `subprocess_env`, `free_port`, `start_process`, `process_descendants`,
+- subprocesses of the gputrain under test: `subprocess_env` (`unmeasured_env`: without `make coverage`'s
+  measurement, for a child under a file-size limit), `free_port`, `start_process`, `process_descendants`,
   `finish_process`, `torchrun`, `run_python`, `TORCHRUN`, `DIST_SCRIPTS`.
 """
 
@@ -242,6 +243,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     src = str(Path(gputrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def unmeasured_env(**extra: str) -> dict[str, str]:
+    """subprocess_env without `make coverage`'s measurement of the child: for a child under a file-size
+    limit (a full disk), where coverage cannot write its data at exit and would add its own traceback
+    to the one line the test reads."""
+    env = subprocess_env(**extra)
+    for k in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START"):
+        env.pop(k, None)
     return env
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import subprocess_env
+from helpers import subprocess_env, unmeasured_env
 
 HAS_PROC = Path("/proc/self").is_dir()  # a tree no one can create files in, not even root (Linux)
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
@@ -790,7 +790,7 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # in torch.save's writer: its RuntimeError
 
     proc = subprocess.run([sys.executable, "-m", "gputrain", "predict", "digits", "--data", "test", "--out",
-                           str(tmp_path / "p.pt")], cwd=work, env=subprocess_env(COLUMNS="200"), capture_output=True,
+                           str(tmp_path / "p.pt")], cwd=work, env=unmeasured_env(COLUMNS="200"), capture_output=True,
                           text=True, timeout=120, preexec_fn=limit)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
@@ -811,7 +811,7 @@ def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Pa
 
     argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(held / "sweep46.toml"), "--sweep-dir",
             str(tmp_path / "s")]
-    proc = subprocess.run(argv, cwd=held, env=subprocess_env(COLUMNS="200"), capture_output=True, text=True, timeout=240,
+    proc = subprocess.run(argv, cwd=held, env=unmeasured_env(COLUMNS="200"), capture_output=True, text=True, timeout=240,
                           preexec_fn=limit)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]

@@ -132,6 +132,20 @@ def test_an_object_registered_by_the_step_after_the_resume_gets_its_saved_state(
     assert seen == [(0, [], None), (9, [6, 7, 8], 9)]
 
 
+def test_an_entry_a_step_deletes_is_gone_from_the_user_dict_and_the_checkpoint():
+    """`del step.state[name]` removes it from the dict the user gave (kept in place), and the next
+    checkpoint holds no entry of that name."""
+    from gputrain.train.step.carried_state import CarriedState
+
+    given = {"hidden": torch.ones(2), "scratch": 3}
+    state = CarriedState(given, torch.device("cpu"))
+    del state["scratch"]
+    assert "scratch" not in given and list(state) == ["hidden"] and len(state) == 1
+    assert set(state.state_dict()["values"]) == {"hidden"}
+    with pytest.raises(KeyError):
+        del state["scratch"]
+
+
 def test_bad_state_is_one_clear_line(tmp_path):
     with pytest.raises(ConfigError, match="state= is a list: give a dict"):
         _run("rule", TrainConfig(**CFG), carry=[1, 2])  # type: ignore[arg-type]

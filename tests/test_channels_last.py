@@ -158,6 +158,34 @@ def test_wgan_gp_grad_view_in_a_step_of_your_own_refuses_nhwc(cuda_rule):
     assert "`grad = grad.view(grad.size(0), -1)` at" in reason and __file__ in reason
 
 
+def test_a_step_of_your_own_that_zeroes_its_gradients_first_is_probed_and_trains_as_unprobed(cuda_rule):
+    """The usual order, zero_grad -> backward -> step, in your own step: the probe runs it (its
+    zero_grad included: one that raises turns NHWC off) on its copy of the model, keeps NHWC, and the
+    run's own weights end as those of a run that no probe ran before."""
+
+    def step_fn(step, batch):
+        x, y = batch
+        step.zero_grad()
+        loss = F.cross_entropy(step.model(x), y)
+        step.backward(loss)
+        step.step()
+        return loss
+
+    def run(channels_last):
+        torch.manual_seed(0)
+        model = ReshapeNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = gputrain.TrainConfig(steps=4, batch_size=8, channels_last=channels_last)
+        return model, gputrain.fit(model, _data(), step_fn=step_fn, optimizer=opt, config=cfg)
+
+    probed_model, history = run("auto")
+    d = _decision(history)
+    assert d["value"] == "on" and "CUDA rule keeps NHWC" in d["reason"], d
+    plain, _ = run(False)
+    for a, b in zip(probed_model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_first_step_note_names_gputrains_choices_before_the_shapes(monkeypatch):
     def unprobed_rule(value, conv, device, world_size, probe_layout, reasons):  # as with several CUDA processes
         reasons["channels_last"] = "the CUDA rule, not probed"

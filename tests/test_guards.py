@@ -165,6 +165,27 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeyp
     assert CheckpointStore(run_dir).latest_path().name == "step-000005.pt"
 
 
+def test_a_resumed_run_whose_first_save_fails_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+    """The run has saved nothing yet itself: the intact previous checkpoint is the newest in its store."""
+    import errno
+
+    from gputrain.errors import CheckpointError
+    from gputrain.checkpoint.store import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    cfg = TrainConfig(device="cpu", batch_size=8, steps=20, checkpoint_every=5, run_dir=str(run_dir))
+    fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(), config=cfg.replace(stop_at_step=5))
+
+    def full(self, state, step, metrics=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CheckpointStore, "save", full)
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 10 .*No space left on device; the previous "
+                                              r"checkpoint .*step-000005\.pt is intact.*--resume"):
+        fit(mlp(), data(64), loss_fn=nn.CrossEntropyLoss(), config=cfg.replace(resume=True))
+    assert CheckpointStore(run_dir).latest_path().name == "step-000005.pt"
+
+
 # ---------------------------------------------------------------- on_nan="stop" checks where the loss is read
 
 def test_a_nan_gradient_in_the_step_before_a_checkpoint_never_reaches_it(tmp_path):

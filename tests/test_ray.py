@@ -200,3 +200,27 @@ def test_import_gputrain_and_a_run_without_ray_never_import_ray(tmp_path):
     proc = finish_process(start_process([sys.executable, "-c", code]), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+def test_a_workers_refusal_in_rays_error_is_raised_as_its_own_one_line():
+    """Ray wraps a worker's exception (its cause chain, or its errors by rank): the driver finds the
+    gputrain refusal there and raises it as the same type, first line only; None for any other error."""
+    from gputrain.errors import CheckpointError, ConfigError
+    from gputrain.runs.ray_run import _refusal_in
+
+    class TrainingFailed(RuntimeError):  # as Ray Train's TrainingFailedError carries its workers' errors
+        def __init__(self, worker_failures):
+            super().__init__("training failed")
+            self.worker_failures = worker_failures
+
+    try:
+        try:
+            raise ConfigError("--batch-size 0: give a positive integer\n(the rest of a long message)")
+        except ConfigError as exc:
+            raise RuntimeError("Ray's wrapper") from exc
+    except RuntimeError as wrapped:
+        found = _refusal_in(wrapped)
+    assert type(found) is ConfigError and str(found) == "--batch-size 0: give a positive integer"
+    by_rank = _refusal_in(TrainingFailed({0: ValueError("other"), 1: CheckpointError("disk full")}))
+    assert type(by_rank) is CheckpointError and str(by_rank) == "disk full"
+    assert _refusal_in(TrainingFailed([RuntimeError("a crash")])) is None

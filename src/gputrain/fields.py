@@ -158,14 +158,6 @@ def one_of(choices: Iterable[Any], *, optional: bool = False, message: str | Non
     return check
 
 
-def all_of(*checks: Check) -> Check:
-    def check(name: str, value: Any) -> None:
-        for c in checks:
-            c(name, value)
-
-    return check
-
-
 def _int_range(low: int | None, high: int | None) -> str:
     if low is not None and high is not None:
         return f"an integer from {low} to {high}"
