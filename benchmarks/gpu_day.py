@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -339,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(wanted) - {p.key for p in PARTS})
     if unknown:
         ap.error(f"unknown parts {unknown}: choose from {','.join(p.key for p in PARTS)}")
+    if args.smoke_only is not None:
+        try:  # refused here, not after the machine's minutes went to the parts before the smoke's start
+            re.compile(args.smoke_only)
+        except re.error as exc:
+            ap.error(f"--smoke-only {args.smoke_only!r} is not a regular expression ({exc}): give one that "
+                     "matches smoke line names, e.g. '^(profile|report)$'")
     args.wanted = wanted
     return args
 

@@ -18,7 +18,8 @@ The lines (names are what docs/gpu_checklist.md cites, as `smoke:NAME`):
   info, doctor         gputrain info / doctor (NVML telemetry, bandwidth and matmul measurement)
   fit-WORKLOAD         gputrain fit WORKLOAD --steps N: every built-in workload with its defaults
                        (cifar10-cnn and mnist-cnn read tiny files in the real formats, written here)
-  fit-...-compile, -regional-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -recompute, -batch-auto, -resume:
+  fit-...-compile, -regional-compile, -autotune, -fp16, -bf16, -on-nan-skip, -loader, -recompute,
+  -batch-auto, -resume:
                        the switches' CUDA paths (compile inside the whole-step graph, whole and
                        regional (gpt-mini: each block compiled once), the autotuner's
                        trials, GradScaler, bf16 autocast, the device-side skip of non-finite steps, the

@@ -811,8 +811,8 @@ def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Pa
 
     argv = [sys.executable, "-m", "gputrain", "sweep", "--config", str(held / "sweep46.toml"), "--sweep-dir",
             str(tmp_path / "s")]
-    proc = subprocess.run(argv, cwd=held, env=unmeasured_env(COLUMNS="200"), capture_output=True, text=True, timeout=240,
-                          preexec_fn=limit)
+    proc = subprocess.run(argv, cwd=held, env=unmeasured_env(COLUMNS="200"), capture_output=True, text=True,
+                          timeout=240, preexec_fn=limit)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert re.search(r"cannot write the sweep's study \S+/study.db \(.*\): free disk space \(or raise the file-size "

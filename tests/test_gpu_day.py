@@ -263,6 +263,13 @@ def test_an_unknown_part_is_one_clear_line(part, capsys):
     assert "unknown parts" in capsys.readouterr().err
 
 
+def test_a_smoke_only_that_is_no_regular_expression_is_one_clear_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_day.parse_args(["--parts", "a", "--smoke-only", "^(profile|report$"])
+    assert exc.value.code == 2
+    assert "--smoke-only '^(profile|report$' is not a regular expression" in capsys.readouterr().err
+
+
 def test_the_output_and_the_summary_start_with_the_device_name_and_the_torch_version(tmp_path, capsys):
     import torch
 
