@@ -113,15 +113,15 @@ def test_whole_and_fallback_decisions():
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     cfg = TrainConfig(device="cpu", compile="regional", steps=1, batch_size=4, loggers=())
     t = Trainer(resnet, (x, y), loss_fn=nn.functional.cross_entropy, config=cfg)
-    assert isinstance(t.model, torch._dynamo.eval_frame.OptimizedModule)  # compiled whole
-    assert t.speed.reasons["compile"].startswith("requested (mode default); whole model: regional compilation "
+    assert isinstance(t.parts.model.model, torch._dynamo.eval_frame.OptimizedModule)  # compiled whole
+    assert t.parts.speed.reasons["compile"].startswith("requested (mode default); whole model: regional compilation "
                                                  "asked, but the largest run "
                                                  "of identical blocks (2 x BasicBlock in layers) holds")
     gpt = GPTMini(65, block_size=8, n_layer=4, n_embd=16, n_head=2)
     t = Trainer(gpt, (torch.randint(0, 65, (8, 8)),), compute_loss=lambda m, b: m(b[0]).mean(),
                 config=cfg.replace(compile=True))
-    assert isinstance(t.model, torch._dynamo.eval_frame.OptimizedModule)
-    reason = t.speed.reasons["compile"]  # compile=True keeps its meaning
+    assert isinstance(t.parts.model.model, torch._dynamo.eval_frame.OptimizedModule)
+    reason = t.parts.speed.reasons["compile"]  # compile=True keeps its meaning
     assert reason.startswith("requested (mode default); whole model") and "regional" not in reason
     found = find_repeated_blocks(gpt)
     assert found is not None and (found.container, found.block_class, found.count) == ("blocks", "Block", 4)

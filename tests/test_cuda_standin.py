@@ -268,7 +268,7 @@ def test_speed_switches_on_an_h100_and_a_v100(fake_cuda):
 
 
 def _cuda_run(config: TrainConfig):
-    """A stand-in for a CUDA run with what the run summary reads (train/loop/run_summary.py's `Finished`),
+    """A stand-in for a CUDA run with the parts the run summary reads (train/loop/parts.py's `RunParts`),
     every part decided under the stand-in by gputrain's own functions (device, precision, placement,
     speed); the loop's figures are given (2 log points)."""
     from gputrain.data.placement import column_placement
@@ -283,26 +283,28 @@ def _cuda_run(config: TrainConfig):
     from gputrain.train.step.loss import LossRule
     from gputrain.train.loop.startup_costs import StartupClock
     from gputrain.train.loop.state import RunState
+    from gputrain.train.modes import UserModes
 
     device = pick_device(config.device)
     precision = RunPrecision(resolve_precision(config.precision, device), device)
     speed = decide_speed(config, _conv_net(), device, use_scaler=precision.precision.use_scaler)
-    return types.SimpleNamespace(
-        config=config, device=device, is_main=True, precision=precision, speed=speed,
-        placement=column_placement(_columns(2), device, config.data_on_device, config.device_memory_fraction),
-        loss=LossRule(nn.CrossEntropyLoss()), optimizer_desc="AdamW (fused, graph-capturable)",
-        schedule_desc=f"{config.schedule} (built-in)", callbacks=CallbackList(None),
-        eval_points=EvalPoints(None, 100, 1, 200, config.log_every, has_eval=False), eval_loader=None,
-        batch_size=config.batch_size, total_steps=200, dist=SINGLE, run_dir=config.run_dir, train_loader=None,
-        history=History(records=[], config=config.to_dict(), summary={}),
-        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[], recompiles=None,
-        checkpoint=types.SimpleNamespace(parts={}), checkpointer=types.SimpleNamespace(timings=[]),
-        train_step=types.SimpleNamespace(splits=1), spikes=SpikeDetector(None, 10, 3, "warn"), recomputed=[],
-        startup=StartupClock(),  # the time before the first step (no step in a stand-in: "no step yet")
-        task="classification", control=types.SimpleNamespace(metric_direction=lambda key: metric_direction(
-            key, config.metric_modes)),
+    ns = types.SimpleNamespace
+    return ns(
+        config=config, device=device, is_main=True, precision=precision, speed=speed, dist=SINGLE,
+        run_dir=config.run_dir, history=History(records=[], config=config.to_dict(), summary={}),
+        state=RunState(step=200, samples_seen=200 * config.batch_size), warnings=[],
+        data=ns(placement=column_placement(_columns(2), device, config.data_on_device, config.device_memory_fraction),
+                eval_points=EvalPoints(None, 100, 1, 200, config.log_every, has_eval=False), eval=None,
+                batch_size=config.batch_size, total_steps=200, train=None),
+        optim=ns(optimizer_desc="AdamW (fused, graph-capturable)", schedule_desc=f"{config.schedule} (built-in)"),
         # The graph wrapper as graph_status reads it (no capture failed); its CUDA side needs a real GPU.
-        graphed=types.SimpleNamespace(failed=None) if speed.cuda_graphs else None)
+        step=ns(loss=LossRule(nn.CrossEntropyLoss()), body=ns(micro=ns(splits=1)), own=False,
+                graphed=ns(failed=None) if speed.cuda_graphs else None),
+        model=ns(recomputed=[], compile=None, modes=UserModes(_conv_net())), callbacks=CallbackList(None),
+        checkpoints=ns(model_part=ns(frozen=None), writer=ns(timings=[])),
+        guards=ns(spikes=SpikeDetector(None, 10, 3, "warn")),
+        startup=StartupClock(),  # the time before the first step (no step in a stand-in: "no step yet")
+        task="classification", control=ns(metric_direction=lambda key: metric_direction(key, config.metric_modes)))
 
 
 def test_cuda_run_summary_report_and_tensorboard(fake_cuda, tmp_path, caplog):

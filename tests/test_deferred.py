@@ -222,7 +222,7 @@ def test_the_trainer_defers_only_when_a_graph_runs_the_step():
 
     trainer = Trainer(_model(), _images(), loss_fn=nn.CrossEntropyLoss(),
                       config=TrainConfig(device="cpu", batch_size=32, steps=2, cuda_graphs=True))
-    assert trainer.graphed is None and trainer.train_loader.defer is False
+    assert trainer.parts.step.graphed is None and trainer.parts.data.train.defer is False
 
 
 def test_a_deferred_batch_missing_part_of_the_interface_fails_loudly():

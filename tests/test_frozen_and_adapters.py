@@ -132,7 +132,7 @@ def test_decay_groups_keep_the_graph_path_exact(capture_graphs):
         with watch_host_reads() as reads:
             for _ in range(4):
                 trainer.train_one_step()
-        assert reads.total == 0 and len(trainer.optimizer.param_groups) == 2
+        assert reads.total == 0 and len(trainer.parts.optim.optimizer.param_groups) == 2
     finally:
         trainer.close()
     CaptureGraphs.instances.clear()

@@ -119,8 +119,8 @@ def test_a_callback_sets_the_device_lr_that_the_graph_replays_read():
                       config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=40, log_every=10,
                                          lr=1e-2, cuda_graphs=True))
     h = trainer.run()
-    assert h.summary["cuda_graphs"] == "on" and trainer.graphed is not None and trainer.graphed.replays > 20
-    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert h.summary["cuda_graphs"] == "on" and trainer.parts.step.graphed is not None and trainer.parts.step.graphed.replays > 20
+    lr = trainer.parts.optim.optimizer.param_groups[0]["lr"]
     assert lr is seen["lr"] and lr.is_cuda and lr.item() == pytest.approx(1e-30)
     # AdamW moves a weight by about lr a step: at 1e-30 the 20 replays after the callback change nothing
     assert torch.equal(params(model), seen["before"])
@@ -143,10 +143,10 @@ def test_the_built_in_schedule_writes_the_device_lr_between_replays():
                       config=TrainConfig(device="cuda", precision="fp32", batch_size=64, steps=30, log_every=10,
                                          lr=1e-2, schedule="linear", cuda_graphs=True))
     h = trainer.run()
-    assert h.summary["cuda_graphs"] == "on" and trainer.graphed is not None and trainer.graphed.replays > 20
-    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert h.summary["cuda_graphs"] == "on" and trainer.parts.step.graphed is not None and trainer.parts.step.graphed.replays > 20
+    lr = trainer.parts.optim.optimizer.param_groups[0]["lr"]
     assert lr is start["lr"] and lr.is_cuda
-    assert lr.item() == pytest.approx(1e-2 * trainer.scheduler.fn(30), abs=1e-9)  # linear: 0 at the end
+    assert lr.item() == pytest.approx(1e-2 * trainer.parts.optim.scheduler.fn(30), abs=1e-9)  # linear: 0 at the end
     assert [r["lr"] for r in h.records if "lr" in r] == pytest.approx([1e-2 * 20 / 30, 1e-2 * 10 / 30, 0.0], abs=1e-9)
 
 
@@ -320,39 +320,39 @@ def _refused_by_cuda_autocast():
 @pytest.mark.gpu
 @pytest.mark.parametrize("auto", ["bf16", "fp16"])
 def test_a_first_step_that_cuda_autocast_refuses_is_retried_in_fp32_from_the_same_cuda_rng(monkeypatch, auto):
-    """train/step/precision_gate.py on CUDA, with torch's own CUDA autocast refusal: the automatic precision
+    """train/step/autocast_decider.py on CUDA, with torch's own CUDA autocast refusal: the automatic precision
     (bf16 on this GPU; fp16 with its GradScaler, as on a GPU without bf16) becomes fp32, the retry starts
-    from the CUDA generator's state of the failed attempt (`PrecisionGate.__call__: if cuda_rng`), and with
-    fp16 the step gives up the GradScaler for the device-side skip of non-finite steps (on_nan='skip';
-    `_can_fall_back: if ...use_scaler and ...`, TrainStep.follow_precision)."""
+    from the CUDA generator's state of the failed attempt (first_step.py's `RngState.restore: if self.cuda`),
+    and with fp16 the step gives up the GradScaler for the device-side skip of non-finite steps (on_nan='skip';
+    `_can_fall_back: if ...skips_nonfinite and ...`, NonFiniteFlag.follow_precision)."""
     from gputrain.runtime import precision as precision_mod
-    from gputrain.train.step import precision_gate
+    from gputrain.train.step import first_step
     from gputrain.train.loop.trainer import Trainer
 
     if auto == "fp16":
         monkeypatch.setattr(precision_mod, "_cuda_bf16", lambda device: False)
     states: list[torch.Tensor] = []
-    real_init = precision_gate.PrecisionGate.__init__
+    real_init = first_step.FirstStepGate.__init__
 
-    def recording_init(self, step_fn, **kw):
+    def recording_init(self, step_fn, deciders, **kw):
         def step(micro_batches):
             states.append(torch.cuda.get_rng_state())
             return step_fn(micro_batches)
 
-        real_init(self, step, **kw)
+        real_init(self, step, deciders, **kw)
 
-    monkeypatch.setattr(precision_gate.PrecisionGate, "__init__", recording_init)
+    monkeypatch.setattr(first_step.FirstStepGate, "__init__", recording_init)
     model, batches = _refused_by_cuda_autocast()
     t = Trainer(model, batches, loss_fn=nn.functional.binary_cross_entropy,
                 config=TrainConfig(device="cuda", steps=4, log_every=2, on_nan="skip", loggers=()))
     try:
-        assert t.precision.name == auto and t.precision.scaler.is_enabled() == (auto == "fp16")
+        assert t.parts.precision.name == auto and t.parts.precision.scaler.is_enabled() == (auto == "fp16")
         t.run_steps(4)
-        assert t.precision.name == "fp32" and not t.precision.scaler.is_enabled()
-        assert "unsafe to autocast" in t.precision.precision.reason
+        assert t.parts.precision.name == "fp32" and not t.parts.precision.scaler.is_enabled()
+        assert "unsafe to autocast" in t.parts.precision.precision.reason
         assert len(states) >= 2 and torch.equal(states[0], states[1])  # the retry draws the same dropout mask
         if auto == "fp16":
-            assert t.train_step._scaled is False and t.train_step.skip_nonfinite is True
+            assert t.parts.precision.scaled is False and t.parts.step.body.flag.on_device is True
         assert all(math.isfinite(p.detach().float().sum().item()) for p in model.parameters())
     finally:
         t.close()
@@ -361,19 +361,19 @@ def test_a_first_step_that_cuda_autocast_refuses_is_retried_in_fp32_from_the_sam
 @pytest.mark.gpu
 def test_the_layout_probe_leaves_the_cuda_generator_where_it_was(monkeypatch):
     """train/step/layout.py on CUDA: the probe's passes (dropout on NHWC activations) run inside
-    fork_rng(devices=[cuda]) and start from the CUDA generator's state (`probe_pass: if cuda_rng`), so the
+    fork_rng(devices=[cuda]) and start from the CUDA generator's state (first_step.py's `RngState.restore`), so the
     first real step draws the masks it would draw without the probe."""
     from gputrain.train.step import layout
 
     seen: dict[str, torch.Tensor] = {}
-    real_decide = layout.LayoutGate.decide
+    real_decide = layout.LayoutDecider.decide
 
     def decide(self, batch):
         seen["before"] = torch.cuda.get_rng_state()
         real_decide(self, batch)
         seen["after"] = torch.cuda.get_rng_state()
 
-    monkeypatch.setattr(layout.LayoutGate, "decide", decide)
+    monkeypatch.setattr(layout.LayoutDecider, "decide", decide)
 
     class ReshapeNet(nn.Module):
         def __init__(self):

@@ -223,7 +223,7 @@ def test_the_stand_in_graph_freezes_python_numbers_as_a_gpu_does(capture_graphs,
     spec = CELLS["OneCycleLR with momentum"][0]
     monkeypatch.setattr(speed, "scheduler_blocker", lambda scheduler: None)
     monkeypatch.setattr(graphs._PythonValues, "changed", lambda self: None)
-    import gputrain.train.loop.trainer as trainer_module
+    import gputrain.train.loop.build as trainer_module
 
     monkeypatch.setattr(trainer_module, "scheduler_blocker", lambda scheduler: None)
     frozen = _train(spec)
@@ -236,7 +236,7 @@ def test_the_stand_in_graph_freezes_python_numbers_as_a_gpu_does(capture_graphs,
 def test_the_graph_switches_itself_off_when_a_python_number_changes(capture_graphs, monkeypatch, caplog):
     """With the scheduler rule left out, the graph's own check still catches the momentum written
     after capture: the run continues eagerly, says why, and ends where the eager run ends."""
-    import gputrain.train.loop.trainer as trainer_module
+    import gputrain.train.loop.build as trainer_module
 
     monkeypatch.setattr(trainer_module, "scheduler_blocker", lambda scheduler: None)
     spec = CELLS["OneCycleLR with momentum"][0]

@@ -112,7 +112,7 @@ def test_a_step_of_your_own_reads_nothing_on_the_host_per_step():
                 trainer.train_one_step()
         assert reads.total == 0, reads.result(5)["sites"]
         trainer.run_steps(93)  # to the log point: one read of every sum
-        assert trainer.history.records[-1]["step"] == 100 and "d_loss" in trainer.history.records[-1]
+        assert trainer.parts.history.records[-1]["step"] == 100 and "d_loss" in trainer.parts.history.records[-1]
     finally:
         trainer.close()
 

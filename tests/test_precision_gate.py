@@ -1,5 +1,5 @@
 """An automatic autocast that the model's first step refuses becomes fp32 for the run
-(train/step/precision_gate.py); a requested one is never changed, and the note after its failure names it.
+(train/step/autocast_decider.py); a requested one is never changed, and the note after its failure names it.
 
 Simulated on the CPU, and why: the refusal is CUDA autocast's (torch raises "torch.nn.functional.
 binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast" only under CUDA autocast; CPU autocast
@@ -24,7 +24,7 @@ from torch import nn
 import gputrain
 from gputrain.runtime import precision as precision_mod
 from gputrain.runtime.precision import Precision, RunPrecision, fp32_instead
-from gputrain.train.loop import trainer as trainer_mod
+from gputrain.train.loop import build as trainer_mod
 
 SEED = 0
 # torch's message for the ops its CUDA autocast refuses (aten/src/ATen/autocast_mode.cpp), first lines.

@@ -55,20 +55,20 @@ def test_the_probe_builds_the_trainers_step(name, changes):
     else:
         trainer, probe = _pair(Blocks, data(64), config)
     try:
-        assert type(probe.optimizer) is type(trainer.optimizer)
+        assert type(probe.optimizer) is type(trainer.parts.optim.optimizer)
         assert ({k: v for k, v in probe.optimizer.defaults.items() if k in FLAGS}
-                == {k: v for k, v in trainer.optimizer.defaults.items() if k in FLAGS})
-        assert probe.optimizer_desc == trainer.optimizer_desc
+                == {k: v for k, v in trainer.parts.optim.optimizer.defaults.items() if k in FLAGS})
+        assert probe.optimizer_desc == trainer.parts.optim.optimizer_desc
         assert probe.optimizer.param_groups[0]["lr"] == 0.0  # the probe's only difference: lr 0
-        assert probe.speed.decisions() == trainer.speed.decisions()
-        assert probe.precision.precision == trainer.precision.precision
-        assert probe.recomputed == trainer.recomputed
-        assert type(probe.model) is type(trainer.model)  # compiled (OptimizedModule) or not
+        assert probe.speed.decisions() == trainer.parts.speed.decisions()
+        assert probe.precision.precision == trainer.parts.precision.precision
+        assert probe.recomputed == trainer.parts.model.recomputed
+        assert type(probe.model) is type(trainer.parts.model.model)  # compiled (OptimizedModule) or not
         layouts = [[p.is_contiguous(memory_format=torch.channels_last) for p in m.parameters() if p.dim() == 4]
-                   for m in (probe.module, trainer.module)]
+                   for m in (probe.module, trainer.parts.model.module)]
         assert layouts[0] == layouts[1]
-        assert probe.train_step.max_grad_norm == trainer.train_step.max_grad_norm
-        assert not probe.train_step.oom_recovery  # an out-of-memory error is the probe's finding
+        assert probe.train_step.max_grad_norm == trainer.parts.step.body.max_grad_norm
+        assert not probe.train_step.micro.oom_recovery  # an out-of-memory error is the probe's finding
     finally:
         probe.close()
         trainer.close()
@@ -120,8 +120,8 @@ def test_on_cuda_the_probe_captures_the_step_as_fit_does():
     config = TrainConfig(device="cuda", batch_size=32, steps=1)
     trainer = Trainer(w.make_model(), w.make_data(), loss_fn=w.loss_fn, config=config)
     with StepProbe(w.make_model().cuda(), LossRule(w.loss_fn), config) as probe:
-        assert probe.speed.decisions() == trainer.speed.decisions() and probe.speed.cuda_graphs
-        assert probe.optimizer.defaults["capturable"] == trainer.optimizer.defaults["capturable"] is True
+        assert probe.speed.decisions() == trainer.parts.speed.decisions() and probe.speed.cuda_graphs
+        assert probe.optimizer.defaults["capturable"] == trainer.parts.optim.optimizer.defaults["capturable"] is True
         batches = probe_batches(w.make_data(), probe)
         assert batches is not None
         probe.step(batches(32))

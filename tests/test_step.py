@@ -179,7 +179,7 @@ def test_the_step_clears_every_gradient_of_the_optimizer_as_it_is_at_each_step()
 def test_a_cpu_step_adds_its_loss_in_place_and_keeps_no_tensor_per_step():
     """Kept 0-dim tensors between the step's activations made glibc's heap grow ~2 MB a step on the
     CPU: there every loss goes into the sum at once; the list (no op per step) is CUDA's."""
-    from gputrain.train.step.train_step import keeps_losses_in_a_list
+    from gputrain.train.step.totals import keeps_losses_in_a_list
 
     x, y = data(16)
     model = mlp()
@@ -188,13 +188,13 @@ def test_a_cpu_step_adds_its_loss_in_place_and_keeps_no_tensor_per_step():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(3):
         step.run([(x, y)])
-        assert step.pending == []
+        assert step.totals.pending == []
         loss = nn.CrossEntropyLoss()(ref(x), y)
         losses.append(float(loss))
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-    assert abs(float(step.loss_sum) - sum(losses)) < 1e-5
+    assert abs(float(step.totals.loss_sum) - sum(losses)) < 1e-5
     assert keeps_losses_in_a_list(torch.device("cuda", 0)) and not keeps_losses_in_a_list(CPU)
 
 

@@ -128,7 +128,7 @@ def test_a_step_that_reads_step_index_reads_nothing_on_the_host_per_step():
                 trainer.train_one_step()
         assert reads.total == 0, reads.result(10)["sites"]
         trainer.run_steps(28)
-        record = trainer.history.records[-1]
+        record = trainer.parts.history.records[-1]
         assert record["step"] == 40 and record["g_loss_steps"] == 8 and "critic_steps" not in record
     finally:
         trainer.close()

@@ -197,7 +197,7 @@ def test_graphed_step_matches_eager_on_gpu(schedule):
                           schedule=schedule, warmup_steps=5)
         trainer = Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
         h = trainer.run()
-        runs[graphs] = (params(model).cpu(), h, trainer.graphed)
+        runs[graphs] = (params(model).cpu(), h, trainer.parts.step.graphed)
     assert runs[True][1].summary["cuda_graphs"] == "on"
     graphed = runs[True][2]
     # 24 steps: 3 warm-up, then the 50-batch graph; the first partial batch runs eagerly once and

@@ -7,7 +7,7 @@ CPU: fp32, the user's layout, the author's optimizer), within the README's bf16 
 does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs). fit runs first; the hand loop then runs
 in the precision fit reports it used (history.summary): its forward under the same `torch.autocast`
 (the AMP recipe) for bf16, without autocast where fit's first step found its automatic bf16 refused and
-trained in fp32 (DCGAN's and VAE's BCELoss on CUDA: train/step/precision_gate.py), TF32 set as that
+trained in fp32 (DCGAN's and VAE's BCELoss on CUDA: train/step/autocast_decider.py), TF32 set as that
 precision sets it.
 
 The device comes from GPUTRAIN_ZOO_DEVICE ("cpu" by default; "cuda" on a GPU machine:
@@ -51,7 +51,7 @@ def _device() -> torch.device:
 def _amp(device: torch.device, name: str):
     """The hand loop's autocast for the precision fit reports it used (history.summary["precision"]):
     fit's default on `device` (none on the CPU; bf16 on a CUDA GPU with bf16), or fp32 where the first
-    step refused fit's automatic autocast (train/step/precision_gate.py: DCGAN's and VAE's BCELoss)."""
+    step refused fit's automatic autocast (train/step/autocast_decider.py: DCGAN's and VAE's BCELoss)."""
     precision = resolve_precision(name, device)
     if precision.autocast_dtype is None:
         return contextlib.nullcontext

@@ -16,7 +16,7 @@ import collections.abc
 import copy
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -227,7 +227,33 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
     return obj
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> torch.optim.Optimizer:
+class OptimizerLike(Protocol):
+    """An optimizer as its state is moved and checkpointed: torch's `Optimizer`, or several named
+    ones that act as one (a step of your own's, train/optim/by_name.py's `OptimizerSet`)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def state(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+_Optimizer = TypeVar("_Optimizer", bound=OptimizerLike)
+
+
+def torch_optimizers(optimizer: OptimizerLike) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """What torch.distributed.checkpoint's state-dict functions take for `optimizer`: the optimizer
+    itself, or a named set's optimizers (as iterating the set gives them)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return list(getattr(optimizer, "optimizers").values())
+
+
+def move_optimizer_state(optimizer: _Optimizer, device: torch.device | str) -> _Optimizer:
     """Move an optimizer's state (e.g. Adam's moments) to follow its model; returns the optimizer.
 
     Scalar `step` counters stay where they are unless the optimizer is capturable/fused, whose

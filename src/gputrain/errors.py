@@ -30,14 +30,28 @@ class StopRequested(GputrainError):
         self.exit_code, self.step, self.checkpoint = exit_code, step, checkpoint
 
 
-def user_frame(exc: BaseException) -> str:
-    """file:line (function) of the innermost frame of `exc` outside torch and gputrain's training
-    core and data path: where in the user's code (model, loss, data) it was raised."""
+def user_frame_summary(exc: BaseException):
+    """The innermost frame of `exc` outside torch and gputrain (a `traceback.FrameSummary`), or None:
+    where in the user's code (model, loss, data, step) it was raised. gputrain's frames are told by
+    its package folder, not by "/gputrain/" in the path: a checkout named gputrain holds the user's
+    tests and examples too."""
+    import os
     import traceback
 
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep  # .../gputrain/
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/torch/" not in fr.filename.replace("\\", "/") and not os.path.abspath(fr.filename).startswith(package):
+            return fr
+    return None
+
+
+def user_frame(exc: BaseException) -> str:
+    """file:line (function) of the user's frame of `exc` (`user_frame_summary`); without one, the
+    innermost frame."""
+    import traceback
+
+    fr = user_frame_summary(exc)
+    if fr is not None:
+        return f"{fr.filename}:{fr.lineno} ({fr.name})"
     frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
-        f = fr.filename.replace("\\", "/")
-        if "/torch/" not in f and "/gputrain/train/" not in f and "/gputrain/data/" not in f:
-            return f"{fr.filename}:{fr.lineno} ({fr.name})"
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"

@@ -79,12 +79,12 @@ cfg = TrainConfig(device="cpu", batch_size=args.batch, accumulate=args.accumulat
                   checkpoint_every=args.every, stop_at_step=args.stop_at, checkpoint_format=args.format,
                   async_checkpoint=args.async_save, loggers=("csv",))
 trainer = Trainer(Net(), (x, y), loss_fn=nn.CrossEntropyLoss(), config=cfg)
-info = trainer.dist
+info = trainer.parts.dist
 try:
     history = trainer.run()
     if args.full_copy:
         trainer.save_checkpoint(Path(args.full_copy))  # one file: every rank takes part, rank 0 writes
-    result = {"summary": history.summary, "wrapper": type(trainer.model).__name__,
+    result = {"summary": history.summary, "wrapper": type(trainer.parts.model.model).__name__,
               "last_checkpoint": trainer.last_checkpoint}
 finally:
     trainer.close()

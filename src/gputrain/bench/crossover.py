@@ -17,13 +17,16 @@ it. GPU modes, each against the same CPU step:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from gputrain.bench.common import accelerators, device_name, free_device_memory, new_result, on_device
 from gputrain.runtime.timing import measure
+
+if TYPE_CHECKING:
+    from gputrain.train import Trainer
 
 # (label, features, classes, batch): iris-sized to CIFAR-sized problems
 DEFAULT_DATA = (("iris", 4, 3, 150), ("digits", 64, 10, 256), ("mnist", 784, 10, 512),
@@ -75,16 +78,7 @@ def _trainer(features: int, width: int, classes: int, batch: int, device: torch.
     return Trainer(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=config)
 
 
-class Stepped(Protocol):
-    """What the grid reads of a Trainer (train/loop/trainer.py): its step as the loop runs it, and
-    whether that step replays from a CUDA graph ("on", or "off: why")."""
-
-    def train_one_step(self) -> None: ...
-
-    def graph_status(self) -> str: ...
-
-
-def training_step(trainer: Stepped) -> Callable[[], None]:
+def training_step(trainer: Trainer) -> Callable[[], None]:
     """The trainer's step as `fit` runs it; when graphed, warmed up and captured before timing."""
     if trainer.graph_status() == "on":  # cuda-only: graphs run on CUDA only
         from gputrain.train.step.graphs import WARMUP_STEPS
@@ -125,7 +119,7 @@ def _modes(gpu: torch.device | None, shape: tuple[int, int, int, int]) -> dict[s
 
         def step() -> None:
             trainer.train_one_step()
-            trainer.train_step.loss_sum.item()  # the tutorials' per-step loss read: a host <-> device sync
+            trainer.parts.step.body.totals.loss_sum.item()  # the tutorials' per-step loss read: a host <-> device sync
 
         return step
 

@@ -121,13 +121,13 @@ def _one_batch(case, B: int, dev: torch.device, recompute: bool) -> dict[str, An
             torch.cuda.reset_peak_memory_stats(dev)
         trainer.train_one_step()  # the first step at this size: its peak is the figure (also creates AdamW state)
         peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
-        model, xd, yd = trainer.model, x.to(dev), y.to(dev)
-        if trainer.speed.channels_last:
+        model, xd, yd = trainer.parts.model.model, x.to(dev), y.to(dev)
+        if trainer.parts.speed.channels_last:
             xd = xd.contiguous(memory_format=torch.channels_last)
         loss_fn = torch.nn.CrossEntropyLoss()
         saved = saved_tensor_bytes(lambda: loss_fn(model(xd), yd), exclude=list(model.parameters()))
         t = measure(trainer.train_one_step, dev, warmup=0, repeats=3, min_sample_s=0.0, max_inner=1)
-        recomputed = list(trainer.recomputed)
+        recomputed = list(trainer.parts.model.recomputed)
     except (RuntimeError, MemoryError) as exc:
         if is_oom(exc):
             return None

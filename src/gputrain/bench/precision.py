@@ -65,16 +65,16 @@ def _train(case, prec, device: torch.device, x: torch.Tensor, y: torch.Tensor, c
     try:
         for _ in range(cfg["warmup_steps"]):
             trainer.train_one_step()
-        first_loss = float(trainer.train_step.take_totals()[0]) / max(1, cfg["warmup_steps"])
+        first_loss = float(trainer.parts.step.body.totals.take()[0]) / max(1, cfg["warmup_steps"])
         per_chunk = max(1, cfg["steps"] // cfg["chunks"])
         samples = []
         for _ in range(cfg["chunks"]):
-            trainer.train_step.take_totals()
+            trainer.parts.step.body.totals.take()
             samples.append(elapsed(trainer.train_one_step, per_chunk) / per_chunk)  # seconds per step
-        final_loss = float(trainer.train_step.take_totals()[0]) / per_chunk  # mean loss over the last chunk
+        final_loss = float(trainer.parts.step.body.totals.take()[0]) / per_chunk  # mean loss over the last chunk
         peak = int(torch.cuda.max_memory_allocated(device) - base) if base is not None else None
-        model = trainer.model
-        saved = saved_tensor_bytes(lambda: _forward(model, loss_fn, trainer.precision, x[:B], y[:B]),
+        model = trainer.parts.model.model
+        saved = saved_tensor_bytes(lambda: _forward(model, loss_fn, trainer.parts.precision, x[:B], y[:B]),
                                    exclude=list(model.parameters()))
         graphs = trainer.graph_status()
     finally:

@@ -20,11 +20,12 @@ its name; `RunCheckpoint` composes them, in load order:
 
 plus, for readers of the file, the run's `step`, `epoch`, `batch_in_epoch`, `samples_seen`,
 `global_batch`, `world_size` and `config`. Taking the state has no side effect: the loss still on
-the device since the last read is the trainer's to fold in first (`Trainer.collect_step_totals`).
+the device since the last read is the loop's to fold in first (manager.py's `before_save`).
 The format is the one earlier versions wrote, so their checkpoints still resume.
 
-`run_checkpoint` builds the parts from what it reads of the run (`PartsSource`, which the Trainer
-satisfies): this package needs nothing of train/'s types.
+The parts that wrap the loop's own objects (the run state with the stream's position and the step's
+OOM splits, the callbacks' states) are train/loop/build.py's, which builds the whole set; this
+package needs nothing of train/'s types.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 from torch import nn
 
-from gputrain.batch import move_optimizer_state
+from gputrain.batch import OptimizerLike, move_optimizer_state
 from gputrain.checkpoint.frozen import FrozenBase
 from gputrain.checkpoint.rng import capture_rng_state, restore_rng_state
-from gputrain.checkpoint.sharded_save import DcpCheckpointer
 from gputrain.config import TrainConfig
 from gputrain.data.stream import BatchStream
 from gputrain.errors import CheckpointError
@@ -80,7 +80,7 @@ class ModelPart:
 class OptimizerPart:
     """The optimizer's state (gathered under DDP/FSDP), on the run's device after a load."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dist: distributed.DistInfo,
+    def __init__(self, model: nn.Module, optimizer: OptimizerLike, dist: distributed.DistInfo,
                  device: torch.device):
         self.model, self.optimizer, self.dist, self.device = model, optimizer, dist, device
 
@@ -122,28 +122,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any, /) -> Any: ...
 
 
-class Splits(Protocol):
-    """The step's OOM splits (train/step/train_step.py): each micro-batch is cut into this many pieces."""
-
-    splits: int
-
-
-class RunPart:
-    """The run state (train/loop/state.py's RunState), with the position of the stream (`epoch`,
-    `batch_in_epoch`) and the step's OOM `splits`, which live on those objects while the run goes on."""
-
-    def __init__(self, state: Stateful, stream: BatchStream, step: Splits):
-        self.state, self.stream, self.step = state, stream, step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.state.state_dict(), "epoch": self.stream.epoch, "batch_in_epoch": self.stream.batch_in_epoch,
-                "splits": self.step.splits}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.state.load_state_dict(state)
-        self.step.splits = int(state.get("splits", 1))
-
-
 class DataPart:
     """The data position (data/stream.py). Each rank's own: with several processes every rank's is
     also saved (`data_ranks`), and a rank takes its own back where the process count is the same."""
@@ -178,27 +156,6 @@ class HistoryPart:
         self.history.records = list(records)
 
 
-class Callbacks(Protocol):
-    """The run's callbacks (train/loop/callbacks.py's CallbackList): their states, given the run's control."""
-
-    def state_dict(self, run: Any, /) -> dict[str, Any]: ...
-
-    def load_state_dict(self, run: Any, states: Any, /) -> None: ...
-
-
-class CallbacksPart:
-    """Each callback's own state, under its `state_key` (train/loop/callbacks.py)."""
-
-    def __init__(self, callbacks: Callbacks, control: Any):
-        self.callbacks, self.control = callbacks, control
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.callbacks.state_dict(self.control)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.callbacks.load_state_dict(self.control, state)
-
-
 class RunCheckpoint:
     """A checkpoint's contents from named parts (see the module docstring).
 
@@ -206,7 +163,7 @@ class RunCheckpoint:
     (global_batch, world_size, config), checked by the resume, not loaded.
     """
 
-    def __init__(self, parts: Mapping[str, Any], dist: distributed.DistInfo,
+    def __init__(self, parts: Mapping[str, Stateful], dist: distributed.DistInfo,
                  header: Callable[[], dict[str, Any]]):
         self.parts = dict(parts)
         self.dist = dist
@@ -252,68 +209,6 @@ class RunCheckpoint:
             part.load_shared(state[name])
         else:
             part.load_state_dict(state[name])
-
-
-class PartsSource(Protocol):
-    """What `run_checkpoint` reads of the run (the Trainer): the objects whose states a checkpoint
-    holds, and the facts saved beside them. Read-only, so any object with these attributes fits."""
-
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def dist(self) -> distributed.DistInfo: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def model(self) -> nn.Module: ...  # as trained: wrapped for DDP/FSDP or compiled
-    @property
-    def module(self) -> nn.Module: ...  # the plain module
-    @property
-    def optimizer(self) -> Any: ...  # a torch optimizer, or named ones (train/optim/by_name.py)
-    @property
-    def precision(self) -> Stateful: ...
-    @property
-    def scheduler(self) -> Stateful: ...
-    @property
-    def state(self) -> Stateful: ...
-    @property
-    def stream(self) -> BatchStream: ...
-    @property
-    def train_step(self) -> Splits: ...
-    @property
-    def history(self) -> History: ...
-    @property
-    def callbacks(self) -> Callbacks: ...
-    @property
-    def control(self) -> Any: ...
-    @property
-    def carried(self) -> Stateful: ...  # per rank (its `per_rank`), as the data position
-    @property
-    def batch_size(self) -> int | None: ...  # the data's own, per process
-    @property
-    def checkpointer(self) -> DcpCheckpointer: ...  # its format: whether the weights are saved in shares
-
-
-def run_checkpoint(run: PartsSource) -> RunCheckpoint:
-    """The run's checkpoint contents from its named parts (see the module docstring)."""
-    cfg, dist = run.config, run.dist
-    frozen = FrozenBase.decide(run.module, full_checkpoints=cfg.full_checkpoints, sharded=run.checkpointer.uses_dcp,
-                               fsdp=cfg.shard and dist.enabled)  # what the checkpoints hold of a frozen base
-    parts = {
-        "model": ModelPart(run.model, run.module, dist, frozen),
-        "optimizer": OptimizerPart(run.model, run.optimizer, dist, run.device),
-        "scaler": run.precision,
-        "scheduler": run.scheduler,
-        "rng": RngPart(run.device),
-        "run": RunPart(run.state, run.stream, run.train_step),
-        "data": DataPart(run.stream),
-        "history": HistoryPart(run.history),
-        "callbacks": CallbacksPart(run.callbacks, run.control),
-        "carried": run.carried,
-    }
-    return RunCheckpoint(parts, dist, lambda: {"global_batch": global_batch(cfg, run.batch_size, dist.world_size),
-                                               "world_size": dist.world_size, "config": cfg.to_dict(),
-                                               **({"frozen": frozen.header()} if frozen.trainable_only else {})})
 
 
 def global_batch(config: TrainConfig, batch_size: int | None, world_size: int) -> int | None:

@@ -129,7 +129,7 @@ def single_process_quiet(no_dist: bool):
         yield
 
 
-def weights_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def weights_state(module: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> dict[str, Any]:
     """{"model", "optimizer"} as torch.distributed.checkpoint.state_dict.get_state_dict gives them:
     this rank's shards under FSDP2 (DTensors), the local tensors under DDP and in one process, keyed
     by parameter name. Pass the unwrapped module (no DDP or compile wrapper)."""
@@ -139,7 +139,7 @@ def weights_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": model_state, "optimizer": optim_state}
 
 
-def load_weights(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer,
+def load_weights(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
                  process_group=None, no_dist: bool = False) -> None:
     """Load the checkpoint's model and optimizer into `module` / `optimizer`, resharded to this job
     (a collective over `process_group` unless no_dist). Raises CheckpointError when they do not fit."""

@@ -121,7 +121,7 @@ class DcpCheckpointer:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, store, step: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+    def save(self, store, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
              run_state: dict[str, Any], metrics: dict[str, Any] | None) -> Path:
         """Write the checkpoint of `step` (every rank calls this); returns its path, committed unless
         asynchronous (then `wait` commits it). Raises CheckpointError when the previous asynchronous
@@ -305,7 +305,7 @@ class DcpCheckpointer:
 
         return store.find_latest(agreed, candidates, warn=self.info.is_main)
 
-    def load_weights(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_weights(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> None:
         """Model and optimizer from a sharded checkpoint, resharded to this job (collective)."""
         sharded.load_weights(path, module, optimizer, process_group=self.group(), no_dist=self.no_dist)
 

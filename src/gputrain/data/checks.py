@@ -13,7 +13,7 @@ note each layer as it starts: the last layer is the one that produced the output
 forward failed in), which is usually enough to see the mismatch. Before all that it names the
 choices that change the step (channels_last, autocast, CUDA graphs), each with its switch: an
 autocast the user requested too (torch refuses some ops under autocast; an automatic one that the
-first step refuses is undone before any note: train/step/precision_gate.py).
+first step refuses is undone before any note: train/step/autocast_decider.py).
 """
 
 from __future__ import annotations

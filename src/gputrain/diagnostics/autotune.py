@@ -96,7 +96,7 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         torch.manual_seed(cfg.seed)
         trainer = Trainer(workload.make_model(), workload.make_data(), config=cfg, task=workload.task,
                           **workload.loss_kwargs())
-        device = trainer.device
+        device = trainer.parts.device
         sync = synchronizer(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -118,9 +118,9 @@ def run_trial(workload, config, overrides: dict, steps: int = DEFAULT_STEPS, war
         row["samples_per_s"] = cfg.batch_size * cfg.accumulate * steps / max(elapsed, 1e-9)
         if device.type == "cuda":
             row["peak_memory"] = int(torch.cuda.max_memory_allocated(device))
-        if overrides.get("channels_last") and not trainer.speed.channels_last:
+        if overrides.get("channels_last") and not trainer.parts.speed.channels_last:
             # A step failed in NHWC and ran again in the user's layout (train/step/layout.py): this set is not NHWC.
-            row["status"] = f"error: channels_last refused: {trainer.speed.reasons['channels_last']}"[:300]
+            row["status"] = f"error: channels_last refused: {trainer.parts.speed.reasons['channels_last']}"[:300]
         try:
             row["graphs"] = trainer.graph_status()
         except Exception:  # noqa: BLE001 - reporting only

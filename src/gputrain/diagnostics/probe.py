@@ -38,7 +38,8 @@ from gputrain.outputs import loss_of
 from gputrain.runtime.precision import Precision, RunPrecision, resolve_precision
 from gputrain.runtime.speed import decide_speed
 from gputrain.train.step.graphs import WARMUP_STEPS, GraphedStep
-from gputrain.train.step.layout import LayoutGate, MemoryFormats
+from gputrain.train.step.first_step import FirstPass
+from gputrain.train.step.layout import LayoutDecider, MemoryFormats
 from gputrain.train.step.loss import LossRule, call_model, is_pair
 from gputrain.train.optim.build import make_optimizer
 from gputrain.train.step.train_step import TrainStep
@@ -136,9 +137,9 @@ class StepProbe:
                                     params=list(self.module.parameters()), skip_nonfinite=cfg.on_nan == "skip")
         self._graphed: GraphedStep | None = None
         # channels_last "auto" on a conv net: decided on the first batch, as fit decides it (train/step/layout.py).
-        self.layout = LayoutGate(self.train_step, module=model, speed=self.speed, loss=loss, precision=self.precision,
-                                 device=device, total_steps=cfg.steps or 0, optimizers=[self.optimizer],
-                                 formats=formats)
+        self.layout = LayoutDecider(module=model, speed=self.speed, first_pass=FirstPass(loss),
+                                    precision=self.precision, device=device, total_steps=cfg.steps or 0,
+                                    optimizers=[self.optimizer], formats=formats)
 
     def __enter__(self) -> "StepProbe":
         return self

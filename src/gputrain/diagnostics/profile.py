@@ -95,29 +95,6 @@ class _PhaseClock:
 # ---------------------------------------------------------------- the instrumented step
 
 
-class Profiled(Protocol):
-    """What profile reads of the Trainer (train/loop/trainer.py) it builds: the loop's own iterations,
-    with phase marks or each step in a range of its own, one step's FLOPs, and the run's decisions."""
-
-    device: torch.device
-    precision: RunPrecision
-    placement: Placement
-    recomputed: list[str]
-    optimizer_desc: str
-
-    def run_steps(self, n: int) -> None: ...
-
-    def timed_phases(self, clock: PhaseClock) -> AbstractContextManager[PhaseClock]: ...
-
-    def steps_inside(self, context: Callable[[], AbstractContextManager[Any]]) -> AbstractContextManager[None]: ...
-
-    def step_flops(self) -> int: ...
-
-    def graph_status(self) -> str: ...
-
-    def close(self) -> None: ...
-
-
 class _StepRunner:
     """The training loop `fit` runs for a workload, built by gputrain's own Trainer.
 
@@ -133,14 +110,14 @@ class _StepRunner:
 
         torch.manual_seed(config.seed)
         config = config.replace(steps=10**9, run_dir=None, resume=False, progress=False)
-        self.trainer: Profiled = Trainer(workload.make_model(), workload.make_data(), config=config,
-                                         task=workload.task, **workload.loss_kwargs())
-        t = self.trainer
-        self.device, self.precision, self.config = t.device, t.precision, config
+        self.trainer = Trainer(workload.make_model(), workload.make_data(), config=config,
+                               task=workload.task, **workload.loss_kwargs())
+        parts = self.trainer.parts
+        self.device, self.precision, self.config = parts.device, parts.precision, config
         self.batch_size = config.batch_size
-        self.placement = t.placement
-        self.recomputed = t.recomputed
-        self.optimizer_desc = t.optimizer_desc
+        self.placement = parts.data.placement
+        self.recomputed = parts.model.recomputed
+        self.optimizer_desc = parts.optim.optimizer_desc
 
     def step(self) -> None:
         self.trainer.run_steps(1)
@@ -155,8 +132,20 @@ class _StepRunner:
             self.trainer.run_steps(1)
 
     def flops(self) -> int:
-        """FLOPs of one forward + backward (FlopCounterMode); the weights are left unchanged."""
-        return self.trainer.step_flops()
+        """FLOPs of one forward + backward of the next batch (FlopCounterMode, for the MFU): no optimizer
+        step, and the gradients are cleared after, so the weights stay as they are."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from gputrain.data.deferred import materialize
+
+        parts = self.trainer.parts
+        batch = materialize(self.trainer.next_step_batches()[0])
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss, _ = parts.precision.forward(parts.step.loss, parts.model.model, batch)
+            loss.backward()
+        parts.step.body.zero_grad()
+        return int(counter.get_total_flops())
 
     def close(self) -> None:
         self.trainer.close()

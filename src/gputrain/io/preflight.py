@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from gputrain.batch import OptimizerLike
 from gputrain.errors import ConfigError
 from gputrain.io.run_layout import CHECKPOINTS_DIR, is_record
 
@@ -174,8 +175,7 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def estimate_checkpoint_bytes(model: torch.nn.Module,
-                              optimizer: str | torch.optim.Optimizer | None = "adamw") -> int:
+def estimate_checkpoint_bytes(model: torch.nn.Module, optimizer: str | OptimizerLike | None = "adamw") -> int:
     """About how many bytes a checkpoint of `model` and its optimizer takes.
 
     Parameters and buffers (numel x element_size; module.parameters() lists tied weights once, as
@@ -191,7 +191,7 @@ def estimate_checkpoint_bytes(model: torch.nn.Module,
         optimizer = "adamw"
     if isinstance(optimizer, torch.optim.Optimizer):
         opt_bytes = _optimizer_bytes(optimizer)
-    elif hasattr(optimizer, "optimizers"):  # several by name (a step of your own: train/optim/by_name.py)
+    elif not isinstance(optimizer, str):  # several by name (a step of your own: train/optim/by_name.py)
         opt_bytes = sum(_optimizer_bytes(o) for o in getattr(optimizer, "optimizers").values())
     else:
         key = str(optimizer).strip().lower()

@@ -13,7 +13,7 @@ is a staging folder of hard links beside the store (no copy on the same file sys
 before Ray copies it into its storage, and removed after.
 
 `ray.train.report` is a barrier across the workers: every rank calls it equally often (the trainer
-tells every rank of each checkpoint, checkpoint/save_resume.py's `hand_over`); rank 0 alone hands Ray the
+tells every rank of each checkpoint, checkpoint/manager.py's `_hand_over`); rank 0 alone hands Ray the
 checkpoint, and its metrics are the ones Ray keeps with it. A log point's record is reported with the
 checkpoint of the same step when one follows it (so Ray's Result knows each checkpoint's metrics: the
 best by CheckpointConfig's score and the latest), else at the next log point or the run's end.

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gputrain.batch import OptimizerLike, torch_optimizers
 from gputrain.errors import ConfigError
 from gputrain.runtime.launch import launch_torchrun  # noqa: F401  (fit --nproc's launcher, by its usual name)
 from gputrain.runtime.torch_compat import compiled_inner
@@ -350,7 +351,7 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in unwrap(model).named_parameters()}
 
 
-def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+def _keyed_by_name(model: nn.Module, optimizer: OptimizerLike, state: dict) -> dict:
     """An optimizer.state_dict() (parameters numbered 0..n-1 in param-group order) re-keyed by
     parameter name, the form torch.distributed.checkpoint loads into a sharded model."""
     groups = state.get("param_groups", [])
@@ -379,7 +380,7 @@ def _copy_structure(state: dict) -> dict:
     return state
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
+def optimizer_state_dict(model: nn.Module, optimizer: OptimizerLike, info: DistInfo) -> dict:
     """The full optimizer state on the CPU, portable between 1 and N processes.
 
     DDP and one process: optimizer.state_dict() (every rank holds the full state). FSDP2: the
@@ -389,14 +390,14 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, inf
     if info.enabled and _is_fsdp(inner):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state = get_optimizer_state_dict(inner, optimizer, options=_fsdp_options(cpu_offload=True))
+        state = get_optimizer_state_dict(inner, torch_optimizers(optimizer), options=_fsdp_options(cpu_offload=True))
         return state if info.is_main else {}
     if info.enabled and not info.is_main:
         return {}
     return optimizer.state_dict()
 
 
-def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+def load_optimizer_state_dict(model: nn.Module, optimizer: OptimizerLike, state: dict,
                               info: DistInfo) -> None:
     """Load a full optimizer state written by any process count (DDP, FSDP2 or one process).
 
@@ -408,7 +409,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         state = _keyed_by_name(inner, optimizer, state) if info.is_main else {}
-        set_optimizer_state_dict(inner, optimizer, _copy_structure(state),
+        set_optimizer_state_dict(inner, torch_optimizers(optimizer), _copy_structure(state),
                                  options=_fsdp_options(broadcast_from_rank0=True))
         return
     if info.enabled:

@@ -3,7 +3,7 @@
 "auto" resolves to bf16 on a CUDA GPU with bf16 tensor cores, fp16 (with a GradScaler) on older
 CUDA GPUs and fp32 elsewhere, and records why. Impossible requests fail with a ConfigError. An
 automatic autocast that the model's first step refuses becomes fp32 for the run (`fp32_instead`,
-`RunPrecision.change`: train/step/precision_gate.py).
+`RunPrecision.change`: train/step/autocast_decider.py).
 
 `Precision` is the value; `RunPrecision` is the run's one object that owns what follows from it:
 the autocast context (`Precision.autocast` is the only place gputrain enters autocast), the loss
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 # From its own module: torch 2.13's torch.amp lists it in __all__, 2.11's does not (a private import to the type gate).
 from torch.amp.grad_scaler import GradScaler
 
@@ -97,7 +99,7 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
 
 def fp32_instead(failed: Precision, why: str) -> Precision:
     """fp32 (no autocast, no loss scaling, TF32 off as for fp32) for a run whose automatic `failed`
-    precision the model's first step refused (train/step/precision_gate.py); `why` names the error."""
+    precision the model's first step refused (train/step/autocast_decider.py); `why` names the error."""
     return Precision("fp32", None, False, False,
                      f"auto: fp32, since the first step failed under {failed.name} autocast and runs without it: {why}")
 
@@ -149,16 +151,27 @@ def matmul_settings(precision: Precision, device: torch.device):
 class RunPrecision:
     """A run's precision as one object: autocast, loss scaling, TF32 settings and their restore.
 
-    The training step calls `autocast()`, `backward(loss)`, `unscale_(optimizer)` (before clipping)
-    and `step(optimizer)`; `apply()` sets the process-wide matmul settings once, `restore()` gives
-    back what was there before (fit calls it when the run ends, also after an error).
+    The step's contract, the same for every precision (as Lightning Fabric's `Precision`), so that
+    no caller branches on the dtype: `forward(fn, *args)` (under autocast where there is one),
+    `no_autocast()` (a backward started inside a forward of yours), `backward(loss)` (through the
+    loss scale in fp16), `unscale_and_clip(optimizer, params, max_norm)`, `step(optimizer, stepper)`
+    (through the scaler in fp16, which skips a step with an inf/NaN gradient) and `update()` (the
+    scale's update once a step's optimizers stepped). `apply()` sets the process-wide matmul
+    settings once, `restore()` gives back what was there before (fit calls it when the run ends,
+    also after an error). `precision` is the value decided (name, dtype, reason) for what reports it.
     """
 
     def __init__(self, precision: Precision, device: torch.device):
-        self.precision = precision
         self.device = device
-        self.scaler = make_scaler(precision, device)
         self._saved: dict | None = None
+        self._set(precision)
+
+    def _set(self, precision: Precision) -> None:
+        self.precision = precision
+        self.scaler = make_scaler(precision, self.device)
+        # Decided once per precision, not per call: a forward under fp32 enters no context at all.
+        self._autocast = precision.autocast_dtype is not None
+        self._scaled = precision.use_scaler
 
     @property
     def name(self) -> str:
@@ -168,40 +181,75 @@ class RunPrecision:
     def reason(self) -> str:
         return self.precision.reason
 
+    @property
+    def scaled(self) -> bool:
+        """Whether backward and the optimizer's step go through fp16's loss scaler."""
+        return self._scaled
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether `step` itself skips a step whose gradients hold an inf or NaN (fp16's scaler does)."""
+        return self._scaled
+
     def autocast(self):
+        """The autocast context (a no-op one without autocast): evaluation and probes enter it."""
         return self.precision.autocast(self.device)
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` under the run's autocast (called bare without one)."""
+        if not self._autocast:
+            return fn(*args)
+        with self.precision.autocast(self.device):
+            return fn(*args)
+
+    def no_autocast(self):
+        """Autocast off inside `forward` (a backward your step starts in its forward runs without it)."""
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, enabled=False)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to run backward on: times the loss scale in fp16, else itself."""
-        return self.scaler.scale(loss) if self.precision.use_scaler else loss
+        return self.scaler.scale(loss) if self._scaled else loss
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scale(loss).backward()
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
+        """Backward of `loss` (times the loss scale in fp16)."""
+        (self.scaler.scale(loss) if self._scaled else loss).backward(retain_graph=retain_graph,
+                                                                      create_graph=create_graph)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)  # a disabled scaler (not fp16) returns at once
+    def unscale_and_clip(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                         max_norm: float | None, foreach: bool | None = None) -> torch.Tensor | None:
+        """Unscale `optimizer`'s gradients (fp16) and clip `params`' to `max_norm`: their total norm
+        before clipping (a device scalar), or None without `max_norm` (then nothing is unscaled here:
+        the scaler's step does it)."""
+        if max_norm is None:
+            return None
+        if self._scaled:
+            self.scaler.unscale_(optimizer)
+        return nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
 
-    def step(self, optimizer: torch.optim.Optimizer, update: bool = True) -> None:
-        """optimizer.step() through the scaler (which skips steps with inf/NaN gradients in fp16), then
-        the scale's update; `update=False` where several optimizers step from one backward (each steps,
-        then `update()` once)."""
-        if not self.precision.use_scaler:
-            optimizer.step()  # what a disabled scaler does, without its pass-through calls
-            return
-        self.scaler.step(optimizer)
+    def step(self, optimizer: torch.optim.Optimizer, stepper: Callable[[], Any] | None = None,
+             update: bool = True) -> Any:
+        """The optimizer's step: `stepper()` (its step without torch's per-call profiler range,
+        train/optim/calls.py; default `optimizer.step()`), or in fp16 the scaler's step then the
+        scale's update (`update=False` where several optimizers step from one backward: each steps,
+        then `update()` once). Returns what the step returned (a closure optimizer's loss)."""
+        if not self._scaled:
+            return stepper() if stepper is not None else optimizer.step()
+        out = self.scaler.step(optimizer)
         if update:
             self.scaler.update()
+        return out
 
     def update(self) -> None:
         """The loss scale's update after a step's optimizers stepped (fp16; else nothing)."""
-        if self.precision.use_scaler:
+        if self._scaled:
             self.scaler.update()
 
     def change(self, precision: Precision) -> None:
         """The run's precision is `precision` from now on (in place: the step, the evaluator and the
         checkpoint hold this object): a new scaler, and the TF32 settings when they are applied."""
-        self.precision = precision
-        self.scaler = make_scaler(precision, self.device)
+        self._set(precision)
         if self._saved is not None:
             apply_matmul_settings(precision, self.device)
 
@@ -222,6 +270,6 @@ class RunPrecision:
     def load_state_dict(self, state: dict) -> None:
         if not state and self.scaler.is_enabled():
             # Saved without loss scaling (an automatic fp16 that the first step turned into fp32,
-            # train/step/precision_gate.py): this run's scaler starts from its initial scale.
+            # train/step/autocast_decider.py): this run's scaler starts from its initial scale.
             return
         self.scaler.load_state_dict(state)

@@ -133,7 +133,7 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
                  probe_layout: bool = False) -> SpeedSwitches:
     """Decide every switch once from the config ("auto" or a forced value), the model and the device.
     own_step: your step_fn (train/step/own_step.py), captured only when cuda_graphs=True asks for it.
-    probe_layout: the caller runs the first step through train/step/layout.py's LayoutGate, which decides
+    probe_layout: the caller runs the first step through train/step/layout.py's LayoutDecider, which decides
     channels_last there ("auto" on a conv net); else the rule without a probe (`_layout`)."""
     cuda = device.type == "cuda"
     conv = has_conv(model)
@@ -184,7 +184,7 @@ def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layo
     A forced value stands. "auto": off without 2-D convolutions; on CUDA the first step checks that NHWC
     runs and gives the same loss, and cuDNN's NHWC kernels decide the rest (the CUDA rule; with several
     processes every rank takes the rule unprobed, so the ranks cannot disagree); on the CPU the first
-    step checks and times it (train/step/layout.py). A caller that runs no first step through a LayoutGate
+    step checks and times it (train/step/layout.py). A caller that runs no first step through a LayoutDecider
     (probe_layout False) gets the CUDA rule on CUDA and NCHW elsewhere."""
     if value != "auto":
         reasons["channels_last"] = "requested"
@@ -220,7 +220,7 @@ def choices_made(speed: SpeedSwitches, precision_name: str, autocast_dtype: torc
     with the switch that turns it off (for the note after a failed first step); forced ones are the
     user's, except autocast, which is named either way ("as you requested": REQUESTED), since torch
     refuses some ops under it ("unsafe to autocast") and an automatic one the first step refuses is
-    already undone (train/step/precision_gate.py)."""
+    already undone (train/step/autocast_decider.py)."""
     out = []
     if speed.channels_last and speed.reasons.get("channels_last") != "requested":
         out.append("channels_last (NHWC weights and inputs; off: channels_last=False, --channels-last off)")

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from gputrain.batch import OptimizerLike
 from gputrain.errors import ConfigError
 from gputrain.metric_direction import Direction, metric_direction
 from gputrain.runtime import torch_compat
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from gputrain.io.history import History
     from gputrain.runtime.distributed import DistInfo
     from gputrain.train.evaluation.evaluate import Evaluator
+    from gputrain.train.loop.parts import DataFeeds, ModelParts, Optimizers
     from gputrain.train.loop.state import RunState
 
 log = logging.getLogger("gputrain")
@@ -94,94 +96,76 @@ class Callback:
         return None
 
 
-class Run(Protocol):
-    """What RunControl reads of the Trainer (train/loop/trainer.py), which imports this module: named here
-    so that this module needs nothing of the trainer's."""
-
-    config: TrainConfig
-    device: torch.device
-    dist: DistInfo
-    eval_loader: Any
-    eval_model: nn.Module
-    evaluator: Evaluator
-    history: History
-    is_main: bool
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    state: RunState
-    stream: BatchStream
-    total_steps: int
-
-
 class RunControl:
-    """What a callback sees of a run, and the few things it may change."""
+    """What a callback sees of a run, and the few things it may change: read from the run's parts
+    (train/loop/parts.py) as the builder made them."""
 
-    def __init__(self, trainer: Run):
-        self._t = trainer
+    def __init__(self, *, config: TrainConfig, dist: DistInfo, device: torch.device, state: RunState,
+                 data: DataFeeds, model: ModelParts, optim: Optimizers, history: History, evaluator: Evaluator):
+        self._config, self._dist, self._device, self._state = config, dist, device, state
+        self._data, self._model, self._optim, self._history, self._evaluator = data, model, optim, history, evaluator
 
     # ---------------------------------------------------------------- where the run is (host values)
 
     @property
     def step(self) -> int:
         """Optimizer steps done."""
-        return self._t.state.step
+        return self._state.step
 
     @property
     def total_steps(self) -> int:
-        return self._t.total_steps
+        return self._data.total_steps
 
     @property
     def epoch(self) -> float:
         """Epochs done, fractional (samples seen / training samples)."""
-        t = self._t
-        return t.stream.epochs_done(t.state.samples_seen, t.dist.world_size)  # data of unknown length: passes done
+        return self._data.stream.epochs_done(self._state.samples_seen, self._dist.world_size)  # data of unknown length: passes done
 
     @property
     def config(self):
-        return self._t.config
+        return self._config
 
     @property
     def model(self) -> nn.Module:
         """The model being trained (unwrapped: not DDP, not compiled)."""
-        return self._t.module
+        return self._model.module
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._t.optimizer
+        return self._optim.optimizer  # type: ignore[return-value]  # a step of your own's: its named set
 
     @property
     def device(self) -> torch.device:
-        return self._t.device
+        return self._device
 
     @property
     def history(self) -> History:
-        return self._t.history
+        return self._history
 
     @property
     def is_main(self) -> bool:
         """Rank 0 (or the only process): where files and trackers are written."""
-        return self._t.is_main
+        return self._dist.is_main
 
     @property
     def has_eval_data(self) -> bool:
-        return self._t.eval_loader is not None
+        return self._data.eval is not None
 
     @property
     def lr(self) -> float:
         """The first parameter group's learning rate in force (from the schedule: no device read for
         the built-in schedules)."""
-        return float(self._t.scheduler.get_last_lr()[0])
+        return float(self._optim.scheduler.get_last_lr()[0])
 
     @property
     def stop_reason(self) -> str:
         """Why a stop was requested ("" when none was)."""
-        return self._t.state.stopped_by
+        return self._state.stopped_by
 
     def metric_direction(self, key: str) -> Direction:
         """Which way record key `key` improves, by gputrain's one rule (gputrain/metric_direction.py):
         stated in TrainConfig.metric_modes, a torchmetrics metric's own higher_is_better, or the name."""
-        return metric_direction(key, self._t.config.metric_modes, self._t.evaluator.metrics)
+        return metric_direction(key, self._config.metric_modes, self._evaluator.metrics)
 
     # ---------------------------------------------------------------- what a callback may change
 
@@ -191,7 +175,7 @@ class RunControl:
         The reason goes into the run log, the summary and the checkpoint; resuming a run stopped this
         way trains no further.
         """
-        st = self._t.state
+        st = self._state
         if not st.stopped_by:
             st.stopped_by = str(reason) or "a callback asked to stop"
             log.info("stop requested after step %d: %s", st.step, st.stopped_by)
@@ -201,7 +185,7 @@ class RunControl:
         schedule (built-in or yours) goes on from the new rates. Saved in checkpoints."""
         if not factor > 0:
             raise ConfigError(f"scale_lr needs a positive factor, got {factor!r}")
-        scale_schedule(self._t.scheduler, self._t.optimizer, float(factor))
+        scale_schedule(self._optim.scheduler, self._optim.optimizer, float(factor))
 
     def set_lr(self, lr: float) -> None:
         """Make the learning rate in force `lr` (every group scaled by the same factor, the schedule's
@@ -212,18 +196,17 @@ class RunControl:
         if now > 0:
             self.scale_lr(lr / now)
         else:  # a schedule at zero (the end of a cosine): set the base rates instead
-            scale_schedule(self._t.scheduler, self._t.optimizer, None, base=lr)
+            scale_schedule(self._optim.scheduler, self._optim.optimizer, None, base=lr)
 
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
         """The run's evaluation (loss, accuracy, metrics) of `model` (default: the trained one) on the
         run's eval data: one host read. Collective under DDP: call it on every rank."""
-        t = self._t
-        if t.eval_loader is None:
+        if self._data.eval is None:
             raise ConfigError("this run has no eval data: give eval_data to fit (or a workload with a test split)")
-        return t.evaluator(model if model is not None else t.eval_model, t.eval_loader)
+        return self._evaluator(model if model is not None else self._model.eval_model, self._data.eval)
 
 
-def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, factor: float | None,
+def scale_schedule(scheduler: Any, optimizer: OptimizerLike, factor: float | None,
                    base: float | None = None) -> None:
     """Scale (or, with `base`, set) the base learning rates of `scheduler` and the rates in force."""
     from gputrain.train.optim.build import LRSchedule

@@ -1,61 +1,77 @@
-"""torch.compile for a Trainer: whole or regional (runtime/compile_regions.py), with the compile
-cache loaded first (runtime/compile_cache.py) and dynamo's compilations watched (runtime/recompiles.py)."""
+"""torch.compile for a run: whole or regional (runtime/compile_regions.py), with the compile cache
+loaded first (runtime/compile_cache.py) and dynamo's compilations watched (runtime/recompiles.py).
+
+`compile_for_run` compiles the model and returns it with a `RunCompile`, what the run keeps of the
+compile: the cache (saved after the first step), the watcher (its counts at log points, its seconds
+in the time to the first step) and the reason the speed decisions show.
+"""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
+import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from gputrain.config import TrainConfig
+    from gputrain.runtime.compile_cache import CompileCache
+    from gputrain.runtime.compile_regions import CompiledModel
+    from gputrain.runtime.recompiles import RecompileWatcher
+    from gputrain.runtime.speed import SpeedSwitches
+    from gputrain.train.loop.startup_costs import StartupClock
 
-def compile_for_run(trainer: Any) -> None:
-    """Compile `trainer.model` as TrainConfig.compile says (True: whole; "regional"), after loading
-    the compile cache that applies; the decision's reason goes into the speed decisions."""
+
+@dataclass
+class RunCompile:
+    """What a compiled run keeps of its compile (see the module docstring). compiled: the model as
+    compiled (whole, or its repeated blocks); reason: the compile's own words, without the cache's."""
+
+    compiled: CompiledModel
+    watcher: RecompileWatcher
+    cache: CompileCache | None
+    reason: str
+
+    def describe(self) -> str:
+        """The compile decision's reason with the cache's state (loaded, saved)."""
+        return f"{self.reason}; compile cache {self.cache.describe()}" if self.cache is not None else self.reason
+
+    def after_first_step(self, is_main: bool) -> None:
+        """Keep what the first step compiled (its forward and backward) in the compile cache."""
+        if self.cache is not None and is_main:
+            self.cache.save()
+
+    def seconds(self) -> float:
+        """Seconds torch.compile has spent since the run's compile began."""
+        self.watcher.poll()
+        return self.watcher.compile_time_s
+
+    def counts(self) -> dict[str, int]:
+        """A log point's recompilations and graph breaks so far."""
+        self.watcher.poll()
+        return {"recompilations": self.watcher.recompilations, "graph_breaks": self.watcher.graph_breaks}
+
+
+def compile_for_run(config: TrainConfig, module: nn.Module, model: nn.Module, device: torch.device,
+                    speed: SpeedSwitches, startup: StartupClock) -> tuple[nn.Module, RunCompile]:
+    """`model` compiled as TrainConfig.compile says (True: whole; "regional"), after loading the
+    compile cache that applies (keyed by the plain `module`); the decision's reason goes into the
+    speed decisions (`speed.reasons["compile"]`, kept up to date by `RunCompile.describe`)."""
     from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts, named_folder
     from gputrain.runtime.compile_regions import compile_model
     from gputrain.runtime.recompiles import RecompileWatcher
 
-    cfg = trainer.config
-    regional = cfg.compile == "regional"
-    folder = cache_folder(cfg.compile_cache, cfg.run_dir)
-    trainer.compile_cache = None
+    regional = config.compile == "regional"
+    folder = cache_folder(config.compile_cache, config.run_dir)
+    cache = None
     if folder is not None:
-        how = f"{'regional' if regional else 'whole'} {cfg.compile_mode or 'default'}"
-        trainer.compile_cache = CompileCache(folder, key_parts(trainer.module, trainer.device, how),
-                                             keep_kernels=named_folder(cfg.compile_cache))
-        trainer.compile_cache.load()
-        trainer.startup.mark("compile cache load")
-    done = compile_model(trainer.model, regional=regional, mode=cfg.compile_mode)
-    trainer.model = cast(nn.Module, done.model)
-    trainer.compiled = done
+        how = f"{'regional' if regional else 'whole'} {config.compile_mode or 'default'}"
+        cache = CompileCache(folder, key_parts(module, device, how), keep_kernels=named_folder(config.compile_cache))
+        cache.load()
+        startup.mark("compile cache load")
+    done = compile_model(model, regional=regional, mode=config.compile_mode)
     # after decide_speed's "requested (mode ...; inside gputrain's whole-step CUDA graph)"
-    trainer.speed.reasons["compile"] = f"{trainer.speed.reasons['compile']}; {done.reason}" + (
-        f"; compile cache {trainer.compile_cache.describe()}" if trainer.compile_cache is not None else "")
-    trainer.recompiles = RecompileWatcher().start()
-
-
-def after_first_step(trainer: Any) -> None:
-    """Keep what the first step compiled (its forward and backward) in the compile cache."""
-    cache = getattr(trainer, "compile_cache", None)
-    if cache is not None and trainer.is_main:
-        cache.save()
-        trainer.speed.reasons["compile"] = trainer.speed.reasons["compile"].split("; compile cache")[0] + \
-            f"; compile cache {cache.describe()}"
-
-
-def compile_seconds(trainer: Any) -> float:
-    """Seconds torch.compile has spent since the run's compile began (0.0 when not compiled)."""
-    if trainer.recompiles is None:
-        return 0.0
-    trainer.recompiles.poll()
-    return trainer.recompiles.compile_time_s
-
-
-def compile_counts(trainer: Any) -> dict[str, int]:
-    """A log point's recompilations and graph breaks so far (runtime/recompiles.py); {} without compile."""
-    watcher = trainer.recompiles
-    if watcher is None:
-        return {}
-    watcher.poll()
-    return {"recompilations": watcher.recompilations, "graph_breaks": watcher.graph_breaks}
-
+    run = RunCompile(done, RecompileWatcher().start(), cache, f"{speed.reasons['compile']}; {done.reason}")
+    speed.reasons["compile"] = run.describe()
+    return cast(nn.Module, done.model), run

@@ -62,7 +62,7 @@ def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | N
     """Set up a trainer, call `on_ready`, run it, and release it and its process group, also on an
     error. The trainer is made here so that this frame holds its only reference (see the `del`)."""
     trainer = make_trainer()
-    info = trainer.dist
+    info = trainer.parts.dist
     try:
         if on_ready is not None:
             on_ready()

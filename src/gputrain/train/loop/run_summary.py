@@ -1,17 +1,11 @@
-"""What a run says about itself: the decisions with their reasons (log and report) and the summary.
-
-Each function reads what its Protocol names of the run (the Trainer, train/loop/trainer.py, is the one
-that has them): `Decided` the parts decided at setup, `Announced` also where and how long the run
-trains, `Finished` also what the loop left behind (records, state, counts). Stand-ins for tests
-need those attributes only.
-"""
+"""What a run says about itself: the decisions with their reasons (log and report) and the summary,
+read from the run's parts (train/loop/parts.py)."""
 
 from __future__ import annotations
 
 import logging
 import statistics
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -21,103 +15,27 @@ from gputrain.metric_direction import metric_figures
 from gputrain.report.summary import counted, parameters_text
 from gputrain.runtime.devices import device_label
 from gputrain.runtime.host_memory import allocator_advice, faults_per_step, steps_measured
-
-if TYPE_CHECKING:
-    from gputrain.data.placement import Placement
-    from gputrain.io.history import History
-    from gputrain.runtime.distributed import DistInfo
-    from gputrain.runtime.precision import RunPrecision
-    from gputrain.runtime.recompiles import RecompileWatcher
-    from gputrain.runtime.speed import SpeedSwitches
-    from gputrain.train.loop.callbacks import CallbackList, RunControl
-    from gputrain.train.evaluation.points import EvalPoints
-    from gputrain.train.step.graphs import GraphedStep
-    from gputrain.train.loop.guards import SpikeDetector
-    from gputrain.train.step.loss import LossRule
-    from gputrain.train.loop.startup_costs import StartupClock
-    from gputrain.train.loop.state import RunState
-    from gputrain.train.step.train_step import TrainStep
+from gputrain.runtime.speed import SpeedSwitches
+from gputrain.train.loop.callbacks import CallbackList
+from gputrain.train.loop.parts import RunParts
+from gputrain.train.step.graphs import GraphedStep
 
 log = logging.getLogger("gputrain")
 
 
-class Decided(Protocol):
-    """What `decisions` reads of a run: the parts decided at setup."""
-
-    config: TrainConfig
-    precision: RunPrecision
-    placement: Placement
-    loss: LossRule
-    eval_points: EvalPoints
-    optimizer_desc: str
-    schedule_desc: str
-    speed: SpeedSwitches
-    callbacks: CallbackList
-
-
-class _Checkpoint(Protocol):
-    """The run's checkpoint contents by named part (its "model" part knows the frozen base)."""
-
-    parts: dict[str, Any]
-
-
-class Announced(Decided, Protocol):
-    """What `announce` reads besides: where, how long and on what the run trains."""
-
-    is_main: bool
-    device: torch.device
-    dist: DistInfo
-    eval_loader: Any
-    batch_size: int | None
-    total_steps: int
-    run_dir: Path | None
-
-    @property
-    def checkpoint(self) -> _Checkpoint: ...
-
-
-class _SaveTimes(Protocol):
-    """The checkpoint writer's figures: how long each save held the loop, and their summary."""
-
-    timings: list[Any]
-
-    def summary(self) -> dict[str, Any]: ...
-
-
-class Finished(Announced, Protocol):
-    """What `summarize` reads besides: what the loop left (records, state, counts, warnings)."""
-
-    history: History
-    state: RunState
-    warnings: list[str]
-    train_loader: Any
-    train_step: TrainStep
-    graphed: GraphedStep | None
-    recompiles: RecompileWatcher | None
-    spikes: SpikeDetector
-    recomputed: list[str]
-    task: str | None
-    control: RunControl
-    startup: StartupClock
-
-    @property
-    def checkpointer(self) -> _SaveTimes: ...
-
-
-def decisions(t: Decided) -> list[dict[str, str]]:
+def decisions(t: RunParts) -> list[dict[str, str]]:
     """Every decision of the run with its reason: precision, data, loss, optimizer, speed switches."""
-    when, why = t.eval_points.describe()  # train/evaluation/points.py
+    when, why = t.data.eval_points.describe()  # train/evaluation/points.py
     rows = [{"name": "precision", "value": t.precision.name, "reason": t.precision.reason},
-            {"name": "data", "value": t.placement.kind, "reason": t.placement.reason},
-            {"name": "loss", "value": t.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
+            {"name": "data", "value": t.data.placement.kind, "reason": t.data.placement.reason},
+            {"name": "loss", "value": t.step.loss.how, "reason": "the first of compute_loss, pair + loss_fn, "
                                                                 "the model's own loss that applies"},
             {"name": "evaluation", "value": when, "reason": why},
-            {"name": "optimizer", "value": t.optimizer_desc, "reason": optimizer_reason(t.optimizer_desc)},
+            {"name": "optimizer", "value": t.optim.optimizer_desc, "reason": optimizer_reason(t.optim.optimizer_desc)},
             {"name": "schedule", "value": _schedule(t), "reason": "given (scheduler=...)" if "given" in
              _schedule(t) else "TrainConfig.schedule and warmup_steps"}]
     rows += t.speed.decisions()
-    if (modes := getattr(t, "modes", None)) is not None:  # train/modes.py: eval mode kept where the user set it
-        rows.append(modes.decision())
+    rows.append(t.model.modes.decision())  # train/modes.py: eval mode kept where the user set it
     callbacks = _callbacks(t.callbacks)
     if callbacks is not None:
         rows.append({"name": "callbacks", "value": callbacks.describe(),
@@ -135,8 +53,8 @@ def optimizer_reason(description: str) -> str:
         ", stepped by your step_fn" if description.endswith("stepped by step_fn") else "")
 
 
-def _schedule(t: Decided) -> str:
-    return t.schedule_desc or f"{t.config.schedule} (built-in)"
+def _schedule(t: RunParts) -> str:
+    return t.optim.schedule_desc or f"{t.config.schedule} (built-in)"
 
 
 def _callbacks(callbacks: CallbackList) -> CallbackList | None:
@@ -144,30 +62,30 @@ def _callbacks(callbacks: CallbackList) -> CallbackList | None:
     return callbacks if len(callbacks) else None
 
 
-def _frozen(checkpoint: _Checkpoint):
+def _frozen(t: RunParts):
     """The run's FrozenBase (checkpoint/frozen.py: parameter counts, what checkpoints hold), from the
     checkpoint's "model" part; None without one."""
-    return getattr(checkpoint.parts.get("model"), "frozen", None)
+    return t.checkpoints.model_part.frozen
 
 
-def announce(t: Announced) -> None:
+def announce(t: RunParts) -> None:
     if not t.is_main:
         return
     log.info("device: %s", device_label(t.device))
     log.info("precision: %s", t.precision.reason)
-    log.info("data: %s", t.placement.reason)
-    if t.loss.compute_loss is None and t.loss.loss_fn is None and t.loss.made is None:
-        t.loss.log_first_call = True  # the model's own loss: the call depends on the batch, named at the first step
+    log.info("data: %s", t.data.placement.reason)
+    if t.step.loss.compute_loss is None and t.step.loss.loss_fn is None and t.step.loss.made is None:
+        t.step.loss.log_first_call = True  # the model's own loss: the call depends on the batch, named at the first step
     else:
-        log.info("loss: %s", t.loss.how)
-    if t.eval_loader is not None:
-        log.info("evaluation: %s (%s)", *t.eval_points.describe())
-    batch = t.batch_size  # the data's own (a user DataLoader's), None: the iterable's
-    log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optimizer_desc, t.total_steps,
+        log.info("loss: %s", t.step.loss.how)
+    if t.data.eval is not None:
+        log.info("evaluation: %s (%s)", *t.data.eval_points.describe())
+    batch = t.data.batch_size  # the data's own (a user DataLoader's), None: the iterable's
+    log.info("optimizer: %s; %d steps of %s x %d%s%s", t.optim.optimizer_desc, t.data.total_steps,
              batch if batch is not None else "the data's own batches", t.config.accumulate,
              " samples" if batch is not None else "",
              f" x {t.dist.world_size} processes" if t.dist.world_size > 1 else "")
-    if (frozen := _frozen(t.checkpoint)) is not None:
+    if (frozen := _frozen(t)) is not None:
         log.info("parameters: %s", parameters_text(frozen.trainable, frozen.frozen))
         if frozen.frozen and t.run_dir:
             log.info("checkpoints: %s", frozen.reason)
@@ -185,17 +103,17 @@ def graph_status(graphed: GraphedStep | None, speed: SpeedSwitches) -> str:
         return f"off: {speed.reasons['cuda_graphs']}"
     return "on" if graphed.failed is None else f"off: {graphed.failed}"
 
-def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
+def summarize(t: RunParts, elapsed: float, peak: int, stopped: bool, start_step: int = 0) -> None:
     """The History's summary; `start_step`: where this process's loop began (a resumed run's)."""
     recs, st = t.history.records, t.state
-    splits = t.train_step.splits
+    splits = t.step.body.micro.splits
     if splits > 1:
         t.warnings.append(f"out of memory: micro-batches were cut in {splits} (same effective batch)")
     if st.nonfinite_steps:
         t.warnings.append(f"{counted(st.nonfinite_steps, 'step')} had a non-finite loss or gradient"
                              + (" and were skipped" if t.config.on_nan == "skip" else ""))
-    if t.recompiles is not None:
-        report = t.recompiles.report()
+    if t.model.compile is not None:
+        report = t.model.compile.watcher.report()
         summary_recompiles = {k: report[k] for k in ("recompilations", "graph_breaks", "compile_time_s", "events",
                                                      "summary") if k in report}
         if report.get("recompilations") or report.get("graph_breaks"):
@@ -210,16 +128,16 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         advice.append(allocator.text)
         if t.is_main and allocator.in_terminal:
             log.warning("%s", allocator.text)
-    batch_size, mean_batch = t.batch_size, None
+    batch_size, mean_batch = t.data.batch_size, None
     if batch_size is None and st.step:  # the data's own batches: their mean size, as they came
         mean_batch = st.samples_seen / (st.step * t.config.accumulate * t.dist.world_size)
-        note = unused_batch_size_note(t.train_loader, t.config.batch_size,
+        note = unused_batch_size_note(t.data.train, t.config.batch_size,
                                       TrainConfig.__dataclass_fields__["batch_size"].default, mean_batch)
         if note is not None:
             t.warnings.append(note)
             if t.is_main:
                 log.warning("%s", note)
-    for spike in t.spikes.spikes:
+    for spike in t.guards.spikes.spikes:
         t.warnings.append(f"loss spike at step {spike['step']}: {spike['loss']:.4g} "
                              f"({spike['loss'] / spike['median']:.1f}x the recent median)")
     summary: dict[str, Any] = {
@@ -228,12 +146,12 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         "device_memory_bytes": device_memory(t.device),
         "precision": t.precision.name,
         "precision_reason": t.precision.reason,
-        "data": t.placement.kind,
-        "data_reason": t.placement.reason,
-        "loss": t.loss.how,
-        "optimizer": t.optimizer_desc,
+        "data": t.data.placement.kind,
+        "data_reason": t.data.placement.reason,
+        "loss": t.step.loss.how,
+        "optimizer": t.optim.optimizer_desc,
         "steps": st.step,
-        "total_steps": t.total_steps,
+        "total_steps": t.data.total_steps,
         "stopped_early": stopped,
         "stopped_by": st.stopped_by or None,
         "schedule": _schedule(t),
@@ -252,38 +170,38 @@ def summarize(t: Finished, elapsed: float, peak: int, stopped: bool, start_step:
         "oom_splits": splits,
         "nonfinite_steps": st.nonfinite_steps,
         "on_nan": t.config.on_nan,
-        "loss_spikes": list(t.spikes.spikes),
-        "cuda_graphs": graph_status(t.graphed, t.speed),
+        "loss_spikes": list(t.guards.spikes.spikes),
+        "cuda_graphs": graph_status(t.step.graphed, t.speed),
         "channels_last": t.speed.channels_last,
         "compile": t.speed.compile,
         "recompilations": summary_recompiles,
-        "recompute": t.recomputed,  # modules whose activations backward recomputes
+        "recompute": t.model.recomputed,  # modules whose activations backward recomputes
         "task": t.task,
         "decisions": _as_ran(decisions(t), t),
         "startup": t.startup.report(),  # the time before the first step, by part (train/loop/startup_costs.py)
         "warnings": list(t.warnings),
         "advice": advice,
     }
-    if (frozen := _frozen(t.checkpoint)) is not None:  # parameters that train, and what a checkpoint holds of the rest
+    if (frozen := _frozen(t)) is not None:  # parameters that train, and what a checkpoint holds of the rest
         summary.update({"parameters": frozen.trainable + frozen.frozen, "trainable_parameters": frozen.trainable,
                         "frozen_parameters": frozen.frozen, "checkpoint_contents": frozen.reason})
-    if t.checkpointer.timings:  # how long the loop stood still per checkpoint, and how long writing took
-        summary.update(t.checkpointer.summary())
-    names = getattr(t.train_step, "names", ())  # a step of your own (train/step/own_step.py): its losses and rates
+    if t.checkpoints.writer.timings:  # how long the loop stood still per checkpoint, and how long writing took
+        summary.update(t.checkpoints.writer.summary())
+    names = t.step.body.totals.names if t.step.own else ()  # a step of your own: its losses and rates
     if names and recs:  # each loss's last logged mean (a loss returned on some steps only: where it was)
         summary["step_losses"] = {k: next(r[k] for r in reversed(recs) if k in r) for k in names
                                   if any(k in r for r in recs)}
         summary["learning_rates"] = {k[3:]: v for k, v in recs[-1].items() if k.startswith("lr_")} or None
     summary.update(metric_figures(recs, t.control.metric_direction))
-    summary["evaluation"] = t.eval_points.describe()[0]
+    summary["evaluation"] = t.data.eval_points.describe()[0]
     t.history.summary = summary
 
 
-def _as_ran(rows: list[dict[str, str]], t: Finished) -> list[dict[str, str]]:
+def _as_ran(rows: list[dict[str, str]], t: RunParts) -> list[dict[str, str]]:
     """The decisions as the run went: CUDA graphs decided on but then not captured (a step of your
     own that reads step.index, a failed capture) are off, with why."""
-    status = graph_status(t.graphed, t.speed)
-    if t.graphed is None or not status.startswith("off: "):
+    status = graph_status(t.step.graphed, t.speed)
+    if t.step.graphed is None or not status.startswith("off: "):
         return rows
     return [{**row, "value": "off", "reason": status[len("off: "):]} if row["name"] == "cuda_graphs" else row
             for row in rows]

@@ -40,34 +40,21 @@ class StartupClock:
                 return
         self.parts.append((name, seconds))
 
-    def watch_first_step(self, trainer: Any, sync: Callable[[], None], compile_seconds: Callable[[], float],
-                         after: Callable[[], None]) -> None:
-        """Time the next `trainer.train_one_step` to its end (one sync), split off the compile seconds
-        it held, then call `after` (e.g. save the compile cache) and give the class's method back."""
-        step = trainer.train_one_step
+    def time_first_step(self, step: Callable[[], None], sync: Callable[[], None],
+                        compile_seconds: Callable[[], float]) -> None:
+        """Run the first optimizer step (`step`) and time it to its end (one sync), the compile
+        seconds it held (`compile_seconds()`, torch.compile's total so far) named apart."""
         compiled_before = compile_seconds()
-        done = False
-
-        def first_step() -> None:
-            nonlocal done
-            step()
-            if done:
-                return
-            done = True
-            sync()
-            self._last, started = time.perf_counter(), self._last
-            took = self._last - started
-            compiling = min(took, max(0.0, compile_seconds() - compiled_before))
-            if compiling > 0:  # an eager run has no such part
-                self.add("compile (first step: dynamo and inductor)", compiling)
-            self.add("first step (besides compiling)", took - compiling)
-            self.wall_s, self.ended_at = self._last - self.t0, time.time()
-            if trainer.__dict__.get("train_one_step") is first_step:
-                del trainer.train_one_step  # the loop's next stretch calls the method directly
-            after()
-            log.info("time to the first step: %s", self.describe())
-
-        trainer.train_one_step = first_step
+        step()
+        sync()
+        self._last, started = time.perf_counter(), self._last
+        took = self._last - started
+        compiling = min(took, max(0.0, compile_seconds() - compiled_before))
+        if compiling > 0:  # an eager run has no such part
+            self.add("compile (first step: dynamo and inductor)", compiling)
+        self.add("first step (besides compiling)", took - compiling)
+        self.wall_s, self.ended_at = self._last - self.t0, time.time()
+        log.info("time to the first step: %s", self.describe())
 
     def report(self) -> dict[str, Any]:
         """{"wall_s", "parts": [{"name", "s"}], "import_s", "notes"} for the summary and the report."""

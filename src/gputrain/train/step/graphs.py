@@ -37,14 +37,14 @@ checked against eager steps without a GPU.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from gputrain import batch as batches
 from gputrain.data.deferred import DeferredBatch, materialize
 from gputrain.runtime import torch_compat
-from gputrain.train.step.train_step import TrainStep
+from gputrain.train.step.totals import StepTotals
 
 log = logging.getLogger("gputrain")
 
@@ -88,26 +88,42 @@ class _Graph:
             dst.copy_(src, non_blocking=True)
 
 
+class StepBody(Protocol):
+    """A training step the wrapper can capture (train/step/train_step.py's TrainStep, own_step.py's
+    OwnStep): `run` is the body a graph records, calling the step runs it eagerly."""
+
+    optimizers: list[torch.optim.Optimizer]
+    totals: StepTotals
+
+    def run(self, micro_batches: Sequence[Any]) -> None: ...
+
+    def __call__(self, micro_batches: Sequence[Any]) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def capture_blocker(self) -> str | None: ...
+
+
 class _PythonValues:
-    """The optimizer's hyperparameters that are Python numbers (or tuples of them, as betas), read as
+    """The optimizers' hyperparameters that are Python numbers (or tuples of them, as betas), read as
     a captured step saw them: a replay keeps those values whatever is written later."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self.keys = [(i, k) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
-                     if _is_number(v) or (isinstance(v, tuple) and all(_is_number(x) for x in v))]
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        self.keys = [(o, i, k) for o, opt in enumerate(self.optimizers) for i, g in enumerate(opt.param_groups)
+                     for k, v in g.items() if _is_number(v) or (isinstance(v, tuple) and all(_is_number(x) for x in v))]
         self.values = self.read()
 
     def read(self) -> list[Any]:
-        groups = self.optimizer.param_groups  # looked up each time: load_state_dict replaces the groups
-        return [groups[i][k] for i, k in self.keys]
+        # The groups looked up each time: load_state_dict replaces them.
+        return [self.optimizers[o].param_groups[i][k] for o, i, k in self.keys]
 
     def changed(self) -> str | None:
         """Which value differs from its capture-time one, as a sentence; None when none does."""
         now = self.read()
         if now == self.values:
             return None
-        (i, key), was, new = next((k, a, b) for k, a, b in zip(self.keys, self.values, now) if a != b)
+        (_, i, key), was, new = next((k, a, b) for k, a, b in zip(self.keys, self.values, now) if a != b)
         return (f"the optimizer's {key!r} (group {i}) changed from {was!r} to {new!r} after capture, written as a "
                 "Python number (by the scheduler or a callback), and a replayed graph keeps the captured value")
 
@@ -163,9 +179,9 @@ class GraphedStep:
     keep accumulation and several processes off this path); anything else runs `step` eagerly.
     """
 
-    def __init__(self, step: TrainStep, device: torch.device, backend: CudaGraphs | None = None):
+    def __init__(self, step: StepBody, device: torch.device, backend: CudaGraphs | None = None):
         self.step = step
-        step.sum_in_place()  # the captured step adds its loss to the accumulator the replays write
+        step.totals.sum_in_place()  # the captured step adds its loss to the accumulator the replays write
         self.device = device
         self.backend = backend if backend is not None else CudaGraphs(device)
         self.graphs: dict[tuple, _Graph] = {}
@@ -278,7 +294,7 @@ class GraphedStep:
             static_batch = batches.unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
             build = None
         versions = [_version(t) for t in static]
-        self.step.optimizer.zero_grad(set_to_none=True)
+        self.step.zero_grad()
         try:
             # Later signatures share the first graph's memory pool.
             graph = self.backend.capture(
@@ -288,7 +304,7 @@ class GraphedStep:
             text = str(exc).strip()
             reason = f"capture failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
             self.backend.synchronize()
-            self.step.optimizer.zero_grad(set_to_none=True)
+            self.step.zero_grad()
             if self.graphs:
                 self.uncapturable[key] = reason
                 log.warning("CUDA graphs: batch %s: %s; such batches run eagerly",
@@ -306,7 +322,7 @@ class GraphedStep:
             captured.last = (tensors, _Graph.identity(tensors))
         self.graphs[key] = captured
         if self._values is None:
-            self._values = _PythonValues(self.step.optimizer)
+            self._values = _PythonValues(self.step.optimizers)
         # Capture records kernels without running them: replay once for this step's batch.
         graph.replay()
         self.replays += 1

@@ -1,8 +1,8 @@
 """channels_last where it is safe and pays, decided from the model's own first step.
 
 `decide_speed` (runtime/speed.py) leaves channels_last pending for a 2-D conv net that fit may
-probe ("check" on CUDA, "time" on the CPU). `LayoutGate` wraps the run's step; on the first step it
-runs forward + loss + backward of the first batch on two copies of the model, one in the layout the
+probe ("check" on CUDA, "time" on the CPU). `LayoutDecider` is one of the first step's deciders
+(train/step/first_step.py); before the first step it runs forward + loss + backward of the first batch on two copies of the model, one in the layout the
 user gave (NCHW) and one in NHWC (weights and 4-D float inputs), in the modes fit trains in, under
 the run's precision, from the same RNG state (the user's RNG stream is left as it was; Python state
 that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is kept only when
@@ -14,34 +14,33 @@ that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is 
   than `CPU_TIMED_MIN_STEPS` steps is not probed (the probe's passes would cost more than NHWC can
   win back) and trains in NCHW. On CUDA the first passes include cuDNN's algorithm search, so they
   are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
-A later step that fails in NHWC (a data-dependent path) is retried once in the user's layout, with
-one log line; an "unsafe to autocast" error is autocast's, not the layout's, and where the precision
-gate (train/step/precision_gate.py) turns an automatic autocast off, the layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout after fit.
+A step that fails in NHWC (the first, or a later one on a data-dependent path) is retried once in the
+user's layout, with one log line; an "unsafe to autocast" error is autocast's, not the layout's, and
+where the autocast decider (train/step/autocast_decider.py) turns an automatic autocast off, the
+layout is probed again in fp32. `MemoryFormats` gives every parameter and buffer back its own layout
+after fit.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import statistics
 import time
-import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from gputrain import batch as batches
 from gputrain.data.deferred import materialize
+from gputrain.errors import user_frame_summary
 from gputrain.runtime.oom import is_oom
 from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision
 from gputrain.runtime.speed import SpeedSwitches
-from gputrain.train.step.loss import LossRule
+from gputrain.train.step.first_step import FirstPass, RngState, Snapshot, losses_of
 
 log = logging.getLogger("gputrain")
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../gputrain/
 CPU_TIMED_MIN_STEPS = 200  # the probe's 2 + 2 * TIMED_REPEATS passes are <= 4% of such a run
 TIMED_REPEATS = 3
 
@@ -77,13 +76,10 @@ def to_nchw(batch: Any) -> Any:
 
 def refusal(exc: BaseException, who: str = "NHWC") -> str:
     """'`x = x.view(-1, 400)` at model.py:42 (forward) raised RuntimeError: view size is not ...':
-    the innermost frame outside torch and gputrain (the user's code that refused the layout, or the
-    precision: train/step/precision_gate.py); `who` stands in for it where no frame is the user's."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    # gputrain's frames by its package folder, not by "/gputrain/" in the path: a checkout named
-    # gputrain holds the user's tests and examples too.
-    where = next((fr for fr in reversed(frames) if "/torch/" not in fr.filename.replace("\\", "/")
-                  and not os.path.abspath(fr.filename).startswith(_PACKAGE)), None)
+    the user's frame (gputrain/errors.py: the innermost outside torch and gputrain), the code that
+    refused the layout or the precision (train/step/autocast_decider.py); `who` stands in for it
+    where no frame is the user's."""
+    where = user_frame_summary(exc)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     said = f"{type(exc).__name__}: {first[:200]}"
     hint = "; .reshape works in both layouts" if "view size" in first and "reshape" not in first else ""
@@ -122,73 +118,53 @@ class MemoryFormats:
                             state[key] = value.clone(memory_format=fmt)
 
 
-class _ProbeStep:
-    """What a step of your own gets in the probe: backward is a plain backward on the copy, step()
-    and zero_grad() leave the weights alone (both layouts compute from the same weights)."""
+class LayoutDecider:
+    """channels_last decided on the first batch, and a step that fails in NHWC retried once in the
+    user's layout (see the module docstring): a decider of train/step/first_step.py's gate."""
 
-    def __init__(self, model: nn.Module, optimizers: dict[str, Any], schedulers: dict[str, Any]):
-        self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
-        self.is_last, self.weight = True, 1.0
+    late = True  # a data-dependent path may fail in NHWC on a later step
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
-        loss.backward(retain_graph=retain_graph, create_graph=create_graph)
-
-    def step(self, name: str | None = None) -> None:
-        pass
-
-    def zero_grad(self, name: str | None = None) -> None:
-        pass
-
-
-def _losses(out: Any) -> list[float]:
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        out = out[0]  # compute_loss's (loss, outputs)
-    values = out.values() if isinstance(out, dict) else [out]
-    return [float(v.detach().float()) for v in values if isinstance(v, torch.Tensor)]
-
-
-class LayoutGate:
-    """The run's step with channels_last decided on its first batch and a later NHWC failure retried
-    once in the user's layout (see the module docstring). Calls `step_fn(micro_batches)`."""
-
-    def __init__(self, step_fn: Callable[[list], Any], *, module: nn.Module, speed: SpeedSwitches, loss: LossRule,
-                 precision: RunPrecision, device: torch.device, total_steps: int,
-                 optimizers: list[torch.optim.Optimizer], formats: MemoryFormats, loaders: Sequence[Any] = (),
-                 own_step: Callable | None = None, own_context: tuple[dict[str, Any], dict[str, Any]] | None = None):
-        self.step_fn, self.module, self.speed, self.loss = step_fn, module, speed, loss
+    def __init__(self, *, module: nn.Module, speed: SpeedSwitches, first_pass: FirstPass, precision: RunPrecision,
+                 device: torch.device, total_steps: int, optimizers: Sequence[torch.optim.Optimizer],
+                 formats: MemoryFormats, loaders: Sequence[Any] = ()):
+        self.module, self.speed, self.first_pass = module, speed, first_pass
         self.precision, self.device, self.total_steps = precision, device, total_steps
-        self.optimizers, self.own_step, self.own_context = optimizers, own_step, own_context or ({}, {})
+        self.optimizers = list(optimizers)
         self.formats = formats  # the user's layouts, recorded before fit changed any
         # The loaders' transforms put 4-D inputs in NHWC when channels_last is on (data/transforms.py).
         self.transforms = [t for t in (getattr(ld, "transform", None) for ld in loaders) if t is not None]
+        self.mode = speed.layout_probe  # "check" / "time": what the probe (again, after a reopen) does
         self.retried = False
 
-    def __call__(self, micro_batches: list) -> Any:
+    @property
+    def open(self) -> bool:
+        return self.speed.layout_probe is not None or (self.speed.channels_last and not self.retried)
+
+    def probe(self, micro_batches: Sequence[Any]) -> None:
         if self.speed.layout_probe is not None:
             self.decide(micro_batches[0])
-        if not self.speed.channels_last or self.retried:
-            return self.step_fn(micro_batches)
-        try:
-            return self.step_fn(micro_batches)
-        except RuntimeError as exc:
-            if is_oom(exc) or AUTOCAST_REFUSED in str(exc):  # autocast's refusal, not NHWC's (precision_gate.py)
-                raise
-            self.fall_back(refusal(exc))
-            return self.step_fn([to_nchw(b) for b in micro_batches])
 
-    def fall_back(self, why: str) -> None:
-        """NHWC off for the rest of the run: the user's layout back, the step's gradients cleared."""
+    def reopen(self) -> None:
+        """Probe again (in the precision the run falls back to) before the retry."""
+        if self.mode is not None and not self.retried:
+            self.speed.layout_probe = self.mode
+
+    def caused(self, exc: Exception, micro_batches: Sequence[Any], snapshot: Snapshot | None) -> str | None:
+        if not self.speed.channels_last or self.retried or not isinstance(exc, RuntimeError):
+            return None
+        if is_oom(exc) or AUTOCAST_REFUSED in str(exc):  # autocast's refusal, not NHWC's (autocast_decider.py)
+            return None
+        return refusal(exc)
+
+    def fall_back(self, why: str, micro_batches: Sequence[Any]) -> Sequence[Any]:
+        """NHWC off for the rest of the run: the user's layout back; the batches again in it."""
         self.retried = True
         self.speed.channels_last = False
         self.speed.reasons["channels_last"] = f"switched off during the run: {why}"
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
         self.formats.restore(self.optimizers)
         self._inputs(False)
-        graphs = getattr(self.step_fn, "graphs", None)  # a GraphedStep's captures (train/step/graphs.py)
-        if graphs:
-            graphs.clear()  # they hold the NHWC tensors' memory: captured again on the new tensors
         log.warning("a step failed in channels_last (NHWC) and runs again in your layout: %s", why)
+        return [to_nchw(b) for b in micro_batches]
 
     def apply(self) -> None:
         """NHWC weights and inputs for the run. Each 4-D parameter and buffer is re-laid out through
@@ -227,21 +203,19 @@ class LayoutGate:
         log.info("channels_last: %s (%s)", "on" if self.speed.channels_last else "off",
                  self.speed.reasons["channels_last"])
 
-    def _pass(self, model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor]) -> list[float]:
-        return probe_pass(model, batch, rng, cuda_rng, loss=self.loss, autocast=self.precision.autocast,
-                          own_step=self.own_step, own_context=self.own_context)
+    def _pass(self, model: nn.Module, batch: Any, rng: RngState) -> list[float]:
+        return self.first_pass(model, batch, rng, self.precision.autocast)
 
     def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
         out = []
         for model, b in zip(models, (batch, nhwc)):
             model.eval()
             with torch.no_grad(), self.precision.autocast():
-                out.append(_losses(self.loss(model, b)[0]))
+                out.append(losses_of(self.first_pass.loss(model, b)[0]))
         return out[0], out[1]
 
     def _probe(self, batch: Any, timed: bool) -> tuple[bool, str]:
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else []
+        rng = RngState(self.device)
         nchw_model = copy.deepcopy(self.module)
         # torch's stub of Module.to lists no memory_format keyword, which Module.to takes and applies to 4-D
         # tensors (run by tests/test_channels_last.py on the CPU): the ignore is for the stub only.
@@ -249,15 +223,15 @@ class LayoutGate:
         nhwc = to_nhwc(batch)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         try:
-            plain = self._pass(nchw_model, batch, rng, cuda_rng)
+            plain = self._pass(nchw_model, batch, rng)
         except Exception as exc:  # noqa: BLE001 - the user's layout fails too: the step itself will say why
             return False, f"not probed: the first batch fails in your layout as well ({type(exc).__name__})"
         try:
-            other = self._pass(nhwc_model, nhwc, rng, cuda_rng)
+            other = self._pass(nhwc_model, nhwc, rng)
         except Exception as exc:  # noqa: BLE001 - the reason for the decision
             return False, f"NHWC refused by your code: {refusal(exc)}"
         tol = loss_tolerance(self.precision)
-        if not _agree(plain, other, tol) and self.own_step is None:
+        if not _agree(plain, other, tol) and self.first_pass.own_step is None:
             # Dropout draws its mask in memory order; without random draws the layouts must agree.
             evals = self._eval_losses((nchw_model, nhwc_model), batch, nhwc)
             if not _agree(*evals, tol):
@@ -274,7 +248,7 @@ class LayoutGate:
             for name, model, b in (("nchw", nchw_model, batch), ("nhwc", nhwc_model, nhwc)):
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
-                self._pass(model, b, rng, cuda_rng)
+                self._pass(model, b, rng)
                 sync()
                 times[name].append(1000 * (time.perf_counter() - t0))
         a, b = statistics.median(times["nchw"]), statistics.median(times["nhwc"])
@@ -285,39 +259,5 @@ class LayoutGate:
         return (True, f"at least as fast: {measured}") if b <= a else (False, f"slower: {measured}")
 
 
-def probe_pass(model: nn.Module, batch: Any, rng: torch.Tensor, cuda_rng: list[torch.Tensor], *, loss: LossRule,
-               autocast: Callable[[], Any], own_step: Callable | None = None,
-               own_context: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> list[float]:
-    """Forward, loss and backward of `batch` on `model` (a copy) inside `autocast()`, from the RNG
-    state given; its losses. A step of your own runs with `_ProbeStep` (no optimizer steps)."""
-    torch.set_rng_state(rng)
-    if cuda_rng:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    with autocast():
-        if own_step is not None:
-            return _losses(own_step(_ProbeStep(model, *own_context), batch))
-        value, _ = loss(model, batch)
-    value.backward()
-    return _losses(value)
-
-
 def _agree(a: list[float], b: list[float], rtol: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12) + 1e-7 for x, y in zip(a, b))
-
-
-def run_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The run's optimizers: one, or a step of your own's {name: optimizer} (train/optim/by_name.py)."""
-    named = getattr(optimizer, "optimizers", None)
-    return list(named.values()) if isinstance(named, dict) else [optimizer]
-
-
-def gate_step(t: Any) -> Callable[[list], Any]:
-    """The Trainer's step behind a LayoutGate where NHWC may run (decided on the first batch, or on);
-    else the step itself. `t`: the Trainer, its model, data, optimizer and step set up."""
-    if t.speed.layout_probe is None and not t.speed.channels_last:
-        return t.step_fn
-    own = (t.optimizer.optimizers, t.scheduler.schedulers if t.scheduler is not None else {}) \
-        if t.own_step is not None else None
-    return LayoutGate(t.step_fn, module=t.module, speed=t.speed, loss=t.loss, precision=t.precision, device=t.device,
-                      total_steps=t.total_steps, optimizers=run_optimizers(t.optimizer), formats=t.memory_formats,
-                      loaders=(t.train_loader, t.eval_loader), own_step=t.own_step, own_context=own)

@@ -21,6 +21,9 @@ through a gradient), conditional updates.
 - `step.step(name)`: on the step's last micro-batch (earlier ones accumulate), the gradients of that
   optimizer's parameters averaged over the processes (several processes), unscaled (fp16) and
   clipped (max_grad_norm), the optimizer's step, its scheduler's step, its gradients cleared;
+  `step.step(name, closure=fn)` for an optimizer that steps with a closure (LBFGS): `fn()` clears
+  the gradients, computes the loss, calls `step.backward(loss)` and returns the loss, as
+  `optimizer.step(closure)` wants it (each evaluation's gradients averaged and clipped as above);
 - `step.zero_grad(name)`, `step.optimizers`, `step.schedulers`, `step.model` (the model as you gave
   it), `step.is_last`;
 - `step.index` (the run's optimizer steps done before this one, right after a resume too) and
@@ -32,8 +35,9 @@ device: no host read per step; the run's "loss" is their sum). A name returned o
 logged as the mean over the steps that returned it, counted on the device, and `<name>_steps` says
 how many did. Every gradient is cleared at the end of the step, and the GradScaler updated once (fp16).
 
-The body is `OwnStep.run`, a `TrainStep`: OOM recovery, the device-side sums, the EMA update and
-the CUDA-graph wrapper treat it like the built-in step. A graph captures it only when asked
+The body is `OwnStep.run`, made of the built-in step's pieces (train/step/micro.py: the micro-batches
+and their weights, the out-of-memory recovery; totals.py: the device sums; the precision's contract):
+the EMA update and the CUDA-graph wrapper treat it like the built-in step. A graph captures it only when asked
 (`cuda_graphs=True`): Python of yours that branches on a step count would run once, at capture, so a
 step that read `step.index` or returned other losses on some steps (in the eager steps before the
 capture) is not captured (`capture_blocker`), and the run's decisions say why.
@@ -48,21 +52,26 @@ them be and only holds that sync back on the micro-batches before the last.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from gputrain import batch as batches
 from gputrain.errors import ConfigError, DataError
-from gputrain.runtime import distributed, torch_compat
+from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
-from gputrain.train.step.carried_state import CarriedState
-from gputrain.train.step.loss import LossRule
-from gputrain.train.optim.calls import optimizer_stepper
+from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.optim.by_name import NamedOptimizers, OptimizerSet, SchedulerSet
-from gputrain.train.step.train_step import TrainStep
+from gputrain.train.optim.calls import needs_closure, optimizer_stepper
+from gputrain.train.step.carried_state import CarriedState
+from gputrain.train.step.micro import MicroBatches
+from gputrain.train.step.totals import StepTotals, TotalsRead
+
+
+def _is_one(weight: Any) -> bool:
+    """Weight 1.0 as a host float (a step in one piece): no multiply; a device weight (items) is never
+    compared on the host."""
+    return weight.__class__ is float and weight == 1.0
 
 
 class StepContext:
@@ -77,7 +86,7 @@ class StepContext:
         self.state = state
         self.is_last = True  # the step's last micro-batch: step() acts only then
         self.micro_index = 0  # this micro-batch's place in the step: 0 .. pieces - 1
-        self.weight: float = 1.0  # this micro-batch's share of the step's samples
+        self.weight: Any = 1.0  # this micro-batch's share of the step's samples (a device scalar with num_items)
         self.backwards = 0
         self.steps = 0
         self.index_read = False  # step_fn read step.index: a CUDA graph would freeze its branch
@@ -106,15 +115,15 @@ class StepContext:
             raise TypeError(f"step.backward(loss) takes the loss tensor your step_fn computed (a scalar), got "
                             f"{type(loss).__name__}: e.g. loss = loss_fn(step.model(x), y); step.backward(loss)")
         self.backwards += 1
-        owner = self._owner
-        scaled = loss if self.weight == 1.0 else loss * self.weight
-        scaled = owner.precision.scale(scaled)
-        with owner._no_autocast():
-            scaled.backward(retain_graph=retain_graph, create_graph=create_graph)
+        precision = self._owner.precision
+        with precision.no_autocast():
+            precision.backward(loss if _is_one(self.weight) else loss * self.weight, retain_graph=retain_graph,
+                               create_graph=create_graph)
 
-    def step(self, name: str | None = None) -> None:
+    def step(self, name: str | None = None, closure: Callable[[], Any] | None = None) -> Any:
         """On the last micro-batch: sync, unscale, clip, step the optimizer and its scheduler, clear its
-        gradients. Before it: nothing (the gradients accumulate)."""
+        gradients. Before it: nothing (the gradients accumulate). `closure`: for an optimizer whose
+        step takes one (LBFGS); what the optimizer's step returns is returned."""
         name = self._name(name)
         if name in self.stepped:  # a second update from the same gradients: surely not what was meant
             raise ConfigError(f"step.step({name!r}) was called twice in one call of step_fn: each optimizer steps "
@@ -122,7 +131,8 @@ class StepContext:
         self.stepped.add(name)
         self.steps += 1
         if self.is_last:
-            self._owner.step_optimizer(name)
+            return self._owner.step_optimizer(name, closure)
+        return None
 
     def zero_grad(self, name: str | None = None) -> None:
         """Clear the gradients of that optimizer's parameters (None: of every optimizer's, with one optimizer)."""
@@ -130,130 +140,117 @@ class StepContext:
             p.grad = None
 
 
-class OwnStep(TrainStep):
-    """The training step made of your step_fn (see the module docstring); the rest as TrainStep."""
+class OwnStep:
+    """The training step made of your step_fn and the step's pieces (see the module docstring)."""
 
     def __init__(self, step_fn: Callable[[StepContext, Any], Any], model: nn.Module, module: nn.Module,
                  optimizers: OptimizerSet, schedulers: SchedulerSet | None, precision: RunPrecision, *,
                  device: torch.device, max_grad_norm: float | None = None,
                  dist: distributed.DistInfo | None = None, oom_recovery: bool = True,
+                 num_items: Callable[[Any], Any] | None = None,
                  after_step: Sequence[Callable[[], None]] = (), loss_list: bool | None = None,
                  index: Callable[[], int] | None = None, state: CarriedState | None = None):
-        super().__init__(model, LossRule(), cast(torch.optim.Optimizer, optimizers), precision, device=device, max_grad_norm=max_grad_norm,
-                         dist=dist, oom_recovery=oom_recovery, params=list(module.parameters()),
-                         after_step=after_step, loss_list=loss_list)
-        self.step_fn = step_fn
-        self.optimizer: OptimizerSet = optimizers
-        self.schedulers = schedulers
+        self.step_fn, self.model, self.precision = step_fn, model, precision
+        self.optimizer, self.schedulers = optimizers, schedulers
+        self.optimizers = list(optimizers.optimizers.values())
+        self.params = list(module.parameters())
+        self.max_grad_norm, self.dist, self.after_step = max_grad_norm, dist, tuple(after_step)
+        self.micro = MicroBatches(model, device, num_items=num_items, dist=dist, oom_recovery=oom_recovery)
+        self.totals = StepTotals(device, self.params, self.optimizers, loss_list=loss_list)
         self.params_of = {name: [p for g in opt.param_groups for p in g["params"]]
                           for name, opt in optimizers.optimizers.items()}
         self._stepper = {name: optimizer_stepper(opt) for name, opt in optimizers.optimizers.items()}
-        # The run's step count (the trainer's RunState: right after a resume too); by default the steps run here.
+        self._closure = {name for name, opt in optimizers.optimizers.items() if needs_closure(opt)}
+        self.closure_used = False  # a closure optimizer stepped (it reads the host: not captured)
+        # The run's step count (the run state: right after a resume too); by default the steps run here.
         self.steps_run = 0
         self.index: Callable[[], int] = index if index is not None else (lambda: self.steps_run)
         self.context = StepContext(self, module, state if state is not None else CarriedState(None, device))
         # FSDP2 (shard=True): the model's own hooks reduce-scatter the gradients in backward.
         self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
-        # The named losses since the last read and the steps that returned each, device scalars made at
-        # the first step that returns the name (an eager one: a captured graph keeps their addresses).
-        self.named: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, torch.Tensor] = {}
-        self.names: tuple[str, ...] = ()
-        self._one = torch.ones((), device=device, dtype=torch.float32)
-        self.varied = False  # some step returned other names than another (a Python branch: not captured)
-        self.named_totals: dict[str, float] = {}  # read by the last read_totals, not yet in the run state
-        self.named_steps: dict[str, float] = {}  # the steps that returned each, read with named_totals
+        self.clock: PhaseClock = NO_CLOCK
+        self._foreach = device.type == "cuda" or None
 
-    def _no_autocast(self):
-        if self._autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, enabled=False)
-
-    def step_optimizer(self, name: str) -> None:
+    def step_optimizer(self, name: str, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer's part of the step: its gradients averaged over the processes, unscaled and
+        clipped, its step (with `closure` for a closure optimizer), its scheduler, its gradients cleared."""
         opt, params = self.optimizer.optimizers[name], self.params_of[name]
+        if name in self._closure and closure is None:
+            raise ConfigError(f"optimizer {name!r} ({type(opt).__name__}) steps with a closure: call "
+                              f"step.step({name!r}, closure=fn), where fn() clears the gradients (step.zero_grad), "
+                              "computes the loss, calls step.backward(loss) and returns the loss")
+        if closure is not None:
+            if self.micro.splits > 1 or not self.context.is_last or self.context.micro_index > 0:
+                raise ConfigError("step.step(name, closure=...) evaluates the loss of this micro-batch only, so "
+                                  "under accumulate > 1 (or after an out-of-memory split) its step would not be the "
+                                  "mean over the step's samples: use accumulate=1 with a closure optimizer")
+            self.closure_used = True
+
+            def evaluate() -> Any:
+                loss = closure()
+                self._reduce_and_clip(opt, params)
+                return loss
+
+            out = self.precision.step(opt, lambda: opt.step(evaluate), update=False)
+        else:
+            self._reduce_and_clip(opt, params)
+            # The scale's update waits until every optimizer of this step has stepped (run's end).
+            out = self.precision.step(opt, self._stepper[name], update=False)
+        if self.schedulers is not None:
+            self.schedulers.step_for(name)
+        for p in params:
+            p.grad = None
+        return out
+
+    def _reduce_and_clip(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """DDP's average for the parameters this optimizer updates (one flat all-reduce), then unscale
+        and clip. FSDP2's units reduce-scatter in backward already."""
         grads = [p.grad for p in params if p.grad is not None]
-        if self.dist is not None and self.dist.world_size > 1 and grads and not self.sharded:
-            # DDP's average, for the parameters this optimizer updates: one flat all-reduce.
+        if not grads:
+            return
+        if self.dist is not None and self.dist.world_size > 1 and not self.sharded:
             flat = torch.cat([g.reshape(-1) for g in grads])
             distributed.all_reduce_sum(flat, self.dist).div_(self.dist.world_size)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if grads:
-            self.clip(opt, params)
-        # The scale's update waits until every optimizer of this step has stepped (run's end).
-        self.step_optimizer_(opt, self._stepper[name], update=False)
-        if self.schedulers is not None:
-            self.schedulers.step_for(name)
-        for p in params:
-            p.grad = None
+        self.precision.unscale_and_clip(opt, params, self.max_grad_norm, self._foreach)
 
     def run(self, micro_batches: Sequence[Any]) -> None:
-        pieces = micro_batches if self.splits == 1 else [p for mb in micro_batches for p in batches.split(mb, self.splits)]
-        counts = [batches.batch_size(p) for p in pieces] if len(pieces) > 1 else [1]
-        total = sum(counts)
-        ctx, last = self.context, len(pieces) - 1
+        ctx = self.context
         ctx.backwards = ctx.steps = 0
         step_losses: dict[str, torch.Tensor] = {}
-        for i, piece in enumerate(pieces):
-            ctx.weight, ctx.is_last, ctx.micro_index = counts[i] / total, i == last, i
-            ctx.stepped = set()
-            with distributed.no_sync(self.model, sync=ctx.is_last or not self.sharded):
-                if self._autocast is None:
-                    out = self.step_fn(ctx, piece)
-                else:
-                    with self._autocast():
-                        out = self.step_fn(ctx, piece)
-            for key, value in self._losses(out).items():
-                term = value.detach().float() * ctx.weight if ctx.weight != 1.0 else value.detach().float()
+        for i, (piece, weight, last) in enumerate(self.micro.plan(micro_batches)):
+            ctx.weight, ctx.is_last, ctx.micro_index, ctx.stepped = weight, last, i, set()
+            with self.micro.held_back(not last):  # FSDP2 holds its reduce-scatter back; a plain module: no-op
+                out = self.precision.forward(self.step_fn, ctx, piece)
+            for key, value in _losses(out).items():
+                term = value.detach().float() if _is_one(weight) else value.detach().float() * weight
                 step_losses[key] = term if key not in step_losses else step_losses[key] + term
         if not ctx.backwards:
             raise ConfigError("step_fn returned without calling step.backward(loss): nothing would train. "
                               "Call step.backward(loss), then step.step(name) for the optimizer it updates")
         if not ctx.steps:
             raise ConfigError(f"step_fn never called step.step(name): no optimizer of {sorted(ctx.optimizers)} "
-                              "would update. Call step.step(name) after step.backward(loss)")
+                              "would update. Call step.step(name) after step.backward(loss)"
+                              + (" (with a closure optimizer: step.step(name, closure=fn))" if self._closure else ""))
         self.precision.update()
         for p in self.params:  # every gradient, also those no optimizer took (a frozen teacher's)
             p.grad = None
         for update in self.after_step:
             update()
-        self._keep_named(step_losses)
+        self.totals.keep_named(step_losses)
         self.steps_run += 1
         self.clock.mark("optimizer")
 
-    def _losses(self, out: Any) -> dict[str, torch.Tensor]:
-        if isinstance(out, torch.Tensor):
-            out = {"loss": out}
-        if not isinstance(out, Mapping) or not out or not all(
-                isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
-            raise DataError(f"step_fn returned {type(out).__name__}: return the loss (a scalar tensor) or a dict "
-                            "of named scalar losses, e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
-        unnamed = [k for k in out if not isinstance(k, str)]
-        if unnamed:
-            raise DataError(f"step_fn returned a dict with the key(s) {unnamed[:3]!r}: name each loss with a string, "
-                            "e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
-        return dict(out)
+    def __call__(self, micro_batches: Sequence[Any]) -> None:
+        """The eager step: `run`, cut finer after an out-of-memory error (train/step/micro.py)."""
+        self.micro.run(self.run, micro_batches, self.zero_grad)
+        self.totals.after_eager_step()
 
-    def _keep_named(self, losses: dict[str, torch.Tensor]) -> None:
-        """Each returned loss into its device sum and its step count (one foreach add for all), the
-        step's total into the loss sum. A name may be returned on some steps only (a generator's
-        loss one step in five): its mean is then over the steps that returned it."""
-        earlier = bool(self.names)
-        for key in losses:
-            if key not in self.named:
-                self.varied = self.varied or earlier  # a name that earlier steps did not return
-                self.names += (key,)
-                self.named[key] = torch.zeros((), device=self.device, dtype=torch.float32)
-                self.counts[key] = torch.zeros((), device=self.device, dtype=torch.float32)
-        if len(losses) != len(self.names):
-            self.varied = True
-        present = list(losses)
-        torch_compat.foreach_add_([self.named[k] for k in present] + [self.counts[k] for k in present],
-                                  list(losses.values()) + [self._one] * len(present))
-        values = list(losses.values())
-        self.keep_loss(values[0] if len(values) == 1 else torch.stack(values).sum())
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def capture_blocker(self) -> str | None:
         """Why a CUDA graph must not capture this step, seen in the eager steps before the capture:
@@ -265,61 +262,36 @@ class OwnStep(TrainStep):
         carried = self.context.state.graph_blocker()
         if carried is not None:
             return carried
-        if self.varied:
-            return (f"your step_fn ({name}) returns some losses on some steps only ({', '.join(self.names)}), a "
-                    "Python branch that a captured step would take as it did at capture")
+        if self.totals.varied:
+            return (f"your step_fn ({name}) returns some losses on some steps only ({', '.join(self.totals.names)}), "
+                    "a Python branch that a captured step would take as it did at capture")
+        if self.closure_used:
+            return f"your step_fn ({name}) steps a closure optimizer, which evaluates the loss on the host"
         return None
 
-    def take_totals(self) -> torch.Tensor:
-        """TrainStep's three totals, then each named loss's sum and then the steps that returned it,
-        since the last read; resets them."""
-        totals = super().take_totals()
-        if not self.named:
-            return totals
-        named = torch.stack([self.named[k] for k in self.names] + [self.counts[k] for k in self.names])
-        for v in (*self.named.values(), *self.counts.values()):
-            v.zero_()
-        return torch.cat([totals, named])
+    def read_totals(self) -> TotalsRead:
+        from gputrain.train.step.train_step import read_totals
 
-    def read_totals(self) -> tuple[float, int]:
-        totals = distributed.all_reduce_mean(self.take_totals(), self.dist) if self.dist is not None \
-            else self.take_totals()
-        values = totals.tolist()  # the log point's one host read
-        n = len(self.names)
-        self.named_totals = dict(zip(self.names, values[3:3 + n]))
-        self.named_steps = dict(zip(self.names, values[3 + n:]))
-        return self._judge(values[0], values[1], values[2])
+        return read_totals(self.totals, self.dist)
 
-    def fold_read(self, state: Any) -> None:
-        """The named losses of the last read, and the steps that returned each, into the run
-        state's sums since the last log point."""
-        for key, value in self.named_totals.items():
-            state.named_since_log[key] = state.named_since_log.get(key, 0.0) + value
-            state.named_steps_since_log[key] = state.named_steps_since_log.get(key, 0.0) + self.named_steps[key]
-        self.named_totals, self.named_steps = {}, {}
 
-    def log_values(self, state: Any, steps: int) -> dict[str, float]:
-        """What a log point adds: each named loss's mean over the steps since the last log point
-        that returned it (unless the one loss is "loss" itself), `<name>_steps` (how many did) for a
-        name that not every step returned, each optimizer's learning rate; resets the sums."""
-        out: dict[str, float] = {}
-        named, state.named_since_log = state.named_since_log, {}
-        counted, state.named_steps_since_log = state.named_steps_since_log, {}
-        if not (len(named) == 1 and "loss" in named):
-            for key, total in named.items():
-                returned = int(round(counted.get(key, steps)))
-                if returned:
-                    out[key] = total / returned
-                if returned != steps:
-                    out[f"{key}_steps"] = returned
-        if self.schedulers is not None and len(self.schedulers.schedulers) > 1:
-            out.update({f"lr_{k}": v for k, v in self.schedulers.last_lrs().items()})
-        return out
+def _losses(out: Any) -> dict[str, torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        out = {"loss": out}
+    if not isinstance(out, Mapping) or not out or not all(
+            isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
+        raise DataError(f"step_fn returned {type(out).__name__}: return the loss (a scalar tensor) or a dict "
+                        "of named scalar losses, e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
+    unnamed = [k for k in out if not isinstance(k, str)]
+    if unnamed:
+        raise DataError(f"step_fn returned a dict with the key(s) {unnamed[:3]!r}: name each loss with a string, "
+                        "e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
+    return dict(out)
 
 
 def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: Any, device: torch.device,
                    capturable: bool, built_in: tuple[Callable[[torch.optim.Optimizer], Any], str]
-                   ) -> tuple[torch.optim.Optimizer, SchedulerSet, str, str]:
+                   ) -> tuple[OptimizerSet, SchedulerSet, str, str]:
     """The optimizers and schedulers of a run with a step of your own, and their descriptions.
 
     spec: {name: optimizer or callable model -> optimizer}, or what `fit` takes for one optimizer
@@ -349,6 +321,5 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
         scheduler_spec = {next(iter(optimizers.optimizers)): scheduler_spec}
     schedulers = SchedulerSet.build(scheduler_spec, optimizers, built_in[0])
     given = sorted(scheduler_spec or {})
-    # The set stands where the trainer keeps its optimizer, and acts as one there (typed as one).
-    return (cast(torch.optim.Optimizer, optimizers), schedulers, described,
+    return (optimizers, schedulers, described,
             ", ".join(f"{n}: {'given' if n in given else built_in[1]}" for n in optimizers.optimizers))
