@@ -89,8 +89,8 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     data = [move(b, device) for b in case.batches()]
 
     np.random.seed(SEED)
-    history = gputrain.fit(model, data, config=gputrain.TrainConfig(steps=len(data), device=DEVICE, seed=SEED,
-                                                                    **case.config), **case.fit(model))
+    config = gputrain.TrainConfig(**{"steps": len(data), "device": DEVICE, "seed": SEED, **case.config})
+    history = gputrain.fit(model, data, config=config, **case.fit(model))
     used = history.summary["precision"]
     decided = {d["name"]: d for d in history.summary["decisions"]}["precision"]
     assert decided["value"] == used, "the summary and the decisions disagree on the precision"
@@ -102,7 +102,7 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     # The author's loop in the precision fit used, TF32 as that precision sets it (on CUDA; given back after).
     with matmul_settings(resolve_precision(used, device), device):
         case.hand(hand_model, data, _amp(device, used))
-    assert history.records and history.records[-1]["step"] == len(data)
+    assert history.records and history.records[-1]["step"] == config.steps
     assert modes(model) == given, "fit left modules in other modes than the user gave"
     exact = device.type == "cpu"
     problems = _differences(model.state_dict(), hand_model.state_dict(), initial, exact)

@@ -51,6 +51,15 @@ def _precision(name: str, value: Any) -> None:
         raise ConfigError(f"unknown precision {value!r}: choose one of {', '.join(PRECISIONS)}")
 
 
+SCHEDULER_INTERVALS = ("step", "epoch")
+
+
+def _monitor(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must name a metric the run reports (eval_loss, eval_accuracy, loss, ...), got "
+                          f"{value!r}")
+
+
 def _schedule(name: str, value: Any) -> None:
     if value not in SCHEDULES:
         raise ConfigError(f"unknown schedule {value!r}: choose constant, cosine, linear or onecycle")
@@ -162,6 +171,15 @@ class TrainConfig:
     # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
     schedule: str = setting("constant", flag="--schedule", choices=SCHEDULES, check=_schedule)
     warmup_steps: int = setting(0, check=integer(0))
+    # when your scheduler (fit(scheduler=...)) steps: "step" (after every optimizer step) | "epoch" (after
+    # each epoch, as the tutorials' `scheduler.step()` after each epoch; train/optim/intervals.py)
+    scheduler_interval: str = setting(
+        "step", flag="--scheduler-interval", choices=SCHEDULER_INTERVALS,
+        check=one_of(SCHEDULER_INTERVALS, message="scheduler_interval must be 'step' or 'epoch'"),
+        help="when your scheduler steps: after every optimizer step (step), or after each epoch (epoch)")
+    # the record key ReduceLROnPlateau steps on (its newest value at each epoch's end)
+    scheduler_monitor: str = setting("eval_loss", flag="--scheduler-monitor", check=_monitor, metavar="METRIC",
+                                     help="the metric ReduceLROnPlateau steps on (default eval_loss)")
     # reporting
     log_every: int = setting(50, flag="--log-every", parse=positive_int_arg, check=positive_int(),
                              help="optimizer steps between loss reads")  # the only host syncs

@@ -32,10 +32,11 @@ class Case:
 
 
 def cases() -> list[Case]:
-    from zoo import (blitz_cnn, dcgan, distill_teacher, frozen_bn_backbone, hf_bert, hf_gpt2, mnist,
-                           nanogpt_block, rnn_hidden, reads_training, updates_buffer, vae, wgan_gp,
-                           word_language_model)
+    from zoo import (blitz_cnn, dcgan, distill_teacher, frozen_bn_backbone, hf_bert, hf_gpt2, mnist, mnist_rnn_steplr,
+                     nanogpt_block, plateau, rnn_hidden, reads_training, time_sequence_lbfgs, updates_buffer, vae,
+                     wgan_gp, word_language_model)
 
     modules = (blitz_cnn, mnist, dcgan, vae, word_language_model, nanogpt_block, wgan_gp, frozen_bn_backbone,
-               distill_teacher, reads_training, updates_buffer, rnn_hidden, hf_bert, hf_gpt2)
+               distill_teacher, reads_training, updates_buffer, rnn_hidden, hf_bert, hf_gpt2, time_sequence_lbfgs,
+               mnist_rnn_steplr, plateau)
     return [m.CASE for m in modules]

@@ -5,9 +5,9 @@
 own parts, in the Trainer's order:
 - precision: `resolve_precision` in one `RunPrecision` (TF32 set; `close()` gives it back);
 - the speed switches: `decide_speed` (channels_last, cudnn.benchmark, compile, CUDA graphs),
-  applied as the Trainer applies them; channels_last "auto" on a conv net is decided on the first
-  batch the probe steps, by fit's rule (train/step/layout.py: on the CPU only for runs of
-  `CPU_TIMED_MIN_STEPS` steps or more, so a memory probe of a short run keeps the user's layout);
+  applied as the Trainer applies them; channels_last "auto" on a conv net is decided by fit's rule
+  and checked on the first batch the probe steps (train/step/layout.py), so a memory probe keeps
+  the layout fit would train in;
 - recompute where the config asks for it, then torch.compile where it does;
 - the optimizer from `make_optimizer` with lr 0 (the weights do not change; its state takes its
   memory): the Trainer's fused AdamW, graph-capturable when graphs are on. Other optimizers

@@ -67,6 +67,9 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
                     "AdamW(params, lr=torch.tensor(1e-3), fused=True, capturable=True))")
     if optimizer is not None and not isinstance(optimizer, dict):
         if isinstance(optimizer, torch.optim.Optimizer):
+            if "capturable" not in optimizer.defaults:  # LBFGS: its step(closure) reads the loss on the host
+                return (f"the optimizer ({type(optimizer).__name__}) has no capturable form: its step reads values on "
+                        "the host")
             if not all(g.get("capturable", False) for g in optimizer.param_groups):
                 return f"the optimizer ({type(optimizer).__name__}) was not created with capturable=True"
         else:
@@ -179,13 +182,15 @@ def decide_speed(config, model: nn.Module, device: torch.device, *, world_size: 
 
 def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layout: bool,
             reasons: dict[str, str]) -> tuple[bool, str | None]:
-    """(channels_last now, the first-step probe still to run: "check", "time" or None), its reason in `reasons`.
+    """(channels_last now, the first-step check still to run: "check" or None), its reason in `reasons`.
 
-    A forced value stands. "auto": off without 2-D convolutions; on CUDA the first step checks that NHWC
-    runs and gives the same loss, and cuDNN's NHWC kernels decide the rest (the CUDA rule; with several
-    processes every rank takes the rule unprobed, so the ranks cannot disagree); on the CPU the first
-    step checks and times it (train/step/layout.py). A caller that runs no first step through a LayoutDecider
-    (probe_layout False) gets the CUDA rule on CUDA and NCHW elsewhere."""
+    Decided by rule, never by a timing (a timing would make a seeded run's numbers depend on the
+    machine's load: NHWC kernels sum in another order). A forced value stands. "auto": off without 2-D
+    convolutions; on CUDA the first step checks that NHWC runs and gives the same loss, and cuDNN's NHWC
+    kernels decide the rest (the CUDA rule; with several processes every rank takes the rule unchecked,
+    so the ranks cannot disagree); elsewhere the user's layout (on the CPU whether NHWC pays depends on
+    the CPU: `--autotune` measures it and writes its choice into the run). A caller that runs no first
+    step through a LayoutDecider (probe_layout False) gets the CUDA rule unchecked on CUDA."""
     if value != "auto":
         reasons["channels_last"] = "requested"
         return bool(value), None
@@ -199,15 +204,9 @@ def _layout(value, conv: bool, device: torch.device, world_size: int, probe_layo
     if device.type == "cuda":
         reasons["channels_last"] = "decided on the first batch: NHWC kept where it runs and gives the same loss"
         return False, "check"
-    if device.type == "cpu" and world_size > 1:  # each rank would time its own: the ranks could disagree
-        reasons["channels_last"] = "not probed with several processes on the CPU (channels_last=True forces it)"
-        return False, None
-    if device.type == "cpu" and probe_layout:
-        reasons["channels_last"] = ("decided on the first batch: NHWC kept where it runs, gives the same loss "
-                                    "and is at least as fast")
-        return False, "time"
-    reasons["channels_last"] = (f"not measured on {device.type}" if device.type != "cpu"
-                                else "on the CPU NHWC is kept only where fit's first step measures it faster")
+    reasons["channels_last"] = (f"your layout on {device.type}: whether NHWC pays there depends on the "
+                                "machine, and a timing must not decide a seeded run's numbers (--autotune "
+                                "measures it and records its choice; channels_last=True forces it)")
     return False, None
 
 

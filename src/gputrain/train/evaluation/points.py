@@ -26,6 +26,13 @@ class EvalPoints:
         self.total_steps, self.log_every, self.has_eval = total_steps, log_every, has_eval
         # epoch ends when an epoch is at least a log interval; else (or without a length) log points
         self.at_epoch_ends = batches_per_epoch is not None and batches_per_epoch / accumulate >= log_every
+        self.needed_by: str | None = None  # what needs an evaluation at every epoch end (`each_epoch`)
+
+    def each_epoch(self, why: str) -> None:
+        """Evaluate at every epoch end however short (`why`: what needs it, e.g. a scheduler stepping on
+        an evaluation metric); unless eval_every was given, which stays as asked."""
+        if self.every is None and self.batches is not None and not self.at_epoch_ends:
+            self.at_epoch_ends, self.needed_by = True, why
 
     def _epoch_end_after(self, step: int) -> int:
         """The first step after `step` whose batches finish an epoch: ceil(k * batches / accumulate)."""
@@ -60,7 +67,7 @@ class EvalPoints:
         if self.at_epoch_ends:
             per = (self.batches or 1) / self.accumulate
             return (f"at each epoch end, every {per:.4g} steps, and at the run's end",
-                    "the default (eval_every unset) for data with a length")
+                    self.needed_by or "the default (eval_every unset) for data with a length")
         if self.batches is not None:
             per = self.batches / self.accumulate
             return (f"at every log point (every {self.log_every} steps) and at the run's end",

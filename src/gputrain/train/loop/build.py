@@ -55,6 +55,7 @@ from gputrain.train.modes import UserModes
 from gputrain.train.optim.build import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optim.by_name import OptimizerSet, SchedulerSet
 from gputrain.train.optim.calls import needs_closure
+from gputrain.train.optim.intervals import SchedulerSteps, is_plateau
 from gputrain.train.step.autocast_decider import AutocastDecider
 from gputrain.train.step.carried_state import CarriedState
 from gputrain.train.step.first_step import Decider, FirstPass, FirstStepGate
@@ -94,7 +95,7 @@ def build_run(model: nn.Module, train_data: Any, *, loss_fn: Callable | None = N
     startup.mark("model moves, wrapping and compile setup")
     data = _data(config, train_data, eval_data, transform, collate_fn, device, dist, speed, warnings)
     startup.mark("data preparation")
-    optim = _optimizers(config, optimizer, scheduler, models, device, speed, data.total_steps, step_fn)
+    optim = _optimizers(config, optimizer, scheduler, models, device, speed, data, step_fn)
     carried = CarriedState(state, device)  # what steps carry to the next (train/step/carried_state.py)
     speed.refuse_graphs(carried.graph_blocker())  # state=: Python that a graph would run once
     run_state = RunState()
@@ -173,24 +174,38 @@ def _data(config: TrainConfig, train_data: Any, eval_data: Any, transform: Batch
 
 
 def _optimizers(config: TrainConfig, optimizer: Any, scheduler: Any, models: ModelParts, device: torch.device,
-                speed: SpeedSwitches, total_steps: int, step_fn: Callable | None) -> Optimizers:
-    """The optimizer(s) and the schedule (capturable when graphs will be used), on the run's device."""
+                speed: SpeedSwitches, data: DataFeeds, step_fn: Callable | None) -> Optimizers:
+    """The optimizer(s) and the schedule (capturable when graphs will be used), on the run's device,
+    and when the schedule steps (train/optim/intervals.py)."""
     def built_in(opt: torch.optim.Optimizer) -> Any:
-        return make_scheduler(opt, config.schedule, total_steps, config.warmup_steps)
+        return make_scheduler(opt, config.schedule, data.total_steps, config.warmup_steps)
 
     built_in_desc = f"{config.schedule}" + (f" after {config.warmup_steps} warm-up steps"
                                             if config.warmup_steps else "") + " (built-in)"
+    def steps(made: Any) -> SchedulerSteps:
+        steps = SchedulerSteps(made, interval=config.scheduler_interval, monitor=config.scheduler_monitor,
+                               batches_per_epoch=data.batches_per_epoch, accumulate=config.accumulate,
+                               yours=scheduler is not None, own_step=step_fn is not None)
+        if is_plateau(made) and config.scheduler_monitor.startswith("eval_"):
+            if data.eval is None:
+                raise ConfigError(f"ReduceLROnPlateau steps on {config.scheduler_monitor}, but this run has no eval "
+                                  "data: give eval_data (or a workload with a test split), or set scheduler_monitor to "
+                                  "a training value such as 'loss'")
+            data.eval_points.each_epoch(f"ReduceLROnPlateau steps on {config.scheduler_monitor} at each epoch's end")
+        return steps
+
     if step_fn is not None:  # optimizers and schedulers by name
         named, schedulers, optimizer_desc, schedule_desc = own_optimizers(
             optimizer, scheduler, models.module, config, device, speed.cuda_graphs, (built_in, built_in_desc))
-        optim = Optimizers(named, schedulers, optimizer_desc, schedule_desc)
+        optim = Optimizers(named, schedulers, optimizer_desc, schedule_desc, steps(schedulers))
     else:
         one, optimizer_desc = make_optimizer(
             optimizer, models.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, device=device,
             fused=config.fused_optimizer, capturable=speed.cuda_graphs, decay_groups=config.weight_decay_groups)
         made, schedule_desc = make_user_scheduler(one, scheduler) if scheduler is not None \
             else (built_in(one), built_in_desc)
-        optim = Optimizers(one, made, optimizer_desc, schedule_desc)
+        interval = steps(made)
+        optim = Optimizers(one, made, optimizer_desc, interval.describe(schedule_desc), interval)
     move_optimizer_state(optim.optimizer, device)  # the named set's: each optimizer's
     speed.refuse_graphs(scheduler_blocker(optim.scheduler))  # one that writes Python numbers each step
     return optim

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gputrain.train.loop.state import RunState
     from gputrain.train.modes import UserModes
     from gputrain.train.optim.by_name import OptimizerSet
+    from gputrain.train.optim.intervals import SchedulerSteps
     from gputrain.train.step.carried_state import CarriedState
     from gputrain.train.step.graphs import GraphedStep
     from gputrain.train.step.layout import MemoryFormats
@@ -85,12 +86,14 @@ class DataFeeds:
 
 @dataclass
 class Optimizers:
-    """The optimizer (a step of your own's: its named set), the schedule, and how each was decided."""
+    """The optimizer (a step of your own's: its named set), the schedule, how each was decided, and
+    when the schedule steps (`steps`: after every optimizer step, or after each epoch)."""
 
     optimizer: torch.optim.Optimizer | OptimizerSet
     scheduler: Any
     optimizer_desc: str
     schedule_desc: str
+    steps: SchedulerSteps
 
     def all(self) -> list[torch.optim.Optimizer]:
         """Every optimizer of the run: one, or a step of your own's by name."""

@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from gputrain.data.checks import first_step_note
 from gputrain.errors import StopRequested, user_frame
 from gputrain.runtime.speed import choices_made
@@ -78,11 +80,30 @@ def _checkpoint_after_error(parts: RunParts, save: Callable[[], Path | None], ex
            + (f" (resume from the last periodic one with --resume {run_dir})" if last else ""))
     stream.name_a_lost_worker(exc)
     exc.add_note(f"gputrain: training failed in step {st.step + 1} at {where}; {how}")
-    if st.step == 0 and stream.load_error is not exc and stream.last_batch is not None:
+    if st.step == 0 and (stepping := _optimizer_frame(exc)) is not None:
+        optimizers = ", ".join(type(o).__name__ for o in parts.optim.all())
+        exc.add_note(f"gputrain: the first training step failed inside the optimizer's step ({stepping}), after "
+                     f"the forward and backward ran: the cause is the optimizer ({optimizers}) or how it is called, "
+                     "not the batch (an optimizer whose step needs a closure gets one from fit: fit(optimizer=...) "
+                     "with the built-in loss, or step.step(name, closure=fn) in a step of your own)")
+    elif st.step == 0 and stream.load_error is not exc and stream.last_batch is not None:
         precision = parts.precision
         choices = choices_made(parts.speed, precision.name, precision.precision.autocast_dtype,
                                parts.config.precision)
         exc.add_note(first_step_note(stream.last_batch, parts.model.module, parts.step.loss, choices))  # data/checks.py
+
+
+def _optimizer_frame(exc: BaseException) -> str | None:
+    """`Class.step at file:line` when `exc` was raised inside an optimizer's step (a frame of torch's
+    optim package, or a `step` method of a torch.optim.Optimizer of yours), else None."""
+    import traceback
+
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        path = frame.f_code.co_filename.replace("\\", "/")
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.optim.Optimizer) and (frame.f_code.co_name == "step" or "/torch/optim/" in path):
+            return f"{type(owner).__name__}.{frame.f_code.co_name} at {path}:{frame.f_lineno}"
+    return None
 
 
 def _lost_worker(exc: BaseException) -> bool:

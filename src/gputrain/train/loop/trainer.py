@@ -81,7 +81,7 @@ class Trainer:
             st.samples_seen = samples_seen
             p.step.body.zero_grad()
             raise
-        p.optim.scheduler.step()
+        p.optim.steps.per_step()  # the scheduler, unless it steps after each epoch
         st.step += 1
         st.steps_since_log += 1
 
@@ -163,6 +163,8 @@ class Trainer:
                    p.data.eval_points.next_after(st.step))  # an evaluation is a log point too
         if ckpt_every:
             ends = min(ends, (st.step // ckpt_every + 1) * ckpt_every)
+        if (epoch_end := p.optim.steps.epoch_end_after(st.step)) is not None:  # a scheduler stepped per epoch
+            ends = min(ends, epoch_end)
         clock, step_once, on_step, control = self.clock, self.step_once, loop.on_step, p.control
         signals, one_process = loop.signals, loop.world == 1
         while True:
@@ -190,6 +192,7 @@ class Trainer:
             p.callbacks.log(control, record)  # may request a stop: the loop ends here
             loop.t_log = time.perf_counter()  # evaluation and logging stay out of samples/s
             loop.faults.restart()  # evaluation, trackers, callbacks: not the steps' page faults
+        p.optim.steps.after(st.step, p.history.records)  # a scheduler stepped per epoch, after its evaluation
         if ckpt_every and st.step % ckpt_every == 0 and st.step < stop and p.run_dir:
             with loop.faults.excluded():  # nor a checkpoint's
                 self.save_checkpoint()

@@ -1,19 +1,19 @@
-"""channels_last where it is safe and pays, decided from the model's own first step.
+"""channels_last where it is safe, decided by rule and checked on the model's own first step.
 
-`decide_speed` (runtime/speed.py) leaves channels_last pending for a 2-D conv net that fit may
-probe ("check" on CUDA, "time" on the CPU). `LayoutDecider` is one of the first step's deciders
-(train/step/first_step.py); before the first step it runs forward + loss + backward of the first batch on two copies of the model, one in the layout the
-user gave (NCHW) and one in NHWC (weights and 4-D float inputs), in the modes fit trains in, under
-the run's precision, from the same RNG state (the user's RNG stream is left as it was; Python state
-that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is kept only when
+`decide_speed` (runtime/speed.py) decides the layout by rule, never by a timing (a timing would make a
+seeded run's numbers depend on the machine's load): forced, or off without 2-D convolutions or off
+the GPU, or on CUDA (cuDNN's tensor-core NHWC kernels) once the first step has checked it
+("check"). `LayoutDecider` is one of the first step's deciders (train/step/first_step.py); before the
+first step it runs forward + loss + backward of the first batch on two copies of the model, one in the
+layout the user gave (NCHW) and one in NHWC (weights and 4-D float inputs), in the modes fit trains in,
+under the run's precision, from the same RNG state (the user's RNG stream is left as it was; Python
+state that a compute_loss or step_fn keeps between calls sees the two calls). NHWC is kept only when
 - it runs (no error: a `.view` of a convolution's output, `grad.view(n, -1)` in a gradient penalty,
-  refuse NHWC; the reason names the error and the `file:line` of the user's code that raised it),
+  refuse NHWC; the reason names the error and the `file:line` of the user's code that raised it), and
 - it gives the same loss within `loss_tolerance` (dropout's random draws follow the memory layout,
-  so where the train-mode losses differ, the built-in loss is compared again in eval mode), and
-- it is at least as fast: on the CPU the median of `TIMED_REPEATS` timed passes each; a run shorter
-  than `CPU_TIMED_MIN_STEPS` steps is not probed (the probe's passes would cost more than NHWC can
-  win back) and trains in NCHW. On CUDA the first passes include cuDNN's algorithm search, so they
-  are not timed: the CUDA rule keeps NHWC (cuDNN's tensor-core kernels) when it runs and agrees.
+  so where the train-mode losses differ, the built-in loss is compared again in eval mode).
+The probe's passes are not timed: on CUDA the first passes include cuDNN's algorithm search, and
+`--autotune` is where a measurement may choose (its choice is written into the run).
 A step that fails in NHWC (the first, or a later one on a data-dependent path) is retried once in the
 user's layout, with one log line; an "unsafe to autocast" error is autocast's, not the layout's, and
 where the autocast decider (train/step/autocast_decider.py) turns an automatic autocast off, the
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import statistics
-import time
 from typing import Any, Sequence
 
 import torch
@@ -41,8 +39,6 @@ from gputrain.runtime.speed import SpeedSwitches
 from gputrain.train.step.first_step import FirstPass, RngState, Snapshot, losses_of
 
 log = logging.getLogger("gputrain")
-CPU_TIMED_MIN_STEPS = 200  # the probe's 2 + 2 * TIMED_REPEATS passes are <= 4% of such a run
-TIMED_REPEATS = 3
 
 
 def loss_tolerance(precision: RunPrecision) -> float:
@@ -133,7 +129,7 @@ class LayoutDecider:
         self.formats = formats  # the user's layouts, recorded before fit changed any
         # The loaders' transforms put 4-D inputs in NHWC when channels_last is on (data/transforms.py).
         self.transforms = [t for t in (getattr(ld, "transform", None) for ld in loaders) if t is not None]
-        self.mode = speed.layout_probe  # "check" / "time": what the probe (again, after a reopen) does
+        self.mode = speed.layout_probe  # "check": what the probe (again, after a reopen) does
         self.retried = False
 
     @property
@@ -181,18 +177,10 @@ class LayoutDecider:
             t.channels_last = nhwc
 
     def decide(self, batch: Any) -> None:
-        mode, self.speed.layout_probe = self.speed.layout_probe, None
-        if mode == "time" and self.total_steps < CPU_TIMED_MIN_STEPS:
-            run = f"a run of {self.total_steps} steps" if self.total_steps else "the step alone, not a run"
-            self.speed.reasons["channels_last"] = (
-                f"not probed: {run} on the CPU (the probe's {2 + 2 * TIMED_REPEATS} "
-                f"forward+backward passes pay only from {CPU_TIMED_MIN_STEPS} steps); NHWC is kept on the CPU only "
-                "where the first step measures it at least as fast")
-            self._said()
-            return
+        self.speed.layout_probe = None
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            keep, why = self._probe(materialize(batch), timed=mode == "time")
+            keep, why = self._probe(materialize(batch))
         self.speed.channels_last = keep
         self.speed.reasons["channels_last"] = why
         if keep:
@@ -214,14 +202,13 @@ class LayoutDecider:
                 out.append(losses_of(self.first_pass.loss(model, b)[0]))
         return out[0], out[1]
 
-    def _probe(self, batch: Any, timed: bool) -> tuple[bool, str]:
+    def _probe(self, batch: Any) -> tuple[bool, str]:
         rng = RngState(self.device)
         nchw_model = copy.deepcopy(self.module)
         # torch's stub of Module.to lists no memory_format keyword, which Module.to takes and applies to 4-D
         # tensors (run by tests/test_channels_last.py on the CPU): the ignore is for the stub only.
         nhwc_model = copy.deepcopy(self.module).to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
         nhwc = to_nhwc(batch)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         try:
             plain = self._pass(nchw_model, batch, rng)
         except Exception as exc:  # noqa: BLE001 - the user's layout fails too: the step itself will say why
@@ -239,24 +226,8 @@ class LayoutDecider:
             plain, other = evals
         elif not _agree(plain, other, tol):
             return False, f"NHWC changed the loss beyond the relative tolerance {tol:g}: {plain} vs {other}"
-        same = f"the first batch's loss agrees within {tol:g}"
-        if not timed:
-            return True, (f"{same}; on CUDA the first passes include cuDNN's algorithm search and are not timed, "
-                          "so the CUDA rule keeps NHWC (cuDNN's tensor-core convolutions)")
-        times: dict[str, list[float]] = {"nchw": [], "nhwc": []}
-        for _ in range(TIMED_REPEATS):  # interleaved: a slower moment of the machine hits both
-            for name, model, b in (("nchw", nchw_model, batch), ("nhwc", nhwc_model, nhwc)):
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                self._pass(model, b, rng)
-                sync()
-                times[name].append(1000 * (time.perf_counter() - t0))
-        a, b = statistics.median(times["nchw"]), statistics.median(times["nhwc"])
-        passes = 2 + 2 * TIMED_REPEATS
-        measured = (f"forward+backward of the first batch {b:.3g} ms in NHWC vs {a:.3g} ms in NCHW (median of "
-                    f"{TIMED_REPEATS}; the probe: {passes} passes, {passes / max(1, self.total_steps):.1%} of the "
-                    f"run's steps); {same}")
-        return (True, f"at least as fast: {measured}") if b <= a else (False, f"slower: {measured}")
+        return True, (f"the first batch's loss agrees within {tol:g}; the CUDA rule keeps NHWC (cuDNN's "
+                      "tensor-core convolutions; not timed: the first passes include cuDNN's algorithm search)")
 
 
 def _agree(a: list[float], b: list[float], rtol: float) -> bool:
