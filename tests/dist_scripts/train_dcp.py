@@ -85,7 +85,7 @@ try:
     if args.full_copy:
         trainer.save_checkpoint(Path(args.full_copy))  # one file: every rank takes part, rank 0 writes
     result = {"summary": history.summary, "wrapper": type(trainer.parts.model.model).__name__,
-              "last_checkpoint": trainer.last_checkpoint}
+              "last_checkpoint": trainer.parts.checkpoints.last}
 finally:
     trainer.close()
     del trainer

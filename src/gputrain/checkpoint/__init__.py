@@ -15,13 +15,14 @@ before the checkpoint takes its final name, so no checkpoint is ever seen withou
 (digests.py: every hash computed, written, read back and checked, one path for both formats).
 How it is read: read.py, one reader for a file or a folder (whole, or a folder's run state only),
 used by the resume, the store and a trained run's model (workloads/from_run.py).
-How a run uses it: save_resume.py writes the trainer's parts into the store, resumes exactly (the store
-tries the checkpoint `latest` names, then the others from the highest step down, and takes the first
-that verifies, with a warning naming each skipped; then checks that it fits the model and the run:
-same global batch and seed, before loading every part), and writes the checkpoint of a stop or an error.
+How a run uses it: manager.py's `CheckpointManager`, built once with the states it saves, writes them
+into the store and resumes exactly (the store tries the checkpoint `latest` names, then the others from
+the highest step down, and takes the first that verifies, with a warning naming each skipped; then
+checks that it fits the model and the run: same global batch and seed, before loading every part);
+`open_run_store` checks the run directory before anything is written there.
 
 Layering: this package sits above io/, data/ and runtime/ and below train/; it imports nothing of
-train/ (what it reads of the trainer is typed by the Protocols of parts.py and save_resume.py).
+train/ (the states that wrap the loop's own objects are built by train/loop/build.py).
 """
 
 from gputrain.checkpoint.digests import Damage, verify

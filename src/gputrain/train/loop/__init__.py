@@ -1,9 +1,11 @@
-"""The loop around one step: setup, the passes, and what the run keeps and says.
+"""The run's parts and the loop around one step, and what the run keeps and says.
 
-- `trainer`: `Trainer`, its named setup parts and the loop; `loop_pass`: what one pass holds besides it.
+- `build`: the run's parts made once (`build_run`), into `parts`' typed `RunParts`.
+- `trainer`: `Trainer`, the loop over the parts; `loop_pass`: what one pass of the loop holds besides.
 - `fit`: the one call that trains a model (and a Workload).
-- `state`: the run's position, saved in checkpoints; `signals`: stop requests; `guards`: health at log points.
+- `state`: the run's position, saved in checkpoints; `signals`: stop requests; `stops`: a stop signal's
+  and an error's ending (checkpoint, notes); `guards`: health at log points.
 - `callbacks`, `early_stopping`, `ema`: your code at log points, and the two built in.
-- `compiling`: torch.compile for the trainer;
-  `startup_costs`: where the time before the first step went; `run_summary`: decisions and summary.
+- `compiling`: torch.compile for a run; `startup_costs`: where the time before the first step went;
+  `run_summary`: decisions and summary.
 """
