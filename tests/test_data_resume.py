@@ -155,15 +155,52 @@ def test_a_plain_dataloader_over_an_iterable_dataset_becomes_stateful(tmp_path):
     assert "StatefulDataLoader" in h.summary["data_reason"]
 
 
-def test_an_iterable_without_state_is_skipped_by_counting_with_a_warning(tmp_path, caplog):
+class CountedBatches:
+    """A list of batches as a re-iterable that is no list (no index): a resume can only count its way in.
+    `reads`: the batches its iterators gave."""
+
+    def __init__(self, batches):
+        self.batches, self.reads = batches, 0
+
+    def __iter__(self):
+        for b in self.batches:
+            self.reads += 1
+            yield b
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def test_a_list_of_batches_resumes_at_its_index_and_an_iterable_without_state_by_counting(tmp_path, caplog):
     x, y = data(96)
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 96, 8)]
     caplog.set_level(logging.WARNING, "gputrain")
     full, resumed, _ = stop_and_resume(tmp_path, lambda: list(batches), steps=30, stop=17,
                                        loss_fn=nn.CrossEntropyLoss(), caplog=caplog)
     assert torch.equal(full, resumed)
-    assert "resuming the list at batch 5 of epoch 1" in caplog.text and "the 5 batches before it are read again" \
-        in caplog.text
+    assert "resuming" not in caplog.text  # a list is indexed: nothing read again, nothing to install
+    made = []
+
+    def counted():
+        made.append(CountedBatches(batches))
+        return made[-1]
+
+    full, resumed, _ = stop_and_resume(tmp_path / "counted", counted, steps=30, stop=17,
+                                       loss_fn=nn.CrossEntropyLoss(), caplog=caplog)
+    assert torch.equal(full, resumed) and made[-1].reads == 5 + 13  # 5 read again, then steps 18-30
+    assert "resuming the CountedBatches at batch 5 of epoch 1: it has no saved state here, so the 5 batches before " \
+           "it are read again (a list of batches resumes at its index)" in caplog.text
+    assert "torchdata" not in caplog.text
+
+
+def test_without_torchdata_a_dataloader_over_an_iterable_dataset_says_to_install_it(monkeypatch, caplog):
+    from gputrain.data import iterable
+
+    monkeypatch.setattr(iterable, "stateful_loader_class", lambda: None)  # torchdata not installed
+    caplog.set_level(logging.WARNING, "gputrain")
+    source, _ = make_loader(DataLoader(Numbers(), batch_size=8), 8, device=CPU, train=True)
+    assert len(list(source.iter_epoch(0, 3))) == 9  # 12 batches, the first 3 read again and dropped
+    assert "the 3 batches before it are read again (install torchdata: pip install gputrain[data])" in caplog.text
 
 
 @pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])
