@@ -90,6 +90,19 @@ def test_a_user_dataloader_with_shuffle_is_rebuilt_not_reread(tmp_path, caplog, 
     assert "read again" not in caplog.text
 
 
+@pytest.mark.parametrize("stop", [12, 17], ids=["at an epoch's end", "mid-epoch"])
+@pytest.mark.parametrize("make, cfg", [(lambda: DataLoader(Samples(), batch_size=8), {}),
+                                       (lambda: DataLoader(Samples(), batch_size=8), {"rebuild_loader": False}),
+                                       (lambda: DataLoader(Numbers(), batch_size=8), {})],
+                         ids=["rebuilt", "as is", "over an IterableDataset"])
+def test_the_global_rng_draw_of_your_dataloaders_iter_keeps_the_resume_exact(tmp_path, make, cfg, stop):
+    """fit draws the number your DataLoader's iter() takes from the global RNG at each epoch's start
+    (data/loader.py, draw_base_seed): a run resumed at an epoch's end draws it as the uninterrupted one
+    did, a run resumed mid-epoch (after the draw, which its checkpoint's RNG state holds) does not."""
+    full, resumed, _ = stop_and_resume(tmp_path, make, steps=30, stop=stop, cfg=cfg, loss_fn=nn.CrossEntropyLoss())
+    assert torch.equal(full, resumed)
+
+
 def test_the_rebuilt_loader_reads_only_the_samples_it_trains_on(tmp_path):
     run_dir = str(tmp_path / "run")
     loader = lambda: DataLoader(Samples(), batch_size=8, shuffle=True)  # noqa: E731

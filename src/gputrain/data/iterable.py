@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gputrain.data.device_feed import to_device
-from gputrain.data.loader import adopt_generator
+from gputrain.data.loader import adopt_generator, draw_base_seed
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
 
@@ -149,7 +149,7 @@ class IterableBatches:
 
     def __init__(self, source: Iterable[Any], *, device: torch.device, transform: BatchTransform | None = None,
                  train: bool = True, batch_size: int | None = None, shard: tuple[int, int] = (0, 1),
-                 describe: str | None = None, seed: int = 0):
+                 describe: str | None = None, seed: int = 0, draws_base_seed: bool = False):
         self.source = source
         self.device = device
         self.transform = transform or BatchTransform()
@@ -164,6 +164,9 @@ class IterableBatches:
         self._warned_skip = False
         self.seed = seed
         self._loader_gen = adopt_generator(source)
+        # A user's DataLoader without a generator: each pass draws the number its iter() takes from the
+        # global RNG (data/loader.py, draw_base_seed), so that dropout sees your loop's random numbers.
+        self.draws_base_seed = draws_base_seed
         # A list or tuple of batches starts at any batch by its index: a resume reads nothing again.
         self.indexed = isinstance(source, collections.abc.Sequence)
 
@@ -212,6 +215,8 @@ class IterableBatches:
     def iter_epoch(self, epoch: int, start_batch: int = 0, restored: bool = False) -> Iterator[Any]:
         """Batches of pass `epoch` from batch `start_batch` on: from the loader's restored state, a
         list's index, or by reading the batches before it again (with a warning naming how many)."""
+        if self.draws_base_seed and start_batch == 0:  # mid-pass: drawn before the checkpoint's RNG state
+            draw_base_seed()
         # set_epoch too when restored: HF applies a state only in its own epoch
         it = self._pass(epoch, start_batch if self.indexed else 0)
         if start_batch and not restored and not self.indexed:
