@@ -85,6 +85,33 @@ def unexportable():
 def fails_when_asked():
     return Workload(name="fails-when-asked", description="test", make_data=_columns, make_model=FailsWhenAsked,
                     loss_fn=None, compute_loss=_loss, task=None, defaults={"batch_size": 16})
+
+
+class ListedLayers(nn.Module):
+    """Its layers in a plain Python list (as pytorch/examples' mnist_forward_forward keeps them): unregistered."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [nn.Linear(4, 8), nn.Linear(8, 2)]
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x).relu())
+
+
+def _listed_step(step, batch):
+    x, y = batch
+    loss = nn.functional.cross_entropy(step.model(x), y)
+    step.backward(loss)
+    step.step("first")
+    step.step("second")
+    return loss
+
+
+def listed_layers():
+    return Workload(name="listed-layers", description="test", make_data=_data, make_model=ListedLayers, loss_fn=None,
+                    task=None, step_fn=_listed_step, defaults={"batch_size": 16},
+                    optimizers=lambda m: {"first": torch.optim.SGD(m.layers[0].parameters(), lr=0.1),
+                                          "second": torch.optim.SGD(m.layers[1].parameters(), lr=0.1)})
 '''
 
 
@@ -198,6 +225,10 @@ CASES = [
     Case("fit-unknown-option", ("fit", "digits-cnn", "--option", "n=5"), r"takes no options; got n"),
     Case("fit-option-without-value", ("fit", "digits-cnn", "--option", "n5"),
          r"--option 'n5': expected KEY=VALUE, e\.g\. --option n=2000$"),
+    Case("fit-parameters-in-a-python-list", ("fit", "userwl.py:listed_layers", "--run-dir", "r-listed"),
+         r"optimizer 'first' and optimizer 'second' update 4 parameter tensors that the model does not register \(it "
+         r"registers none\), of shapes \[8, 4\], \[8\], \[2, 8\], \[2\]: .*Register them on the model: .*nn\.ModuleList",
+         absent="r-listed"),
     Case("fit-fp16-on-cpu", ("fit", "digits-cnn", "--precision", "fp16", "--device", "cpu", "--no-save"),
          r"fp16 is not supported on the CPU"),
     Case("fit-missing-data-dir", ("fit", "cifar10-cnn", "--data-dir", "no-such-folder", "--no-save"),

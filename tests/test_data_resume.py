@@ -90,6 +90,19 @@ def test_a_user_dataloader_with_shuffle_is_rebuilt_not_reread(tmp_path, caplog, 
     assert "read again" not in caplog.text
 
 
+@pytest.mark.parametrize("stop", [12, 17], ids=["at an epoch's end", "mid-epoch"])
+@pytest.mark.parametrize("make, cfg", [(lambda: DataLoader(Samples(), batch_size=8), {}),
+                                       (lambda: DataLoader(Samples(), batch_size=8), {"rebuild_loader": False}),
+                                       (lambda: DataLoader(Numbers(), batch_size=8), {})],
+                         ids=["rebuilt", "as is", "over an IterableDataset"])
+def test_the_global_rng_draw_of_your_dataloaders_iter_keeps_the_resume_exact(tmp_path, make, cfg, stop):
+    """fit draws the number your DataLoader's iter() takes from the global RNG at each epoch's start
+    (data/loader.py, draw_base_seed): a run resumed at an epoch's end draws it as the uninterrupted one
+    did, a run resumed mid-epoch (after the draw, which its checkpoint's RNG state holds) does not."""
+    full, resumed, _ = stop_and_resume(tmp_path, make, steps=30, stop=stop, cfg=cfg, loss_fn=nn.CrossEntropyLoss())
+    assert torch.equal(full, resumed)
+
+
 def test_the_rebuilt_loader_reads_only_the_samples_it_trains_on(tmp_path):
     run_dir = str(tmp_path / "run")
     loader = lambda: DataLoader(Samples(), batch_size=8, shuffle=True)  # noqa: E731
@@ -155,15 +168,52 @@ def test_a_plain_dataloader_over_an_iterable_dataset_becomes_stateful(tmp_path):
     assert "StatefulDataLoader" in h.summary["data_reason"]
 
 
-def test_an_iterable_without_state_is_skipped_by_counting_with_a_warning(tmp_path, caplog):
+class CountedBatches:
+    """A list of batches as a re-iterable that is no list (no index): a resume can only count its way in.
+    `reads`: the batches its iterators gave."""
+
+    def __init__(self, batches):
+        self.batches, self.reads = batches, 0
+
+    def __iter__(self):
+        for b in self.batches:
+            self.reads += 1
+            yield b
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def test_a_list_of_batches_resumes_at_its_index_and_an_iterable_without_state_by_counting(tmp_path, caplog):
     x, y = data(96)
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 96, 8)]
     caplog.set_level(logging.WARNING, "gputrain")
     full, resumed, _ = stop_and_resume(tmp_path, lambda: list(batches), steps=30, stop=17,
                                        loss_fn=nn.CrossEntropyLoss(), caplog=caplog)
     assert torch.equal(full, resumed)
-    assert "resuming the list at batch 5 of epoch 1" in caplog.text and "the 5 batches before it are read again" \
-        in caplog.text
+    assert "resuming" not in caplog.text  # a list is indexed: nothing read again, nothing to install
+    made = []
+
+    def counted():
+        made.append(CountedBatches(batches))
+        return made[-1]
+
+    full, resumed, _ = stop_and_resume(tmp_path / "counted", counted, steps=30, stop=17,
+                                       loss_fn=nn.CrossEntropyLoss(), caplog=caplog)
+    assert torch.equal(full, resumed) and made[-1].reads == 5 + 13  # 5 read again, then steps 18-30
+    assert "resuming the CountedBatches at batch 5 of epoch 1: it has no saved state here, so the 5 batches before " \
+           "it are read again (a list of batches resumes at its index)" in caplog.text
+    assert "torchdata" not in caplog.text
+
+
+def test_without_torchdata_a_dataloader_over_an_iterable_dataset_says_to_install_it(monkeypatch, caplog):
+    from gputrain.data import iterable
+
+    monkeypatch.setattr(iterable, "stateful_loader_class", lambda: None)  # torchdata not installed
+    caplog.set_level(logging.WARNING, "gputrain")
+    source, _ = make_loader(DataLoader(Numbers(), batch_size=8), 8, device=CPU, train=True)
+    assert len(list(source.iter_epoch(0, 3))) == 9  # 12 batches, the first 3 read again and dropped
+    assert "the 3 batches before it are read again (install torchdata: pip install gputrain[data])" in caplog.text
 
 
 @pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])

@@ -116,6 +116,58 @@ def test_an_optimizer_that_owns_no_trainable_parameter_is_one_line():
         fit(everything_frozen, data(), loss_fn=nn.CrossEntropyLoss(), config=_cfg())
 
 
+class ListedHead(nn.Module):
+    """A registered body and a head kept in a plain Python list (not registered: no state_dict holds it)."""
+
+    def __init__(self, register_body: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        body = nn.Linear(6, 16)
+        if register_body:
+            self.body = body
+        else:
+            self.listed_body = [body]
+        self.heads = [nn.Linear(16, 3)]
+
+    def forward(self, x):
+        body = self.body if hasattr(self, "body") else self.listed_body[0]
+        return self.heads[0](body(x).relu())
+
+
+def test_an_optimizer_over_tensors_the_model_does_not_register_is_refused_before_anything_is_written(tmp_path):
+    """They would train but never be checkpointed (a resume would start them again from their initial
+    values): refused in one line with their count, shapes and nn.ModuleList, the run directory not made."""
+    run_dir = tmp_path / "run"
+    some_listed = ListedHead()
+    given = torch.optim.SGD([*some_listed.parameters(), *some_listed.heads[0].parameters()], lr=0.1)
+    with pytest.raises(ConfigError, match=r"^the optimizer updates 2 parameter tensors that the model does not "
+                                          r"register, of shapes \[3, 16\], \[3\]: they would train but never be saved, "
+                                          r"and a resumed run would start them again from their initial values\. "
+                                          r"Register them on the model: .*nn\.ModuleList") as refused:
+        fit(some_listed, data(), loss_fn=nn.CrossEntropyLoss(), optimizer=given, config=_cfg(run_dir=str(run_dir)))
+    assert "\n" not in str(refused.value) and not run_dir.exists()
+    all_listed = ListedHead(register_body=False)  # the model registers no parameter at all
+    listed = [p for m in (*all_listed.listed_body, *all_listed.heads) for p in m.parameters()]
+    with pytest.raises(ConfigError, match=r"^the optimizer updates 4 parameter tensors that the model does not "
+                                          r"register \(it registers none\), of shapes \[16, 6\], \[16\], \[3, 16\], "
+                                          r"\[3\]"):
+        fit(all_listed, data(), loss_fn=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(listed, lr=0.1),
+            config=_cfg(run_dir=str(run_dir)))
+    factory_adds = ListedHead()  # a factory that adds the listed head to what it is given
+    with pytest.raises(ConfigError, match=r"^the optimizer the factory built updates 2 parameter tensors that the "
+                                          r"model does not register, of shapes \[3, 16\], \[3\]"):
+        fit(factory_adds, data(), loss_fn=nn.CrossEntropyLoss(), config=_cfg(run_dir=str(run_dir)),
+            optimizer=lambda ps: torch.optim.SGD([*ps, *factory_adds.heads[0].parameters()], lr=0.1))
+    with pytest.raises(ConfigError, match=r"^the model registers no parameter \(model\.parameters\(\) is empty\), so "
+                                          r"nothing would train: layers kept in a Python list or dict are not "
+                                          r"registered: hold them in nn\.ModuleList"):
+        fit(all_listed, data(), loss_fn=nn.CrossEntropyLoss(), config=_cfg(run_dir=str(run_dir)))
+    assert not run_dir.exists()
+    registered = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.ModuleList([nn.Linear(16, 3)])[0])
+    fit(registered, data(), loss_fn=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(registered.parameters(), lr=0.1),
+        config=_cfg())  # the same layers registered: trains
+
+
 def test_decay_groups_keep_the_graph_path_exact(capture_graphs):
     """Two parameter groups, a frozen layer and a tensor lr: the step replayed from its (stand-in) CUDA
     graph ends bit-equal to the eager one, and reads nothing on the host in the steady state."""

@@ -1,6 +1,8 @@
 """Non-finite losses and loss spikes: stop (naming the steps and the last good checkpoint) or skip on
 the device; never a checkpoint from a non-finite state; spikes reported at log points."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -85,13 +87,28 @@ def test_skip_needs_a_fused_optimizer():
 def test_spike_detector_warns_then_stops_after_patience():
     d = SpikeDetector(ratio=3.0, window=6, patience=2, action="stop")
     for step, loss in enumerate([1.0, 0.9, 0.8, 0.85, 0.8], start=1):
+        d.update(10 * step, loss)  # log points 10 steps apart: each judged as it comes
+    d.update(60, 5.0)  # one spike: warned, recorded
+    assert [s["step"] for s in d.spikes] == [60]
+    d.update(70, 0.8)  # back to normal: the streak resets
+    d.update(80, 4.0)
+    with pytest.raises(GputrainError, match="loss spike at step 90: .*2 in a row"):
+        d.update(90, 4.5)
+
+
+def test_one_batch_noise_at_log_every_1_is_no_spike_but_a_real_one_is(caplog):
+    """At log_every=1 a log point is one batch, whose loss scatters several times around the median once
+    the model fits: judged over 10 steps, the noise below gives no warning; a jump of the loss does."""
+    caplog.set_level(logging.WARNING, "gputrain")
+    d = SpikeDetector(ratio=4.0, window=10, patience=3, action="warn")
+    noisy = [0.01 if i % 9 else 0.08 for i in range(300)]  # one batch in 9 at 8x the others (one hard sample)
+    for step, loss in enumerate(noisy, start=1):
         d.update(step, loss)
-    d.update(6, 5.0)  # one spike: warned, recorded
-    assert [s["step"] for s in d.spikes] == [6]
-    d.update(7, 0.8)  # back to normal: the streak resets
-    d.update(8, 4.0)
-    with pytest.raises(GputrainError, match="loss spike at step 9.*2 in a row"):
-        d.update(9, 4.5)
+    assert d.spikes == [] and "loss spike" not in caplog.text
+    for step in range(301, 311):
+        d.update(step, 0.01 if step < 305 else 1.0)  # the loss jumps 100x at step 305
+    assert [s["step"] for s in d.spikes] == [310]
+    assert "loss spike at steps 301-310 (their mean): 0.604 is" in caplog.text
 
 
 def test_spikes_reach_the_summary():
@@ -105,12 +122,12 @@ def test_spikes_reach_the_summary():
         def forward(self, x):
             self.n += self.training
             out = self.inner(x)
-            return out * 50 if self.training and self.n in (30, 31, 32) else out  # logits blow up briefly
+            return out * 500 if self.training and self.n in (61, 62, 63) else out  # logits blow up briefly
 
     h = fit(Spiky(), (x, y), loss_fn=nn.CrossEntropyLoss(),
-            config=TrainConfig(device="cpu", batch_size=8, steps=40, log_every=1, lr=1e-3))
-    assert any(s["step"] in (30, 31, 32) for s in h.summary["loss_spikes"])
-    assert any("loss spike" in w for w in h.summary["warnings"])
+            config=TrainConfig(device="cpu", batch_size=8, steps=80, log_every=1, lr=1e-3))
+    assert [s["step"] for s in h.summary["loss_spikes"]] == [70]  # the mean of steps 61-70 (log_every=1: pooled)
+    assert any("loss spike at step 70" in w for w in h.summary["warnings"])
 
 
 class _InfThroughTanh(nn.Module):

@@ -98,3 +98,66 @@ def test_user_modes_train_and_restore_flag_by_flag():
     model.eval()
     modes.restore()
     assert model.training and model.student[1].training and not model.teacher[3].training
+
+
+class OwnTrainRoutine(nn.Module):
+    """pytorch/examples' mnist_forward_forward names its training routine `train(x_pos, x_neg)` (Net and
+    each Layer); here with the layers registered (nn.ModuleList) and a dropout that shows the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([ForwardForwardLayer(6, 16), ForwardForwardLayer(16, 3)])
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.layers[1](self.dropout(self.layers[0](x)))
+
+    def train(self, x_pos, x_neg):  # the authors' routine: not nn.Module.train(mode)
+        raise AssertionError("fit called the model's own training routine")
+
+
+class ForwardForwardLayer(nn.Linear):
+    def train(self, x_pos, x_neg):
+        raise AssertionError("fit called a layer's own training routine")
+
+
+def test_a_train_method_of_another_meaning_is_left_alone_and_modes_set_flag_by_flag(caplog):
+    model = OwnTrainRoutine()
+    for m in model.modules():
+        m.training = False  # as given: wholly in eval mode (nn.Module.eval() would call the routine)
+    seen = []
+    model.dropout.register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    x, y = _data()
+    caplog.set_level(logging.INFO, "gputrain")
+    history = gputrain.fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), eval_data=(x, y),
+                           callbacks=[gputrain.EMA(0.9)],  # its averaged copy is put in eval mode too
+                           config=gputrain.TrainConfig(steps=2, batch_size=16, log_every=1))
+    assert seen[:1] == [True] and False in seen  # trained in train mode, evaluated in eval mode
+    gputrain.predict(model, x)
+    assert not any(m.training for m in model.modules())  # given back as found
+    said = "OwnTrainRoutine.train(x_pos, x_neg), ForwardForwardLayer.train(x_pos, x_neg) is not nn.Module.train(mode)"
+    assert said in caplog.text
+    assert said in {d["name"]: d for d in history.summary["decisions"]}["modes"]["reason"]
+
+
+def test_a_train_override_that_takes_a_mode_is_still_called():
+    class FrozenNorm(nn.Module):  # the usual override: BatchNorm statistics frozen whenever train() is called
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(6, 8), nn.BatchNorm1d(8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.bn(self.fc(x)))
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+    model = FrozenNorm().eval()
+    before = model.bn.running_mean.clone()
+    x, y = _data()
+    gputrain.fit(model, (x, y), loss_fn=nn.CrossEntropyLoss(), config=gputrain.TrainConfig(steps=2, batch_size=16))
+    assert torch.equal(model.bn.running_mean, before)  # the override ran: the statistics stayed frozen
+    assert UserModes(model).other_trains == []

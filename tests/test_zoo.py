@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import modes
-from zoo import Case, cases
+from zoo import Case, Refusal, cases, refusals
 
 import gputrain
 from gputrain.batch import move
@@ -39,6 +39,7 @@ BF16_UPDATE_RTOL = 0.1
 BF16_ATOL = 1e-3
 
 CASES = cases()
+REFUSALS = refusals()
 
 
 def _device() -> torch.device:
@@ -108,3 +109,17 @@ def test_zoo_case_trains_through_fit_as_its_authors_loop(case: Case):
     problems = _differences(model.state_dict(), hand_model.state_dict(), initial, exact)
     assert not problems, (f"{len(problems)} of {len(initial)} tensors differ from the author's loop in {used} "
                           f"({'bit-equal expected' if exact else 'bf16 tolerance'}): " + "; ".join(problems[:6]))
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c.name for c in REFUSALS])
+def test_zoo_refusal_is_one_line_at_the_start_and_writes_nothing(case: Refusal, tmp_path):
+    """Models fit cannot train faithfully as their authors wrote them: refused before the run directory
+    is made, in one line that says what and how to change it."""
+    torch.manual_seed(SEED)
+    model = case.make()
+    run_dir = tmp_path / "run"
+    with pytest.raises(gputrain.ConfigError, match=case.says) as refused:
+        gputrain.fit(model, case.batches(), config=gputrain.TrainConfig(steps=2, device="cpu", seed=SEED,
+                                                                        run_dir=str(run_dir)), **case.fit(model))
+    assert "\n" not in str(refused.value)
+    assert not run_dir.exists(), "a refused run wrote its run directory"

@@ -5,6 +5,8 @@ the author's hand loop over a list of batches, and how the same code is handed t
 (`loss_fn`, `compute_loss` or `step_fn`, and the author's optimizer). tests/test_zoo.py runs each
 through fit with default settings beside the hand loop on the same batches and compares. A case that
 had to change the model's code to pass would be a failing case: the models here are as published.
+A `Refusal` is a published model that fit cannot train faithfully as written (parameters in a Python
+list, which no checkpoint would hold): fit must refuse it at the start in one line, writing nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,25 @@ class Case:
     hand: Callable[[nn.Module, list, Callable], None]
     fit: Callable[[nn.Module], dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Refusal:
+    """A public model that fit must refuse at the start, as its authors wrote it: make() and batches() as
+    in Case, fit(model): fit's keyword arguments as a user would give them, says: a regular expression
+    that the one-line refusal matches (what is wrong and what to do)."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    batches: Callable[[], list]
+    fit: Callable[[nn.Module], dict[str, Any]]
+    says: str
+
+
+def refusals() -> list[Refusal]:
+    from zoo import mnist_forward_forward
+
+    return [mnist_forward_forward.CASE]
 
 
 def cases() -> list[Case]:

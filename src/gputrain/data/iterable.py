@@ -9,7 +9,8 @@
   holds the loader's state (and through it an `IterableDataset.state_dict()`, Hugging Face's
   included) and a resumed run starts where the stopped one was, workers and all;
 - any other iterable, yielding batches as they are (a list of batches, an object whose __iter__
-  starts over, or a generator, which can be read only once: the run ends when it runs out).
+  starts over, or a generator, which can be read only once: the run ends when it runs out). A list
+  or tuple resumes at its index; the others by reading the batches before the position again.
 
 The contract for an IterableDataset (the same as PyTorch's, plus ranks): its `__iter__` must yield
 only the part of the data that belongs to this process and this DataLoader worker; otherwise
@@ -25,13 +26,13 @@ import itertools
 import logging
 import os
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gputrain.data.device_feed import to_device
-from gputrain.data.loader import adopt_generator
+from gputrain.data.loader import adopt_generator, draw_base_seed
 from gputrain.data.stream import epoch_seed
 from gputrain.data.transforms import BatchTransform
 
@@ -148,7 +149,7 @@ class IterableBatches:
 
     def __init__(self, source: Iterable[Any], *, device: torch.device, transform: BatchTransform | None = None,
                  train: bool = True, batch_size: int | None = None, shard: tuple[int, int] = (0, 1),
-                 describe: str | None = None, seed: int = 0):
+                 describe: str | None = None, seed: int = 0, draws_base_seed: bool = False):
         self.source = source
         self.device = device
         self.transform = transform or BatchTransform()
@@ -163,6 +164,11 @@ class IterableBatches:
         self._warned_skip = False
         self.seed = seed
         self._loader_gen = adopt_generator(source)
+        # A user's DataLoader without a generator: each pass draws the number its iter() takes from the
+        # global RNG (data/loader.py, draw_base_seed), so that dropout sees your loop's random numbers.
+        self.draws_base_seed = draws_base_seed
+        # A list or tuple of batches starts at any batch by its index: a resume reads nothing again.
+        self.indexed = isinstance(source, collections.abc.Sequence)
 
     @property
     def num_samples(self) -> int | None:
@@ -191,27 +197,33 @@ class IterableBatches:
         if self.stateful and state is not None:
             self.source.load_state_dict(state)  # pyright: ignore[reportAttributeAccessIssue]
 
-    def _pass(self, epoch: int) -> Iterator[Any]:
+    def _pass(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         dataset = getattr(self.source, "dataset", self.source)
         set_epoch = getattr(dataset, "set_epoch", None)  # a Hugging Face IterableDataset's shuffle
         if callable(set_epoch):
             set_epoch(epoch)
         if self._loader_gen is not None:
             self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
-        it = iter(self.source)
         rank, world = self.shard
+        if self.indexed:  # from its index: batch `start_batch` of this rank's is item start_batch x world + rank
+            items = cast(Sequence[Any], self.source)
+            it = (items[i] for i in range(start_batch * world, len(items)))
+        else:
+            it = iter(self.source)
         return take_part(it, rank, world) if world > 1 else it
 
     def iter_epoch(self, epoch: int, start_batch: int = 0, restored: bool = False) -> Iterator[Any]:
-        """Batches of pass `epoch` from batch `start_batch` on: from the loader's restored state, or
-        by reading the batches before it again (with a warning naming how many)."""
-        it = self._pass(epoch)  # set_epoch too when restored: HF applies a state only in its own epoch
-        if start_batch and not restored:
+        """Batches of pass `epoch` from batch `start_batch` on: from the loader's restored state, a
+        list's index, or by reading the batches before it again (with a warning naming how many)."""
+        if self.draws_base_seed and start_batch == 0:  # mid-pass: drawn before the checkpoint's RNG state
+            draw_base_seed()
+        # set_epoch too when restored: HF applies a state only in its own epoch
+        it = self._pass(epoch, start_batch if self.indexed else 0)
+        if start_batch and not restored and not self.indexed:
             if not self._warned_skip:
                 log.warning("resuming %s at batch %d of epoch %d: it has no saved state here, so the %d batches "
                             "before it are read again%s", self.describe, start_batch, epoch, start_batch,
-                            "" if self.stateful or stateful_loader_class() is None
-                            else " (install torchdata: pip install gputrain[data])")
+                            self._resume_hint())
                 self._warned_skip = True
             for _ in itertools.islice(it, start_batch):
                 pass
@@ -223,6 +235,13 @@ class IterableBatches:
             return
         for batch in on_device:
             yield self.transform(batch, self.train, self._gen)
+
+    def _resume_hint(self) -> str:
+        """What would let a resume start where it stopped: torchdata, for a DataLoader (over an
+        IterableDataset) when it is not installed; a list or a re-iterable that keeps state otherwise."""
+        if isinstance(self.source, DataLoader):
+            return " (install torchdata: pip install gputrain[data])" if stateful_loader_class() is None else ""
+        return " (a list of batches resumes at its index)"
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter_epoch(0)

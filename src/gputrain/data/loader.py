@@ -93,13 +93,18 @@ class LoaderBatches:
     batch of a (seed, epoch) permutation, as a DistributedSampler with set_epoch does, and the
     DataLoader's generator is seeded per epoch from the run's seed: the workers' seeds never draw
     from the global RNG, so a resumed run's dropout sees the same random numbers.
+
+    draws_base_seed (a user's DataLoader without a generator of its own): each epoch's start draws one
+    number from the global RNG, as that DataLoader's own iter() does (`draw_base_seed`), so that the
+    model's random numbers (dropout) are those of the user's loop over it.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, device: torch.device, shuffle: bool,
                  drop_last: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
                  num_workers: int | None = None, transform: BatchTransform | None = None,
                  batched_dataset: bool = False, collate_fn: Callable[[list], Any] | None = None,
-                 loader_settings: dict[str, Any] | None = None, describe: str | None = None) -> None:
+                 loader_settings: dict[str, Any] | None = None, describe: str | None = None,
+                 draws_base_seed: bool = False) -> None:
         if not isinstance(dataset, collections.abc.Sized):
             raise DataError(f"{type(dataset).__name__} has no len(): pass a map-style Dataset (with __len__ and "
                             "__getitem__), or a DataLoader of it")
@@ -112,6 +117,7 @@ class LoaderBatches:
         self.batch_size = batch_size
         self.train = shuffle
         self.seed = seed
+        self.draws_base_seed = draws_base_seed
         self.describe = describe or type(dataset).__name__
         workers = default_workers() if num_workers is None else num_workers
         settings: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda",
@@ -153,6 +159,8 @@ class LoaderBatches:
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         self.sampler.set_epoch(epoch, start_batch)
         self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
+        if self.draws_base_seed and start_batch == 0:  # mid-epoch: drawn before the checkpoint's RNG state
+            draw_base_seed()
         # The position is (epoch, batch), where the sampler starts: reading ahead leaves it as it is.
         batches_on_device = to_device(self._fetch() if self._direct else iter(self.loader), self.device,
                                       state_saved=False)
@@ -221,6 +229,8 @@ class UserLoaderBatches:
             set_epoch(epoch)
         if self._loader_gen is not None:  # the workers' seed from the run, not the global RNG
             self._loader_gen.manual_seed(epoch_seed(self.seed, epoch, salt=2))
+            if start_batch == 0:  # the draw your loop's iter() makes (mid-epoch: made before the checkpoint)
+                draw_base_seed()
         if start_batch and self.train:
             log.warning("resuming %s at batch %d of epoch %d by reading the %d batches before it again%s",
                         self.describe, start_batch, epoch, start_batch, f" ({self.why})" if self.why else "")
@@ -235,12 +245,28 @@ class UserLoaderBatches:
         return self.iter_epoch(0)
 
 
+def draw_base_seed() -> None:
+    """Advance the global CPU generator as a DataLoader without a generator does at every iter(): one
+    int64 drawn for its workers' base seed (torch/utils/data/dataloader.py, _BaseDataLoaderIter.__init__),
+    before its sampler's first draw. The number itself is not used (the workers take the run's seed for
+    the epoch, which a resumed run finds again), so nothing is read to the host."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
 def adopt_generator(loader: Any) -> torch.Generator | None:
     """The run's generator for a DataLoader that has none (None when it has its own, or is no
     DataLoader): seeded per epoch by the caller, it makes the workers' base seed (and an iterable's
     shared seed) without drawing from the global RNG, which a resumed run would otherwise draw at
-    another moment than the uninterrupted one (dropout then differs)."""
-    if not isinstance(loader, DataLoader) or loader.generator is not None:
+    another moment than the uninterrupted one (dropout then differs). The caller draws the number
+    your loop's iter() would take from the global RNG itself, at each epoch's start (`draw_base_seed`)."""
+    if not isinstance(loader, DataLoader) or has_own_generator(loader):
         return None
     loader.generator = torch.Generator()
+    loader._gputrain_generator = loader.generator  # pyright: ignore[reportAttributeAccessIssue]  (ours, not yours)
     return loader.generator
+
+
+def has_own_generator(loader: DataLoader) -> bool:
+    """Whether the user gave `loader` a generator (not one an earlier fit adopted for it): its iter()
+    then draws from that generator, not from the global RNG."""
+    return loader.generator is not None and loader.generator is not getattr(loader, "_gputrain_generator", None)

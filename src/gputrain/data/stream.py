@@ -8,6 +8,7 @@
 - an iterable with state (torchdata's `StatefulDataLoader`, which also carries a Hugging Face
   `IterableDataset`'s `state_dict()`): that state, taken where the stream stands (so the device feed,
   data/device_feed.py, reads no batch of it ahead);
+- a list or tuple of batches: the count, at which its index starts a resumed run (nothing read again);
 - an iterable without state (a generator, a plain DataLoader over an IterableDataset): the count;
   a resumed run reads the batches before it again (a warning names how many).
 

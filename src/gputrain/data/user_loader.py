@@ -5,7 +5,10 @@ DistributedSampler) is rebuilt as Lightning's `use_distributed_sampler` does: th
 batch size, workers, collate_fn, pin_memory, drop_last and worker settings, with gputrain's
 sampler in place of the loader's: a (seed, epoch) permutation sharded by rank (a DistributedSampler
 with set_epoch every epoch) that starts at any batch. So a stopped run resumes mid-epoch without
-reading the skipped batches, and its order no longer depends on the global RNG.
+reading the skipped batches, and its order no longer depends on the global RNG. The global RNG still
+gives the one number per epoch that your DataLoader's iter() takes from it (when the loader has no
+generator of its own): with shuffle=False fit then trains exactly as your loop over the same loader
+after the same torch.manual_seed (dropout included); with shuffle=True the order is fit's own.
 
 A DataLoader over an IterableDataset becomes torchdata's StatefulDataLoader with the same settings
 (when torchdata is installed), whose state the checkpoint keeps. Under several processes its
@@ -29,7 +32,7 @@ from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, Iter
 from gputrain.data.hf import is_hf_iterable, split_by_node
 from gputrain.data.iterable import (IterableBatches, build_iterable_loader, is_stateful, loader_settings,
                                     stateful_loader_class)
-from gputrain.data.loader import LoaderBatches, UserLoaderBatches
+from gputrain.data.loader import LoaderBatches, UserLoaderBatches, has_own_generator
 from gputrain.data.placement import Placement
 from gputrain.data.transforms import BatchTransform
 from gputrain.errors import DataError
@@ -88,7 +91,8 @@ def adopt_loader(loader: DataLoader, *, device: torch.device, train: bool, seed:
     source = LoaderBatches(loader.dataset, batch, device=device, shuffle=shuffle, drop_last=loader.drop_last,
                            seed=seed, rank=rank, world_size=world_size, transform=transform,
                            loader_settings=loader_settings(loader),
-                           describe=f"the DataLoader over {type(loader.dataset).__name__}")
+                           describe=f"the DataLoader over {type(loader.dataset).__name__}",
+                           draws_base_seed=not has_own_generator(loader))
     shard = f", sharded across {world_size} processes" if world_size > 1 else ""
     return source, Placement("user-dataloader", f"a DataLoader was given (batch {batch}, shuffle={shuffle}, "
                              f"{loader.num_workers} workers): rebuilt with gputrain's sampler, seeded by the run"
@@ -100,12 +104,13 @@ def _adopt_iterable(loader: DataLoader, *, device: torch.device, seed: int, rank
     dataset = loader.dataset
     name = type(dataset).__name__
     settings = loader_settings(loader)
+    own_draw = not has_own_generator(loader)  # its iter() draws from the global RNG: so does each pass
     if not rebuild:
         if world_size > 1:
             log.warning("rebuild_loader=False: the DataLoader over %s is used as is under %d processes; unless "
                         "the dataset reads its own part per rank, every rank sees every batch", name, world_size)
         return (IterableBatches(loader, device=device, transform=transform, batch_size=loader.batch_size,
-                                describe=f"the DataLoader over {name}", seed=seed),
+                                describe=f"the DataLoader over {name}", seed=seed, draws_base_seed=own_draw),
                 Placement("iterable", f"a DataLoader over {name} was given: used as is (rebuild_loader=False)"))
     how = []
     if world_size > 1:
@@ -130,6 +135,6 @@ def _adopt_iterable(loader: DataLoader, *, device: torch.device, seed: int, rank
         source = DataLoader(dataset, **settings) if dataset is not loader.dataset else loader
         how.append("without torchdata a resumed run reads up to its position (pip install gputrain[data])")
     return (IterableBatches(source, device=device, transform=transform, batch_size=loader.batch_size,
-                            describe=f"the DataLoader over {name}", seed=seed),
+                            describe=f"the DataLoader over {name}", seed=seed, draws_base_seed=own_draw),
             Placement("iterable", f"a DataLoader over the IterableDataset {name} was given (batch "
                       f"{loader.batch_size}, {loader.num_workers} workers): " + "; ".join(how)))

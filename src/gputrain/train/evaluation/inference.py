@@ -28,7 +28,7 @@ from gputrain.runtime.devices import pick_device
 from gputrain.runtime.precision import RunPrecision, resolve_precision
 from gputrain.train.evaluation.evaluate import Evaluator, infer_task
 from gputrain.train.step.loss import LossRule, call_model, is_pair
-from gputrain.train.modes import module_modes, set_modes
+from gputrain.train.modes import module_modes, set_modes, set_training
 
 
 def _setup(model: nn.Module, data: Any, device: str | torch.device, precision: str, batch_size: int,
@@ -89,7 +89,7 @@ def predict(model: nn.Module, data: Any, *, loss_fn: Callable | None = None, com
     model, dev, run_precision, loader = _setup(model, data, device, precision, batch_size, transform)
     rule = LossRule(loss_fn, compute_loss)
     modes = module_modes(model)  # each module's own mode, given back below (train/modes.py)
-    model.eval()
+    set_training(model, False)  # model.eval(), also for a train() of another meaning
     run_precision.apply()
     pieces: list[Any] = []
     try:

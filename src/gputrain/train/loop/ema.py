@@ -29,6 +29,7 @@ from torch import nn
 from gputrain.errors import ConfigError
 from gputrain.runtime import torch_compat
 from gputrain.train.loop.callbacks import Callback, RunControl
+from gputrain.train.modes import set_training
 
 STATE_KEY = "EMA"
 
@@ -59,7 +60,8 @@ class EMA(Callback):
 
     def step_update(self, module: nn.Module) -> Callable[[], None]:
         """Make the averaged copy of `module` and return the update the step runs after its optimizer step."""
-        shadow = copy.deepcopy(module).eval()
+        shadow = copy.deepcopy(module)
+        set_training(shadow, False)  # .eval(), also for a train() of another meaning (train/modes.py)
         shadow.requires_grad_(False)
         self.model = shadow
         live_tensors = _tensors(module)

@@ -37,6 +37,9 @@ def make_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_owns_trainable(optimizer, params, "the optimizer")
         return optimizer, f"{type(optimizer).__name__} (given)"
+    if not params:
+        raise ConfigError("the model registers no parameter (model.parameters() is empty), so nothing would train: "
+                          f"{HOW_TO_REGISTER}")
     if not trainable:
         raise ConfigError(f"the model has no trainable parameter: all {len(params)} parameter tensors have "
                           "requires_grad=False, so nothing would train; unfreeze the ones to train "
@@ -110,6 +113,38 @@ def _check_owns_trainable(optimizer: torch.optim.Optimizer, params: list[torch.n
     if params and not any(p.requires_grad and id(p) in ids for p in params):
         raise ConfigError(f"{what} owns none of the model's trainable parameters: it was built over another "
                           "model's (a copy?); build it over this model's parameters")
+    refuse_unregistered({what: optimizer}, params)
+
+
+# How a layer or tensor becomes part of the model (its parameters(), state_dict() and so the checkpoints).
+HOW_TO_REGISTER = ("layers kept in a Python list or dict are not registered: hold them in nn.ModuleList / "
+                   "nn.ModuleDict (self.layers = nn.ModuleList([...])), a tensor as an nn.Parameter attribute")
+
+
+def refuse_unregistered(optimizers: dict[str, torch.optim.Optimizer], params: Iterable[torch.nn.Parameter]) -> None:
+    """Refuse optimizers that update tensors the model does not register (`params`: the model's).
+
+    Such a tensor trains but is in no state_dict: never checkpointed, and a resumed run would start it
+    again from its initial value. `optimizers`: {how a message names it: optimizer}. One line that says
+    how many, their shapes and how to register them; nothing is written before it (the optimizer is
+    built before the run directory)."""
+    registered = {id(p) for p in params}
+    outside: list[torch.Tensor] = []
+    names: list[str] = []
+    for what, optimizer in optimizers.items():
+        theirs = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in registered]
+        if theirs:
+            names.append(what)
+            outside += theirs
+    if not outside:
+        return
+    shapes = ", ".join(str(list(p.shape)) for p in outside[:6]) + (f" and {len(outside) - 6} more" if len(outside) > 6
+                                                                    else "")
+    none = " (it registers none)" if not registered else ""
+    raise ConfigError(f"{' and '.join(names)} {'update' if len(names) > 1 else 'updates'} {len(outside)} parameter "
+                      f"tensor{'s' if len(outside) != 1 else ''} that the model does not register{none}, of shapes "
+                      f"{shapes}: they would train but never be saved, and a resumed run would start them again from "
+                      f"their initial values. Register them on the model: {HOW_TO_REGISTER}")
 
 
 SCHEDULES = ("constant", "cosine", "linear", "onecycle")  # each after `warmup_steps` of linear warm-up

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
+from gputrain.train.optim.build import refuse_unregistered
 
 
 def _trainable(optimizer: torch.optim.Optimizer) -> int:
@@ -51,7 +52,8 @@ class OptimizerSet:
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], model: nn.Module) -> "OptimizerSet":
-        """From {name: optimizer or callable model -> optimizer}."""
+        """From {name: optimizer or callable model -> optimizer}. Refuses optimizers that update tensors
+        the model does not register (train/optim/build.py: they would never be checkpointed)."""
         built = {}
         for name, value in spec.items():
             if not isinstance(name, str) or not name.isidentifier():
@@ -59,7 +61,9 @@ class OptimizerSet:
             if not isinstance(value, torch.optim.Optimizer) and callable(value):
                 value = value(model)
             built[name] = value
-        return cls(built)
+        made = cls(built)
+        refuse_unregistered({f"optimizer {name!r}": opt for name, opt in made.optimizers.items()}, model.parameters())
+        return made
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers.values())
