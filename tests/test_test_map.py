@@ -128,3 +128,15 @@ def test_no_test_file_copies_a_helper():
               for path in sorted(TESTS.glob("test_*.py")) for name, node in _definitions(path).items()
               if _shape(node) in helpers]
     assert not copies, f"import these from helpers instead of copying them: {copies}"
+
+
+def test_the_design_notes_show_the_step_as_it_is_in_the_source():
+    """docs/design.md's listing of the step is the source of TrainStep.run and TrainStep.gradients."""
+    import inspect
+
+    from gputrain.train.step.train_step import TrainStep
+
+    notes = (ROOT / "docs" / "design.md").read_text()
+    block = notes.split("<!-- the step: TrainStep.run and TrainStep.gradients -->\n```python\n", 1)[1].split("```", 1)[0]
+    source = inspect.getsource(TrainStep.run) + "\n" + inspect.getsource(TrainStep.gradients)
+    assert block == source, "docs/design.md's step differs from train/step/train_step.py: copy it again"

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from gputrain.runtime.distributed import DistInfo
     from gputrain.train.evaluation.evaluate import Evaluator
     from gputrain.train.loop.parts import DataFeeds, ModelParts, Optimizers
+    from gputrain.train.optim.by_name import OptimizerSet
     from gputrain.train.loop.state import RunState
 
 log = logging.getLogger("gputrain")
@@ -131,8 +132,9 @@ class RunControl:
         return self._model.module
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._optim.optimizer  # type: ignore[return-value]  # a step of your own's: its named set
+    def optimizer(self) -> torch.optim.Optimizer | OptimizerSet:
+        """The run's optimizer; with a step of your own, its optimizers by name (`.optimizers`)."""
+        return self._optim.optimizer
 
     @property
     def device(self) -> torch.device:

@@ -97,8 +97,9 @@ class Optimizers:
 
     def all(self) -> list[torch.optim.Optimizer]:
         """Every optimizer of the run: one, or a step of your own's by name."""
-        named = getattr(self.optimizer, "optimizers", None)
-        return list(named.values()) if isinstance(named, dict) else [self.optimizer]  # type: ignore[list-item]
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            return [self.optimizer]
+        return list(self.optimizer.optimizers.values())
 
 
 @dataclass

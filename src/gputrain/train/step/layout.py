@@ -36,6 +36,7 @@ from gputrain.errors import user_frame_summary
 from gputrain.runtime.oom import is_oom
 from gputrain.runtime.precision import AUTOCAST_REFUSED, RunPrecision
 from gputrain.runtime.speed import SpeedSwitches
+from gputrain.train.modes import set_training
 from gputrain.train.step.first_step import FirstPass, RngState, Snapshot, losses_of
 
 log = logging.getLogger("gputrain")
@@ -197,7 +198,7 @@ class LayoutDecider:
     def _eval_losses(self, models: tuple[nn.Module, nn.Module], batch: Any, nhwc: Any) -> tuple[list[float], list[float]]:
         out = []
         for model, b in zip(models, (batch, nhwc)):
-            model.eval()
+            set_training(model, False)  # eval mode, also where the model's train() means something else
             with torch.no_grad(), self.precision.autocast():
                 out.append(losses_of(self.first_pass.loss(model, b)[0]))
         return out[0], out[1]
