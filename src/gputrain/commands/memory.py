@@ -69,7 +69,7 @@ def memory_report(args) -> dict[str, Any]:
     from gputrain.errors import ConfigError
     from gputrain.runtime.devices import pick_device
     from gputrain.runtime.oom import free_after_oom, is_oom
-    from gputrain.train.loop.fit import workload_config
+    from gputrain.config import workload_config
     from gputrain.train.step.loss import LossRule
     from gputrain.workloads import resolve_workload
 
