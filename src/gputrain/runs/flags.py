@@ -169,6 +169,8 @@ def _checked(flag: Flag, cls: type, name: str) -> Callable[[str], Any]:
         value = parse(text)
         if value == "auto" and name in AUTO_FIELDS:
             return value
+        if flag.choices_first and value not in (flag.choices or ()):
+            return value  # argparse refuses it next, naming the choices
         try:
             check_field(cls, name, _field_value(name, value))
         except ConfigError as exc:
