@@ -214,7 +214,8 @@ class TrainConfig:
              "mlflow, wandb (default: csv,tensorboard; naming any replaces the default)")
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = setting("auto", flag="--data-on-device", parse=tri_arg, metavar="{auto,on,off}",
-                                         check=_tri)  # keep the whole dataset on the device when it fits
+                                         check=_tri, help="keep the whole data set on the device when it fits; off: "
+                                                          "copy each batch from pinned host memory")
     device_memory_fraction: float = setting(  # the share of free device memory device-resident data may take
         0.5, check=number(above=0, at_most=1, message="device_memory_fraction must be in (0, 1]"))
     channels_last: str | bool = setting("auto", flag="--channels-last", parse=tri_arg, metavar="{auto,on,off}",

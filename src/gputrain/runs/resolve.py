@@ -4,6 +4,7 @@ directory and resume target decided, and every field checked. Nothing is written
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,19 @@ def resolve(stated: RunConfig, workload: Any = None) -> tuple[RunSpec, Any]:
                           "built-in step (one optimizer: set [train] lr and weight_decay instead)")
     spec = RunSpec(WorkloadSpec(name, options, dict(stated.optimizers)), config, fit, auto, run_dir_stated=bool(train.get("run_dir")))
     return spec, workload
+
+
+def resolve_measured(stated: RunConfig) -> tuple[RunSpec, Any]:
+    """(RunSpec, Workload) of a run that is measured, not trained (`gputrain profile`, `memory`): as
+    `resolve`, but nothing is written or resumed (a file's run_dir and resume, and its [fit]
+    settings, belong to a run that trains) and no progress bar unless stated. ConfigError when
+    neither a workload nor a config file is given."""
+    if stated.workload is None and stated.source is None:
+        raise ConfigError("give a workload (a built-in one, see `gputrain fit --list`, or module:function) or a run's "
+                          "--config FILE")
+    train = {k: v for k, v in stated.train.items() if k not in ("run_dir", "resume")}
+    train.setdefault("progress", False)
+    return resolve(dataclasses.replace(stated, train=train, fit={"no_save": True}))
 
 
 def check_reported(metric: str | None, workload: Any, ema: float | None, what: str) -> None:
