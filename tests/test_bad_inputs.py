@@ -333,6 +333,8 @@ CASES = [
          r"--output a-folder is a folder"),
     # ---------------------------------------------------------------- sweep (more: tests/test_sweep.py)
     Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep"),
+    Case("sweep-direction-up", ("sweep", "--config", "sweep-negative-seed.toml", "--direction", "up"),
+         r"argument --direction: invalid choice: 'up' \(choose from 'min', 'max'\)"),
     # ---------------------------------------------------------------- values a field refuses, from a flag, a file
     # or a sweep's space: refused before anything runs (no run or sweep directory made)
     *[Case(f"fit-{name}", ("fit", workload, *flags, "--run-dir", "r-refused"), says, absent="r-refused")
