@@ -24,7 +24,6 @@ from gputrain.fields import Flag, flags_of
 from gputrain.runs.stated import RunConfig
 from gputrain.runs.spec import AUTO_FIELDS, RunSettings
 
-SECTIONS = {"train": TrainConfig, "fit": RunSettings}
 # What a run's command line states besides the fields: the workload (positional), --data-dir and
 # --option (its options), --optimizer (a step of your own's optimizers), --no-tensorboard.
 EXTRAS = ("workload", "data_dir", "option", "optimizer", "no_tensorboard")
