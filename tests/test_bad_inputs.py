@@ -336,7 +336,16 @@ CASES = [
     Case("memory-unknown-workload", ("memory", "nosuch-workload"), r"unknown workload 'nosuch-workload'"),
     Case("memory-bad-limit", ("memory", "digits-cnn", "--limit", "lots"), r"--limit: expected a size in bytes"),
     Case("memory-zero-batch", ("memory", "digits-cnn", "--batch-size", "0"), r"expected a positive integer, got '0'"),
+    Case("memory-unknown-optimizer", ("memory", "digits-cnn", "--optimizer", "lion"),
+         r"argument --optimizer: invalid choice: 'lion' \(choose from 'adamw', 'adam', 'sgd'"),
+    Case("memory-no-workload", ("memory",), r"give a workload \(a built-in one, .*\) or a run's --config FILE"),
+    Case("memory-config-lr-beyond-floats", ("memory", "--config", "lr-beyond-floats.toml"),
+         r"line 4: \[train\] lr: lr must be > 0 and finite, got inf"),
     Case("profile-misspelt-workload", ("profile", "digits-cnnn"), r"did you mean 'digits-cnn'"),
+    Case("profile-config-negative-warmup", ("profile", "--config", "negative-warmup.toml", "--out", "p-refused"),
+         r"line 4: \[train\] warmup_steps: warmup_steps must be 0 or a positive integer, got -5", absent="p-refused"),
+    Case("profile-batch-size-in-words", ("profile", "digits-cnn", "--batch-size", "many"),
+         r"argument --batch-size: expected a positive integer, got 'many'"),
     Case("profile-out-is-a-file", ("profile", "digits-cnn", "--out", "in-the-way"),
          r"--out in-the-way is a file, but a folder is needed"),
     Case("bench-unknown-benchmark", ("bench", "nosuch"), r"invalid choice: 'nosuch'"),
@@ -355,6 +364,8 @@ CASES = [
          r"--output a-folder is a folder"),
     # ---------------------------------------------------------------- sweep (more: tests/test_sweep.py)
     Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep"),
+    Case("sweep-direction-up", ("sweep", "--config", "sweep-negative-seed.toml", "--direction", "up"),
+         r"argument --direction: invalid choice: 'up' \(choose from 'min', 'max'\)"),
     # ---------------------------------------------------------------- values a field refuses, from a flag, a file
     # or a sweep's space: refused before anything runs (no run or sweep directory made)
     *[Case(f"fit-{name}", ("fit", workload, *flags, "--run-dir", "r-refused"), says, absent="r-refused")

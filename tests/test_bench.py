@@ -235,6 +235,24 @@ def test_matmul_cli_json_and_out(tmp_path, capsys):
     assert (tmp_path / result["files"]["plots"][0]).read_bytes().startswith(PNG_MAGIC)
 
 
+def test_the_training_benchmarks_take_their_declared_settings(capsys):
+    """bench precision and bench memory: their flags are generated from their settings
+    (gputrain/bench/settings.py) and reach the benchmark; a precision outside the declared choices
+    (torch's own list, less auto) is refused by the parser in one line."""
+    rc = cli.main(["bench", "precision", "--quick", "--workloads", "wide-mlp", "--precisions", "fp32", "bf16",
+                   "--steps", "2", "--batch-size", "8", "--device", "cpu", "--json"])
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert rc == 0 and (config["workloads"], config["precisions"], config["steps"], config["batch_size"]) == (
+        ["wide-mlp"], ["fp32", "bf16"], 2, 8)
+    rc = cli.main(["bench", "memory", "--quick", "--workload", "wide-mlp", "--batch-sizes", "4", "2", "--device", "cpu",
+                   "--json"])
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert rc == 0 and (config["workload"], config["batch_sizes"]) == ("wide-mlp", [2, 4])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "precision", "--precisions", "auto"])
+    assert exc.value.code == 2 and "invalid choice: 'auto'" in capsys.readouterr().err
+
+
 def test_cli_table_says_no_gpu(capsys):
     assert cli.main(["bench", "transfer", "--quick", "--sizes", "4K", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -270,6 +270,51 @@ def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache
     assert_same_tensors(_params(tmp_path / "one"), _params(tmp_path / "two"), atol=1e-5)
 
 
+def test_fit_config_with_nproc_trains_in_torchruns_processes_and_returns_the_history(tmp_path, monkeypatch, capfd):
+    """gputrain.fit_config(..., nproc=2) from Python: the launch decision below the command line
+    (runs/launch.py) starts torchrun's two processes (gloo on loopback), which train the spec
+    resolved here in one run directory; the History comes back from it (world size 2, every
+    record). The same tree with nproc 1 trains in this process to the same weights: one global batch."""
+    import tomllib
+
+    import gputrain
+    from gputrain.io.history import History
+
+    from helpers import _LAUNCHER_VARS, subprocess_env
+
+    for key, value in subprocess_env(GPUTRAIN_CACHE=str(tmp_path / "cache")).items():
+        monkeypatch.setenv(key, value)  # what torchrun's processes inherit
+    for key in _LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    tree = {"workload": "linear-regression", "options": {"n": 256},
+            "train": {"device": "cpu", "steps": 6, "log_every": 3, "lr": 0.05, "loggers": ["csv"], "progress": False}}
+    history = gputrain.fit_config(tree, run_dir="two", nproc=2, batch_size=16)
+    assert history.summary["world_size"] == 2 and history.summary["steps"] == 6
+    assert history.records == History.load(tmp_path / "two" / "history.json").records and len(history.records) == 2
+    assert tomllib.loads((tmp_path / "two" / "config.toml").read_text())["fit"]["nproc"] == 2
+    assert capfd.readouterr().out.count("gputrain fit") == 1  # rank 0 printed the summary, as `fit --nproc 2` does
+    one = gputrain.fit_config(tree, run_dir="one", batch_size=32)
+    assert one.summary["world_size"] == 1
+    assert_same_tensors(_params(tmp_path / "one"), _params(tmp_path / "two"), atol=1e-5)
+
+
+def test_fit_config_refuses_what_cannot_reach_torchruns_processes(tmp_path, monkeypatch):
+    """Callbacks live in this process, and a run without a run directory has no history to read
+    back: fit_config with nproc 2 refuses both in one line, before any process starts."""
+    import gputrain
+    from gputrain import Callback
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    tree = {"workload": "linear-regression", "train": {"device": "cpu", "steps": 2}}
+    with pytest.raises(ConfigError, match=r"callbacks live in this process: they cannot reach the processes torchrun"):
+        gputrain.fit_config(tree, nproc=2, callbacks=[Callback()])
+    with pytest.raises(ConfigError, match=r"read back from its run directory: drop no_save"):
+        gputrain.fit_config(tree, nproc=2, no_save=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_data_parallel_is_unwrapped_with_a_warning():
     from gputrain import TrainConfig, fit
 

@@ -314,6 +314,27 @@ def test_memory_command_text_on_the_cpu_says_the_search_needs_bounded_memory(cap
     assert "bounded memory" in out and "--limit" in out
 
 
+def test_memory_measures_the_run_a_config_describes_under_its_flags(tmp_path, capsys):
+    """`gputrain memory --config FILE` takes the run a file describes (--print-config's output, as
+    RUN_DIR/config.toml holds it: its workload, options and [train]), the flags over it, with fit's
+    declarations of --batch-size, --precision and --device; the file's run directory is a trained
+    run's: nothing is written there."""
+    code, printed = run_cli(["fit", "digits-cnn", "--batch-size", "24", "--precision", "fp32", "--run-dir",
+                             str(tmp_path / "r"), "--print-config"], capsys)
+    assert code == 0
+    (tmp_path / "run.toml").write_text(printed)
+    code, out = run_cli(["memory", "--config", str(tmp_path / "run.toml"), "--device", "cpu", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and (report["workload"], report["batch_size"], report["precision"]) == ("digits-cnn", 24, "fp32")
+    code, out = run_cli(["memory", "--config", str(tmp_path / "run.toml"), "--device", "cpu", "--batch-size", "8",
+                         "--json"], capsys)
+    assert code == 0 and json.loads(out)["batch_size"] == 8  # the flag over the file
+    code, out = run_cli(["memory", "iris-mlp", "--config", str(tmp_path / "run.toml"), "--device", "cpu", "--json"],
+                        capsys)
+    assert code == 0 and (json.loads(out)["workload"], json.loads(out)["batch_size"]) == ("iris-mlp", 24)
+    assert not (tmp_path / "r").exists()
+
+
 # ---------------------------------------------------------------- GPU
 
 

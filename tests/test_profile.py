@@ -249,6 +249,22 @@ def test_profile_command_on_the_cpu(tmp_path, capsys):
     assert {site["function"] for site in s["host_reads"]["sites"]} == {"read_totals", "_reduce"}
 
 
+def test_profile_takes_a_runs_config_under_its_flags(tmp_path, capsys):
+    """`gputrain profile --config FILE` profiles the run a file describes (workload, options,
+    [train]: its learning rate and batch), the flags given over it; the file's [fit] settings and
+    run directory belong to a run that trains: nothing is written there."""
+    from gputrain.cli import main
+
+    (tmp_path / "run.toml").write_text(f'workload = "iris-mlp"\n[train]\nbatch_size = 30\nlr = 0.05\nlog_every = 2\n'
+                                       f'run_dir = "{tmp_path / "r"}"\n[fit]\nema = 0.9\n')
+    assert main(["profile", "--config", str(tmp_path / "run.toml"), "--device", "cpu", "--steps", "2", "--active", "1",
+                 "--log-every", "1", "--out", str(tmp_path / "p"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["workload"] == "iris-mlp" and s["batch_size"] == 30 and s["config"]["lr"] == 0.05
+    assert s["config"]["log_every"] == 1 and s["config"]["run_dir"] is None  # the flag over the file
+    assert not (tmp_path / "r").exists()
+
+
 # ---------------------------------------------------------------- GPU
 
 

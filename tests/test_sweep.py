@@ -315,6 +315,38 @@ def test_a_bad_sweep_config_is_one_line_and_writes_nothing(argv, text, says, tmp
     assert not (tmp_path / "s").exists()
 
 
+def test_the_sweep_flags_are_its_settings_fields_and_refuse_as_the_file_does():
+    """`gputrain sweep`'s flags are generated from SweepSettings' fields (as fit's from the run spec):
+    each sets its [sweep] key, an absent flag states nothing, and a value is refused by the same
+    check that refuses it in [sweep], whether it came from the file or the command line."""
+    import argparse
+    import dataclasses
+
+    from gputrain.commands.sweep import add_arguments
+    from gputrain.errors import ConfigError
+    from gputrain.fields import flags_of
+    from gputrain.runs.flags import given
+    from gputrain.runs.stated import RunConfig
+    from gputrain.sweeps.settings import SweepSettings, check_sweep
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    dests = {a.dest: a.option_strings for a in p._actions}
+    flagged = [f for f in dataclasses.fields(SweepSettings) if flags_of(f)]
+    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir"}
+    for f in flagged:
+        assert dests[f.name] == list(flags_of(f)[0].names), f.name
+    assert given(p.parse_args([]), SweepSettings) == {}
+    assert given(p.parse_args(["--trials", "3", "--direction", "max"]), SweepSettings) == {"trials": 3, "direction": "max"}
+    rc = RunConfig(workload="iris-mlp", sweep={"trials": 2, "direction": "up", "space": {"lr": {"uniform": [0.1, 0.2]}}})
+    with pytest.raises(ConfigError, match=r"^the config: \[sweep\] direction must be 'min' or 'max', got 'up'$"):
+        check_sweep(rc)
+    rc.sweep = {"trials": 2, "space": {"lr": {"uniform": [0.1, 0.2]}}}
+    with pytest.raises(ConfigError, match=r"^the command line: \[sweep\] direction must be 'min' or 'max', got 'up'$"):
+        check_sweep(rc, {"direction": "up"})
+    assert check_sweep(rc, {"workers": 3}).table()["workers"] == 3
+
+
 def test_a_metric_from_the_command_line_is_blamed_on_the_flag_not_the_file(tmp_path, capsys):
     (tmp_path / "sweep.toml").write_text(SWEEP)
     code, _, err = _cli(capsys, "sweep", "--config", str(tmp_path / "sweep.toml"), "--sweep-dir", str(tmp_path / "s"),

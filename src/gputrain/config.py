@@ -7,7 +7,7 @@ import dataclasses
 import signal
 import warnings
 from dataclasses import InitVar, dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from gputrain.errors import ConfigError
 from gputrain.fields import (Flag, boolean, check_fields, integer, number, one_of, positive_float_arg, positive_int,
@@ -232,7 +232,8 @@ class TrainConfig:
              "mlflow, wandb (default: csv,tensorboard; naming any replaces the default)")
     # speed switches ("auto" decides from the device and the model)
     data_on_device: str | bool = setting("auto", flag="--data-on-device", parse=tri_arg, metavar="{auto,on,off}",
-                                         check=_tri)  # keep the whole dataset on the device when it fits
+                                         check=_tri, help="keep the whole data set on the device when it fits; off: "
+                                                          "copy each batch from pinned host memory")
     device_memory_fraction: float = setting(  # the share of free device memory device-resident data may take
         0.5, check=number(above=0, at_most=1, message="device_memory_fraction must be in (0, 1]"))
     channels_last: str | bool = setting("auto", flag="--channels-last", parse=tri_arg, metavar="{auto,on,off}",
@@ -323,6 +324,38 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def workload_config(workload: Any, stated: "TrainConfig | Mapping[str, Any] | None" = None,
+                    full_batch: bool | None = None) -> TrainConfig:
+    """The TrainConfig a workload trains with: each field from `stated`, else the workload's defaults
+    (`workload.defaults`), else TrainConfig's own; the run named for the workload unless `stated`
+    names it. The one place a workload's defaults are resolved: `gputrain fit` and every command
+    that describes a run (gputrain/runs/resolve.py), `fit_workload` and the diagnostics.
+
+    stated: the fields a source states; a TrainConfig states every field (the workload's defaults
+    then add nothing). A stated steps drops the workload's epochs, and the other way round: they
+    are one choice. full_batch: the step takes the whole training set (default: a full-batch
+    workload whose batch size is not stated). Raises ConfigError for a value a field refuses.
+    """
+    if isinstance(stated, TrainConfig):
+        config, given = stated, set(TrainConfig.field_names())
+    else:
+        given = set(stated or {})
+        values = dict(workload.defaults)
+        for one, other in (("steps", "epochs"), ("epochs", "steps")):
+            if one in given:
+                values.pop(other, None)
+        values.update(stated or {})
+        known = set(TrainConfig.field_names())
+        config = TrainConfig(**{k: v for k, v in values.items() if k in known})
+    if full_batch is None:
+        full_batch = bool(workload.full_batch) and "batch_size" not in given
+    if full_batch:
+        config = config.replace(batch_size=workload.make_data().num_train)  # the whole training set per step
+    if config.name is None:
+        config = config.replace(name=workload.name)
+    return config
 
 
 def tensorboard_loggers(loggers: Any, tensorboard: Any) -> tuple[str, ...]:

@@ -31,7 +31,9 @@ class Flag:
     names: "--lr" and its aliases; parse: argparse's `type` (raises ArgumentTypeError with the
     value); action "store_true" for a switch; nargs "?" with const for an optional value; group:
     fields in one mutually exclusive group (--epochs | --steps); shown_default: what --help says
-    for a default that is not the field's own (None: the field's default).
+    for a default that is not the field's own (None: the field's default). choices_first: a value
+    outside `choices` is refused with argparse's own line ("invalid choice: ... (choose from ...)")
+    rather than the field's check (the line sweep, memory and bench have always said).
 
     A field may have more than one flag (`setting(also=...)`): each sets the same field, e.g.
     --compile (the whole model) and --compile-scope {whole,regional}.
@@ -46,20 +48,21 @@ class Flag:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     group: str | None = None
+    choices_first: bool = False
 
 
 def setting(default: Any = dataclasses.MISSING, *, flag: str | tuple[str, ...] | None = None, help: str = "",
             check: Check | None = None, parse: Callable[[str], Any] | None = None, action: str | None = None,
             nargs: str | None = None, const: Any = None, metavar: str | None = None,
             choices: Iterable[str] | None = None, group: str | None = None, also: Iterable[Flag] = (),
-            default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+            choices_first: bool = False, default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
     """A dataclass field whose flag, help and check are declared beside its default. also: more
     flags that set the same field (a switch and a flag with a value, e.g. --compile and
     --compile-scope)."""
     names = (flag,) if isinstance(flag, str) else tuple(flag or ())
     meta = {"check": check, "help": help, "also": tuple(also),
             "flag": Flag(names, help, parse, action, nargs, const, metavar,
-                         tuple(choices) if choices is not None else None, group) if names else None}
+                         tuple(choices) if choices is not None else None, group, choices_first) if names else None}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -20,11 +20,11 @@ import torch
 
 from gputrain.bench.cases import CASES, get_case
 from gputrain.bench.common import accelerators, device_name, free_device_memory, new_result, saved_tensor_bytes
+from gputrain.bench.settings import PRECISIONS
 from gputrain.errors import ConfigError
 from gputrain.runtime.precision import resolve_precision
 from gputrain.runtime.timing import clock, summarize
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 LR = 1e-3
 
 

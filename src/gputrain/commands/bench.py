@@ -17,12 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
+
 from gputrain.commands.argtypes import positive_int as _positive_int
+from gputrain.fields import boolean, setting
 
 NAMES = ("matmul", "transfer", "crossover", "precision", "memory")
 
 
+@dataclass
+class BenchOptions:
+    """What every benchmark takes (its flags generated as fit's are: gputrain/runs/flags.py)."""
+
+    quick: bool = setting(False, flag="--quick", action="store_true", check=boolean,
+                          help="tiny grids, sizes and step counts (smoke test)")
+    json: bool = setting(False, flag="--json", action="store_true", check=boolean,
+                         help="print the result as JSON instead of tables")
+    out: str | None = setting(None, flag="--out", metavar="DIR", help="write the JSON result and PNG plots into DIR")
+    device: str = setting("auto", flag="--device",
+                          help="the GPU to compare with the CPU: auto (every CUDA GPU for matmul), cuda:N, or cpu "
+                               "(CPU only)")
 
 
 def _bytes(value: str) -> int:
@@ -38,12 +53,11 @@ def _sub(sub, name: str, common: argparse.ArgumentParser, help_text: str) -> arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gputrain.bench.settings import MemoryBench, PrecisionBench
+    from gputrain.runs.flags import add_flags
+
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--quick", action="store_true", help="tiny grids, sizes and step counts (smoke test)")
-    common.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
-    common.add_argument("--out", metavar="DIR", help="write the JSON result and PNG plots into DIR")
-    common.add_argument("--device", default="auto",
-                        help="the GPU to compare with the CPU: auto (every CUDA GPU for matmul), cuda:N, or cpu (CPU only)")
+    add_flags(common, BenchOptions)
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
 
     m = _sub(sub, "matmul", common, "square matmul TFLOP/s, %% of peak, GPU/CPU speed-up")
@@ -58,23 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = _sub(sub, "crossover", common, "where the GPU starts to win: MLP step over width x data size")
     c.add_argument("--widths", nargs="+", type=_positive_int, metavar="W", help="MLP widths (default 16 64 256 1024 4096)")
 
-    pr = _sub(sub, "precision", common, "samples/s, memory and loss in fp32/tf32/bf16/fp16")
-    pr.add_argument("--workloads", nargs="+", choices=["cifar-cnn", "wide-mlp"], help="default: both")
-    pr.add_argument("--precisions", nargs="+", choices=["fp32", "tf32", "bf16", "fp16"], help="default: all four")
-    pr.add_argument("--steps", type=_positive_int, help="timed training steps per precision (default 60)")
-    pr.add_argument("--batch-size", type=_positive_int, help="default 256")
-
-    me = _sub(sub, "memory", common, "memory vs batch size, with and without recompute, largest batch")
-    me.add_argument("--workload", default="cifar-cnn", choices=["cifar-cnn", "wide-mlp"])
-    me.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="B")
-    me.add_argument("--max-batch", type=_positive_int, help="CUDA: stop doubling here (default 2^20)")
+    # the benchmarks that train: their settings declared with gputrain.fields.setting, as fit's
+    add_flags(_sub(sub, "precision", common, "samples/s, memory and loss in fp32/tf32/bf16/fp16"), PrecisionBench)
+    add_flags(_sub(sub, "memory", common, "memory vs batch size, with and without recompute, largest batch"),
+              MemoryBench)
 
     _sub(sub, "all", common, "every benchmark into --out DIR (default bench-results) with index.md")
     p.set_defaults(_bench_parser=p)
 
 
-def _kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {"device": args.device, "quick": args.quick}
+def _kwargs(args: argparse.Namespace, options: BenchOptions) -> dict[str, Any]:
+    from gputrain.bench.settings import MemoryBench, PrecisionBench
+    from gputrain.runs.flags import given
+
+    kw: dict[str, Any] = {"device": options.device, "quick": options.quick}
     name = args.benchmark
     if name == "matmul":
         kw.update(sizes=args.sizes, dtypes=args.dtypes, cpu_max_size=args.cpu_max_size)
@@ -83,9 +94,9 @@ def _kwargs(args: argparse.Namespace) -> dict[str, Any]:
     elif name == "crossover":
         kw.update(widths=args.widths)
     elif name == "precision":
-        kw.update(workloads=args.workloads, precisions=args.precisions, steps=args.steps, batch_size=args.batch_size)
+        kw.update(given(args, PrecisionBench))
     elif name == "memory":
-        kw.update(workload=args.workload, batch_sizes=args.batch_sizes, max_batch=args.max_batch)
+        kw.update(given(args, MemoryBench))
     return kw
 
 
@@ -96,33 +107,35 @@ def run(args: argparse.Namespace) -> int:
     from gputrain.bench import BENCHMARKS
     from gputrain.bench.common import to_json, write_json
     from gputrain.io.preflight import check_output_dir
+    from gputrain.runs.flags import given
 
-    if args.out or args.benchmark == "all":  # before minutes of measuring: a bad --out costs nothing
-        check_output_dir(args.out or "bench-results", "--out")
+    options = BenchOptions(**given(args, BenchOptions))
+    if options.out or args.benchmark == "all":  # before minutes of measuring: a bad --out costs nothing
+        check_output_dir(options.out or "bench-results", "--out")
     if args.benchmark == "all":
-        return _run_all(args, BENCHMARKS)
-    result = BENCHMARKS[args.benchmark](**_kwargs(args))
+        return _run_all(options, BENCHMARKS)
+    result = BENCHMARKS[args.benchmark](**_kwargs(args, options))
     written = []
-    if args.out:
+    if options.out:
         from gputrain.bench.plots import plot
 
-        written = [*plot(result, args.out), write_json(result, args.out)]
-    if args.json:
+        written = [*plot(result, options.out), write_json(result, options.out)]
+    if options.json:
         print(to_json(result))
     else:
         render(result)
-        _print_files(written, args.out)
+        _print_files(written, options.out)
     return 0
 
 
-def _run_all(args: argparse.Namespace, benchmarks) -> int:
+def _run_all(options: BenchOptions, benchmarks) -> int:
     from gputrain.bench.common import to_json
     from gputrain.bench.index import run_all
 
-    out = args.out or "bench-results"
-    show = None if args.json else render
-    results, index = run_all(benchmarks, out, device=args.device, quick=args.quick, on_result=show)
-    if args.json:
+    out = options.out or "bench-results"
+    show = None if options.json else render
+    results, index = run_all(benchmarks, out, device=options.device, quick=options.quick, on_result=show)
+    if options.json:
         print(json.dumps({"index": str(index), "results": [json.loads(to_json(r)) for r in results]}, indent=2))
     else:
         _console().print(f"\n[bold]index:[/bold] {index}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from gputrain.runs.spec import DEFAULT_WORKLOAD
@@ -38,63 +37,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--optimizer generator.lr=1e-3 or generator.betas=0.5,0.999 (repeatable)")
 
 
-def stated_run(args: argparse.Namespace):
-    """What the command line states (over --config's file when given), as a RunConfig."""
-    from gputrain.runs.stated import load_run_config, merge
-    from gputrain.runs.flags import stated
-
-    given = stated(args)
-    return merge(load_run_config(args.config), given) if args.config else given
-
-
 def build_config(args: argparse.Namespace, workload=None):
     """The TrainConfig this command line trains with (the resolved spec's)."""
+    from gputrain.runs.flags import stated_run
     from gputrain.runs.resolve import resolve
 
     return resolve(stated_run(args), workload)[0].train
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train as the flags (and --config's file) say; render the summary."""
+    """Train as the flags (and --config's file) say, where the run's settings say (runs/launch.py);
+    render the summary."""
     if args.list:
         return _list(getattr(args, "json", False))
+    from gputrain.runs.flags import stated_run
+    from gputrain.runs.launch import TORCHRUN, launch, launcher_of
     from gputrain.runs.resolve import resolve
-    from gputrain.runs.spec import RunSettings
-
-    stated = stated_run(args)
-    settings = RunSettings(**stated.fit)
-    if settings.launcher == "ray" and not args.print_config and "LOCAL_RANK" not in os.environ:
-        from gputrain.runs.ray_run import train_on_ray
-
-        _setup_logging(settings.quiet or settings.json, True)
-        return _render(train_on_ray(stated), settings.json)
-    if (settings.nproc or 1) > 1 and "LOCAL_RANK" not in os.environ and not args.print_config:
-        from gputrain.runtime.distributed import launch_torchrun
-
-        resolve(stated)  # every check here, once, before the processes start
-        argv = _argv_without(getattr(args, "_argv", sys.argv[1:]), ("--nproc", "--max-restarts"))
-        return launch_torchrun(settings.nproc or 1, argv, max_restarts=settings.max_restarts)
-
+    from gputrain.runs.spec import RunSettings, spec_text
     from gputrain.runtime.distributed import is_main_process
 
-    is_main = is_main_process()
-    _setup_logging(settings.quiet or settings.json, is_main)
-    spec, workload = resolve(stated)
-    if args.print_config:
-        from gputrain.runs.spec import spec_text
-
-        print(spec_text(spec, record=False, workload_name=workload.name), end="")
-        return 0
-    from gputrain.runs.train import train_spec
-
-    result = train_spec(spec, workload)
-    return _render(result, settings.json)
+    argv = _argv_without(getattr(args, "_argv", sys.argv[1:]), ("--nproc", "--max-restarts"))
+    stated = stated_run(args)
+    settings = RunSettings(**stated.fit)
+    if args.print_config or launcher_of(settings) != TORCHRUN:  # torchrun's processes show their own log
+        _setup_logging(settings.quiet or settings.json, is_main_process())
+    if not args.print_config:
+        result = launch(stated, argv=argv)
+        return _render(result, settings.json)
+    spec, workload = resolve(stated)  # --print-config: the spec as RUN_DIR/config.toml would hold it; runs nothing
+    print(spec_text(spec, record=False, workload_name=workload.name), end="")
+    return 0
 
 
 def _render(result, as_json: bool) -> int:
-    """Rank 0's summary (and autotune's report): printed as JSON or as the run's tables."""
-    if not result.is_main:
-        return 0
+    """Rank 0's summary (and autotune's report): printed as JSON or as the run's tables; nothing when
+    the run's own processes showed it (torchrun's rank 0), and then their exit status."""
+    if not result.is_main or result.shown:
+        return result.exit_code
     if as_json:
         out = {"summary": result.summary, "final": result.history.records[-1] if result.history.records else None}
         if result.autotune_report is not None:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
-from gputrain.commands.argtypes import positive_int as _positive_int
+
+from gputrain.fields import boolean, one_of, positive_int, positive_int_arg, setting
 from gputrain.report.format import format_bytes as fmt_bytes
 
 SAMPLE = 16  # samples in the measured batch (the estimate fits a line through it and its half)
 DEFAULT_MAX_BATCH = 2**20  # the search stops here unless --max-batch says otherwise
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad", "none")  # whose state a step holds (diagnostics/probe.py)
+# The TrainConfig fields `memory` takes from the command line (as `gputrain fit` declares them);
+# --config's file may set any of [train].
+RUN_FLAGS = ("batch_size", "precision", "device")
 
 
 def _bytes_arg(value: str) -> int:
@@ -29,22 +35,35 @@ def _bytes_arg(value: str) -> int:
     return int(n * units[unit])
 
 
+@dataclass
+class MemorySettings:
+    """What `gputrain memory` counts and searches, besides the run whose step it measures."""
+
+    optimizer: str = setting("adamw", flag="--optimizer", choices=OPTIMIZERS, choices_first=True,
+                             check=one_of(OPTIMIZERS), help="whose state to count (sgd: with momentum)")
+    find_max: bool = setting(False, flag="--find-max", action="store_true", check=boolean,
+                             help="search for the largest batch that fits")
+    limit: int | None = setting(None, flag="--limit", parse=_bytes_arg, metavar="BYTES",
+                                check=positive_int(optional=True),
+                                help="pretend the device has BYTES of memory (e.g. 512MiB): a dry run of --find-max on "
+                                     "any device")
+    max_batch: int = setting(DEFAULT_MAX_BATCH, flag="--max-batch", parse=positive_int_arg, check=positive_int(),
+                             help=f"--find-max searches up to this batch (default {DEFAULT_MAX_BATCH:,})")
+    json: bool = setting(False, flag="--json", action="store_true", check=boolean, help="print the report as JSON")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="a built-in workload (gputrain fit --list) or module:function")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the workload's")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "rmsprop", "adagrad", "none"],
-                   help="whose state to count (sgd: with momentum)")
-    p.add_argument("--find-max", action="store_true", help="search for the largest batch that fits")
-    p.add_argument("--limit", type=_bytes_arg, default=None, metavar="BYTES",
-                   help="pretend the device has BYTES of memory (e.g. 512MiB): a dry run of --find-max on any device")
-    p.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH,
-                   help=f"--find-max searches up to this batch (default {DEFAULT_MAX_BATCH:,})")
-    p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    from gputrain.runs.flags import add_flags, add_spec_arguments
+
+    p.add_argument("workload", nargs="?", default=argparse.SUPPRESS,
+                   help="a built-in workload (gputrain fit --list) or module:function (default: --config's)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a run's TOML file (workload, [options], [train]; RUN_DIR/config.toml measures that run's "
+                        "step); flags given here override it")
+    add_spec_arguments(p, train=RUN_FLAGS, fit=())
+    add_flags(p, MemorySettings, ("optimizer", "find_max", "limit", "max_batch"))
+    p.add_argument("--data-dir", default=argparse.SUPPRESS, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    add_flags(p, MemorySettings, ("json",))
 
 
 def device_capacity(device, stats: dict[str, Any], limit: int | None = None) -> tuple[int, str]:
@@ -57,9 +76,10 @@ def device_capacity(device, stats: dict[str, Any], limit: int | None = None) -> 
     return stats["free_bytes"], "available host memory"
 
 
-def memory_report(args) -> dict[str, Any]:
+def memory_report(workload, config, settings: MemorySettings) -> dict[str, Any]:
     """Everything `gputrain memory` shows, as data: the estimate, the step fit runs (the probe,
-    diagnostics/probe.py) measured at the batch size, the largest batch, and what would save memory."""
+    diagnostics/probe.py) measured at the batch size, the largest batch, and what would save memory.
+    workload: the Workload; config: the TrainConfig of the run whose step is measured."""
     import torch
 
     from gputrain.diagnostics.advice import recommendations
@@ -69,21 +89,16 @@ def memory_report(args) -> dict[str, Any]:
     from gputrain.errors import ConfigError
     from gputrain.runtime.devices import pick_device
     from gputrain.runtime.oom import free_after_oom, is_oom
-    from gputrain.train.loop.fit import workload_config
     from gputrain.train.step.loss import LossRule
-    from gputrain.workloads import resolve_workload
 
-    workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
-    device = pick_device(args.device)
-    config = workload_config(workload).replace(device=str(device), precision=args.precision)
-    if args.batch_size is not None:
-        config = config.replace(batch_size=args.batch_size)
+    device = pick_device(config.device)
+    config = config.replace(device=str(device))
     batch_size = config.batch_size
     data = workload.make_data()
     torch.manual_seed(0)
     model = workload.make_model().to(device)
     loss = LossRule(loss_fn=workload.loss_fn, compute_loss=workload.compute_loss)
-    with StepProbe(model, loss, config, optimizer=args.optimizer) as probe:
+    with StepProbe(model, loss, config, optimizer=settings.optimizer) as probe:
         make_batch = probe_batches(data, probe)
         if make_batch is None:
             raise ConfigError(f"gputrain memory estimates workloads whose data are tensor columns (a tuple of tensors "
@@ -92,10 +107,10 @@ def memory_report(args) -> dict[str, Any]:
                               "(peak_memory_bytes)")
         precision = probe.precision.precision
         few = min(SAMPLE, batch_size, make_batch.n)
-        estimate = estimate_memory(model, make_batch(few if few >= 2 else min(2, batch_size)), args.optimizer,
+        estimate = estimate_memory(model, make_batch(few if few >= 2 else min(2, batch_size)), settings.optimizer,
                                    precision, batch_size=batch_size, loss=loss, probe=probe)
         stats = memory_stats(device)
-        capacity, capacity_label = device_capacity(device, stats, args.limit)
+        capacity, capacity_label = device_capacity(device, stats, settings.limit)
         try:
             measured = probe.measure(make_batch(batch_size))
         except Exception as exc:  # noqa: BLE001 - an OOM is a finding here, not a failure
@@ -104,7 +119,7 @@ def memory_report(args) -> dict[str, Any]:
             measured = {"peak_bytes": None, "measured": device.type == "cuda", "batch_size": batch_size,
                         "method": f"out of memory at batch {batch_size}"}
         free_after_oom(device)
-        search = _max_batch(args, probe, make_batch, batch_size)
+        search = _max_batch(settings, probe, make_batch, batch_size)
     search["predicted_from_estimate"] = max_batch_from_estimate(estimate, capacity)
     return {
         "workload": workload.name,
@@ -124,31 +139,31 @@ def memory_report(args) -> dict[str, Any]:
     }
 
 
-def _max_batch(args, probe, make_batch, batch_size: int) -> dict[str, Any]:
+def _max_batch(settings: MemorySettings, probe, make_batch, batch_size: int) -> dict[str, Any]:
     """--find-max: the largest batch whose step runs (CUDA) or fits --limit; a note where it cannot run."""
     from gputrain.diagnostics.batch_search import batch_trial, find_max_batch
     from gputrain.runtime.oom import free_after_oom
 
     device = probe.device
-    search: dict[str, Any] = {"requested": bool(args.find_max)}
-    if not args.find_max:
+    search: dict[str, Any] = {"requested": bool(settings.find_max)}
+    if not settings.find_max:
         return search
-    if device.type != "cuda" and args.limit is None:
+    if device.type != "cuda" and settings.limit is None:
         search["result"] = None
         search["note"] = (f"finding the largest batch needs a device with bounded memory: on {device.type} the "
                           "OS swaps instead of failing. Run it on a CUDA GPU, or pass --limit BYTES for a dry run "
                           "against a pretend memory size")
         return search
-    trial = batch_trial(probe, make_batch, limit_bytes=args.limit)
-    result = find_max_batch(trial, start=max(1, min(batch_size, args.max_batch)), limit=args.max_batch,
+    trial = batch_trial(probe, make_batch, limit_bytes=settings.limit)
+    result = find_max_batch(trial, start=max(1, min(batch_size, settings.max_batch)), limit=settings.max_batch,
                             device=device)
     search["result"] = result
-    search["limit"] = args.max_batch
-    search["how"] = ("real training steps until CUDA ran out of memory" if args.limit is None
-                     else f"steps measured against --limit {args.limit:,} B"
+    search["limit"] = settings.max_batch
+    search["how"] = ("real training steps until CUDA ran out of memory" if settings.limit is None
+                     else f"steps measured against --limit {settings.limit:,} B"
                      + (" (CUDA peak)" if device.type == "cuda" else " (CPU estimate)"))
-    if result >= args.max_batch:
-        search["note"] = f"stopped at --max-batch {args.max_batch:,}: a larger batch may fit"
+    if result >= settings.max_batch:
+        search["note"] = f"stopped at --max-batch {settings.max_batch:,}: a larger batch may fit"
     free_after_oom(device)
     return search
 
@@ -216,8 +231,15 @@ def render(report: dict[str, Any], console) -> None:
 
 
 def run(args) -> int:
-    report = memory_report(args)
-    if args.json:
+    from gputrain.runs.flags import given, stated_run
+    from gputrain.runs.resolve import resolve_measured
+    from gputrain.runs.train import decided
+
+    settings = MemorySettings(**given(args, MemorySettings))
+    spec, workload = resolve_measured(stated_run(args, train=RUN_FLAGS, fit=(), extras=("workload", "data_dir")))
+    config, _ = decided(spec, workload)  # --batch-size auto: the largest that fits, as fit searches it
+    report = memory_report(workload, config, settings)
+    if settings.json:
         print(json.dumps(report, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
         return 0
     from rich.console import Console

@@ -6,31 +6,43 @@ import argparse
 import datetime as _dt
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from gputrain.commands.argtypes import positive_int as _positive_int, tri as _tri
+
+from gputrain.fields import boolean, positive_int, positive_int_arg, setting
+
+# The TrainConfig fields a profile takes from the command line (as `gputrain fit` declares them);
+# --config's file may set any of [train].
+RUN_FLAGS = ("batch_size", "precision", "device", "log_every", "data_on_device")
 
 
+@dataclass
+class ProfileSettings:
+    """What `gputrain profile` measures and shows, besides the run it profiles."""
 
-
+    steps: int = setting(20, flag="--steps", parse=positive_int_arg, check=positive_int(),
+                         help="timed steps for the breakdown (default 20)")
+    active: int = setting(3, flag="--active", parse=positive_int_arg, check=positive_int(),
+                          help="steps recorded by torch.profiler (default 3)")
+    out: str | None = setting(None, flag="--out", metavar="DIR",
+                              help="where trace.json and profile_summary.json go (default runs/WORKLOAD/profile-TIME)")
+    top: int = setting(12, flag="--top", parse=positive_int_arg, check=positive_int(), help="rows of the top-ops table")
+    json: bool = setting(False, flag="--json", action="store_true", check=boolean, help="print the summary as JSON")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="a built-in workload (gputrain fit --list) or module:function")
-    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps for the breakdown (default 20)")
-    p.add_argument("--active", type=_positive_int, default=3, help="steps recorded by torch.profiler (default 3)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the workload's")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--log-every", type=_positive_int, default=None,
-                   help="steps between reads of the loss on the host (1 = loss.item() every step, as tutorials do)")
-    p.add_argument("--data-on-device", type=_tri, default=None, metavar="{auto,on,off}",
-                   help="off: copy each batch from pinned host memory (shows the host-to-device cost)")
-    p.add_argument("--data-dir", default=None, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="where trace.json and profile_summary.json go (default runs/WORKLOAD/profile-TIME)")
-    p.add_argument("--top", type=_positive_int, default=12, help="rows of the top-ops table")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from gputrain.runs.flags import add_flags, add_spec_arguments
+
+    p.add_argument("workload", nargs="?", default=argparse.SUPPRESS,
+                   help="a built-in workload (gputrain fit --list) or module:function (default: --config's)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a run's TOML file (workload, [options], [train]; RUN_DIR/config.toml profiles that run); "
+                        "flags given here override it")
+    add_flags(p, ProfileSettings, ("steps", "active"))
+    add_spec_arguments(p, train=RUN_FLAGS, fit=())
+    p.add_argument("--data-dir", default=argparse.SUPPRESS, help="folder of a local data set (cifar10-cnn, mnist-cnn)")
+    add_flags(p, ProfileSettings, ("out", "top", "json"))
 
 
 def _ms(x: float | None) -> str:
@@ -119,19 +131,22 @@ def render(s: dict[str, Any], console) -> None:
 
 
 def run(args) -> int:
-    from gputrain.diagnostics.profile import default_config, profile_workload
-    from gputrain.workloads import resolve_workload
+    from gputrain.diagnostics.profile import profile_workload
+    from gputrain.runs.flags import given, stated_run
+    from gputrain.runs.resolve import resolve_measured
+    from gputrain.runs.train import decided
 
-    workload = resolve_workload(args.workload, **({"data_dir": args.data_dir} if args.data_dir else {}))
-    config = default_config(workload, device=args.device, precision=args.precision, batch_size=args.batch_size,
-                            log_every=args.log_every, data_on_device=args.data_on_device)
-    out = args.out or os.path.join("runs", workload.name.replace(":", "_").replace("/", "_"),
-                                   "profile-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    settings = ProfileSettings(**given(args, ProfileSettings))
+    spec, workload = resolve_measured(stated_run(args, train=RUN_FLAGS, fit=(), extras=("workload", "data_dir")))
+    config, _ = decided(spec, workload)  # --batch-size auto: the largest that fits, as fit searches it
+    out = settings.out or os.path.join("runs", workload.name.replace(":", "_").replace("/", "_"),
+                                       "profile-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     from gputrain.io.preflight import check_output_dir
 
     check_output_dir(out, "--out")  # before the steps run: a bad --out costs nothing
-    summary = profile_workload(workload, config, steps=args.steps, active=args.active, out_dir=Path(out), top=args.top)
-    if args.json:
+    summary = profile_workload(workload, config, steps=settings.steps, active=settings.active, out_dir=Path(out),
+                               top=settings.top)
+    if settings.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     from rich.console import Console

@@ -12,34 +12,42 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 
-from gputrain.commands.argtypes import positive_int as _positive_int
+from gputrain.fields import boolean, setting
+
+# The [sweep] keys the command line sets (gputrain/sweeps/settings.py declares them with their flags).
+SWEEP_FLAGS = ("sweep_dir", "trials", "workers", "metric", "direction")
+
+
+@dataclass
+class SweepOutput:
+    """How `gputrain sweep` shows its result."""
+
+    json: bool = setting(False, flag="--json", action="store_true", check=boolean, help="print the result as JSON")
+    quiet: bool = setting(False, flag="--quiet", action="store_true", check=boolean, help="no progress lines")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gputrain.runs.flags import add_flags
+    from gputrain.sweeps.settings import SweepSettings
+
     p.add_argument("workload", nargs="?", default=None, help="the workload (default: the config file's workload)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="the sweep's TOML file: a run's config with [sweep] (trials, metric, [sweep.space])")
-    p.add_argument("--sweep-dir", default=None,
-                   help="the sweep's folder (default sweeps/NAME for --config NAME.toml: the same command again resumes); "
-                        "alone, resumes the sweep in it")
-    p.add_argument("--trials", type=_positive_int, default=None, help="the budget: finished trials the study ends with")
-    p.add_argument("--workers", type=_positive_int, default=None,
-                   help="trials at once (default: one per GPU; on the CPU, 1): processes, never two on one GPU")
-    p.add_argument("--metric", default=None, help="the value each trial is judged by (default eval_loss)")
-    p.add_argument("--direction", choices=["min", "max"], default=None,
-                   help="which way the metric improves (default: gputrain's rule for its name)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_flags(p, SweepSettings, SWEEP_FLAGS)
+    add_flags(p, SweepOutput)
 
 
 def run(args) -> int:
-    _setup_logging(args.quiet or args.json)
+    from gputrain.runs.flags import given
     from gputrain.sweeps import sweep
+    from gputrain.sweeps.settings import SweepSettings
 
-    result = sweep(args.config, workload=args.workload, sweep_dir=args.sweep_dir, trials=args.trials,
-                   workers=args.workers, metric=args.metric, direction=args.direction)
-    if args.json:
+    output = SweepOutput(**given(args, SweepOutput))
+    _setup_logging(output.quiet or output.json)
+    result = sweep(args.config, workload=args.workload, **given(args, SweepSettings, SWEEP_FLAGS))
+    if output.json:
         out = {"sweep_dir": str(result.sweep_dir), "metric": result.metric, "direction": result.direction,
                "best_trial": result.best_trial, "best_value": result.best_value, "best_params": result.best_params,
                "best_run_dir": str(result.best_run_dir) if result.best_run_dir else None,

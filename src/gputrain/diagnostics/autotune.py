@@ -140,6 +140,7 @@ def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
     """(hash, what it hashes): model signature, device name, batch signature, torch version, untried fields."""
     from gputrain import batch as batches
 
+    where = device_name(device) if device.type == "cuda" else f"{device.type}:{device_name(device)}"
     model = workload.make_model()
     params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     data = workload.make_data()
@@ -153,7 +154,7 @@ def cache_key(workload, config, device: torch.device) -> tuple[str, dict]:
     untried = {k: cfg[k] for k in sorted(cfg) if k not in TRIED_FIELDS and k in
                ("batch_size", "accumulate", "data_on_device", "cudnn_benchmark", "fused_optimizer",
                 "compile_mode", "recompute", "max_grad_norm", "shard")}
-    parts = {"model": type(model).__name__, "params": repr(params), "device": device_name(device) if device.type == "cuda" else f"{device.type}:{device_name(device)}",
+    parts = {"model": type(model).__name__, "params": repr(params), "device": where,
              "batch": batch_sig, "torch": torch.__version__, "config": repr(untried)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return digest, parts

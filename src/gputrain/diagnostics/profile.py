@@ -6,7 +6,7 @@ the same step body run eagerly with phase marks (data, host-to-device, forward, 
 optimizer, logging; `_PhaseClock` times them), the top ops and figures of a torch.profiler run
 (`trace`), a Chrome trace, GPU utilization sampled from NVML (`gpu_util`), MFU where the device's
 peak is known, the host syncs (`syncs`) and a verdict (`gputrain.diagnostics.verdict.diagnose`).
-`default_config(workload)` gives the settings it profiles when none are given.
+With no config it profiles the workload's own settings (gputrain.config.workload_config).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from gputrain.config import TrainConfig
+from gputrain.config import TrainConfig, workload_config
 from gputrain.diagnostics.gpu_util import GpuUtilSampler
 from gputrain.diagnostics.syncs import count_host_reads, detect_syncs
 from gputrain.diagnostics.trace import STEP_LABEL, op_tables, trace_summary
@@ -154,14 +154,6 @@ class _StepRunner:
 # ---------------------------------------------------------------- the whole profile
 
 
-def default_config(workload, **overrides: Any) -> TrainConfig:
-    """The workload's own settings (full-batch workloads: the whole training set) with `overrides`."""
-    config = TrainConfig(**{**workload.defaults, **{k: v for k, v in overrides.items() if v is not None}})
-    if workload.full_batch and overrides.get("batch_size") is None:
-        config = config.replace(batch_size=workload.make_data().num_train)
-    return config
-
-
 def profile_workload(workload, config: TrainConfig | None = None, steps: int = 20, wait: int = 1, warmup: int = 2,
                      active: int = 3, out_dir: str | os.PathLike | None = None, top: int = 15,
                      sync_steps: int = 3) -> dict[str, Any]:
@@ -195,7 +187,7 @@ def profile_workload(workload, config: TrainConfig | None = None, steps: int = 2
         from gputrain.workloads import resolve_workload
 
         workload = resolve_workload(workload)
-    config = config or default_config(workload)
+    config = config or workload_config(workload)
     device = process_device(config.device)
     precision = resolve_precision(config.precision, device)
     sync = synchronizer(device)

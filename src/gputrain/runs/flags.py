@@ -1,7 +1,12 @@
 """The command line of a run, generated from the fields of the run spec (gputrain/fields.py): each
 field with a flag becomes one argparse argument, its default shown in the help and left out of the
 parsed namespace (argparse.SUPPRESS), so that the namespace holds exactly what the command line
-stated; `stated(namespace)` turns it into a RunConfig, which merges over a config file's.
+stated; `stated(namespace)` turns it into a RunConfig, which merges over a config file's
+(`stated_run`).
+
+Every command declares its settings so: `gputrain fit` every field of TrainConfig and RunSettings,
+`profile` and `memory` the TrainConfig fields they measure with, and each command its own settings
+(a dataclass of `setting(...)` fields: `add_flags` / `given`), such as a sweep's budget.
 
 A flag's value is checked twice, both with one line: by its argparse type (a positive integer) and
 by its field's own check (a finite weight decay), so that a value is refused before anything runs.
@@ -11,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from gputrain.config import TrainConfig
 from gputrain.errors import ConfigError
@@ -19,18 +24,40 @@ from gputrain.fields import Flag, flags_of
 from gputrain.runs.stated import RunConfig
 from gputrain.runs.spec import AUTO_FIELDS, RunSettings
 
-SECTIONS = {"train": TrainConfig, "fit": RunSettings}
+# What a run's command line states besides the fields: the workload (positional), --data-dir and
+# --option (its options), --optimizer (a step of your own's optimizers), --no-tensorboard.
+EXTRAS = ("workload", "data_dir", "option", "optimizer", "no_tensorboard")
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argument per flag of each field, in the order the fields are declared (dest: the field's
-    name; default: absent from the namespace)."""
+def add_spec_arguments(parser: argparse.ArgumentParser, train: Iterable[str] | None = None,
+                       fit: Iterable[str] | None = None) -> None:
+    """One argument per flag of each field of TrainConfig (`train`: those fields, in that order;
+    None: every one) and of RunSettings (`fit`), dest the field's name, absent from the namespace
+    when not given."""
+    add_flags(parser, TrainConfig, train)
+    add_flags(parser, RunSettings, fit)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str] | None = None) -> None:
+    """One argparse argument per flag of each field of the dataclass `cls` (declared with
+    gputrain.fields.setting): `names`, in that order, or every field with a flag, in the order
+    they are declared."""
     groups: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            flags = flags_of(f)
-            for flag in flags:
-                _add_flag(parser, groups, cls, f, flag, several=len(flags) > 1)
+    for f in _fields(cls, names):
+        flags = flags_of(f)
+        for flag in flags:
+            _add_flag(parser, groups, cls, f, flag, several=len(flags) > 1)
+
+
+def given(args: argparse.Namespace, cls: type, names: Iterable[str] | None = None) -> dict[str, Any]:
+    """{field: value} of what the command line stated of `cls`'s fields (`names`, or all)."""
+    values = vars(args)
+    return {f.name: values[f.name] for f in _fields(cls, names) if f.name in values}
+
+
+def _fields(cls: type, names: Iterable[str] | None) -> list[dataclasses.Field]:
+    by_name = {f.name: f for f in dataclasses.fields(cls) if flags_of(f)}
+    return list(by_name.values()) if names is None else [by_name[n] for n in names]
 
 
 def _add_flag(parser: argparse.ArgumentParser, groups: dict[str, Any], cls: type, f: dataclasses.Field, flag: Flag,
@@ -68,27 +95,35 @@ class _SwitchOn(argparse.Action):
             setattr(namespace, self.dest, True)
 
 
-def stated(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of what the command line stated (the fields' flags given; workload, --option
-    and --data-dir when the parser has them, --no-tensorboard)."""
-    given = vars(args)
-    tables: dict[str, dict[str, Any]] = {}
-    for section, cls in SECTIONS.items():
-        tables[section] = {f.name: given[f.name] for f in dataclasses.fields(cls)
-                           if flags_of(f) and f.name in given}
-    train = tables["train"]
-    if "loggers" in train:  # --logger a,b --logger c: one list
-        train["loggers"] = tuple(n for item in train["loggers"] for n in item)
-    if given.get("no_tensorboard"):
-        train["tensorboard"] = False  # resolved over the loggers of every source (runs/resolve.py)
-    options: dict[str, Any] = {"data_dir": given["data_dir"]} if given.get("data_dir") else {}
-    if given.get("option"):
+def stated(args: argparse.Namespace, train: Iterable[str] | None = None, fit: Iterable[str] | None = None,
+           extras: Iterable[str] = EXTRAS) -> RunConfig:
+    """The RunConfig of what the command line stated: the flags of `train` and `fit`'s fields (None:
+    every field's) and of `extras` that the parser has (the workload, --option, --data-dir,
+    --optimizer, --no-tensorboard)."""
+    train_values = given(args, TrainConfig, train)
+    if "loggers" in train_values:  # --logger a,b --logger c: one list
+        train_values["loggers"] = tuple(n for item in train_values["loggers"] for n in item)
+    extra = {k: v for k, v in vars(args).items() if k in set(extras)}
+    if extra.get("no_tensorboard"):
+        train_values["tensorboard"] = False  # resolved over the loggers of every source (runs/resolve.py)
+    options: dict[str, Any] = {"data_dir": extra["data_dir"]} if extra.get("data_dir") else {}
+    if extra.get("option"):
         from gputrain.runs.stated import workload_options
 
-        options.update(workload_options(given["option"], example="--option n=2000"))
-    optimizers = optimizer_settings(given.get("optimizer") or [])
-    return RunConfig(workload=given.get("workload"), options=options, optimizers=optimizers, train=train,
-                     fit=tables["fit"])
+        options.update(workload_options(extra["option"], example="--option n=2000"))
+    optimizers = optimizer_settings(extra.get("optimizer") or [])
+    return RunConfig(workload=extra.get("workload"), options=options, optimizers=optimizers, train=train_values,
+                     fit=given(args, RunSettings, fit))
+
+
+def stated_run(args: argparse.Namespace, train: Iterable[str] | None = None, fit: Iterable[str] | None = None,
+               extras: Iterable[str] = EXTRAS) -> RunConfig:
+    """What the command line states (as `stated`) over --config's file when one is given."""
+    from gputrain.runs.stated import load_run_config, merge
+
+    flags = stated(args, train, fit, extras)
+    config = getattr(args, "config", None)
+    return merge(load_run_config(config), flags) if config else flags
 
 
 def optimizer_settings(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -133,6 +168,8 @@ def _checked(flag: Flag, cls: type, name: str) -> Callable[[str], Any]:
         value = parse(text)
         if value == "auto" and name in AUTO_FIELDS:
             return value
+        if flag.choices_first and value not in (flag.choices or ()):
+            return value  # argparse refuses it next, naming the choices
         try:
             check_field(cls, name, _field_value(name, value))
         except ConfigError as exc:

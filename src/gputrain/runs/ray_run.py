@@ -22,7 +22,7 @@ from typing import Any
 
 from gputrain.errors import ConfigError, GputrainError
 from gputrain.runs.stated import RunConfig, merge
-from gputrain.runs.train import RunResult
+from gputrain.runs.train import RunResult, read_result
 
 log = logging.getLogger("gputrain")
 
@@ -31,61 +31,57 @@ def train_on_ray(stated: RunConfig) -> RunResult:
     """Train what `stated` says on Ray Train workers (fit.nproc of them); returns rank 0's result as
     the run directory holds it. ConfigError (one line) for a refusal before Ray starts: --no-save,
     Ray not installed, a cluster that cannot be reached or has no room."""
-    from gputrain.io.history import History
     from gputrain.runs.resolve import resolve
-    from gputrain.runtime.ray_train import connect
-    from gputrain.workloads.from_run import stored_spec
 
     spec, _workload = resolve(stated)  # every check, once, before Ray starts
     if spec.fit.no_save or not spec.train.run_dir:
         raise ConfigError("--launcher ray keeps the run's checkpoints (a restarted worker group resumes from them): "
                           "drop --no-save")
+    storage = ray_storage(spec.fit.ray_storage)  # refused here, before Ray starts
+    _fit_trainer(stated, spec, storage)
+    return read_result(spec)
+
+
+def _fit_trainer(stated: RunConfig, spec: Any, storage: str | None) -> Any:
+    """TorchTrainer.fit over spec.fit.nproc workers on the Ray cluster `connect` joins or starts,
+    each resolving what `stated` says in the run directory `spec` resolved (absolute: Ray runs
+    workers in folders of their own); a worker's refusal (a GputrainError) is raised here as its own
+    one line, any other failure with Ray's report. Ray is shut down after."""
+    from gputrain.runtime.ray_train import connect
+    from gputrain.workloads.from_run import stored_spec
+
     nproc = spec.fit.nproc or 1
     run_dir = Path(spec.train.run_dir).resolve()
     resume = spec.train.resume
     train = {"run_dir": str(run_dir), "resume": str(Path(resume).resolve()) if isinstance(resume, str) else resume}
     worker_stated = merge(stated, RunConfig(workload=stored_spec(spec.workload.name), train=train))
     worker_stated = dataclasses.replace(worker_stated, source=None)  # the parsed file is not needed there
-    storage = ray_storage(spec.fit.ray_storage)  # refused here, before Ray starts
-    where, gpus = connect(nproc, spec.train.device)
+    where, gpus = connect(nproc, spec.train.device)  # refused in one line when Ray is missing or has no room
     log.info("training on %d Ray worker(s) (%s) in %s", nproc, "one GPU each" if gpus else "CPU", where)
-    try:
-        _fit_trainer(worker_stated, nproc, gpus, spec, run_dir, storage)
-    finally:
-        import ray
-
-        ray.shutdown()
-    history = History.load(run_dir / "history.json")
-    summary = dict(history.summary)
-    summary["workload"] = spec.workload.name
-    summary["run_dir"] = spec.train.run_dir
-    return RunResult(spec, history, summary, None, True)
-
-
-def _fit_trainer(worker_stated: RunConfig, nproc: int, gpus: bool, spec: Any, run_dir: Path,
-                 storage: str | None) -> Any:
-    """TorchTrainer.fit over `nproc` workers; a worker's refusal (a GputrainError) is raised here as
-    its own one line, any other failure with Ray's report."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray
 
     timeout_s = 300  # collectives on a lost peer fail after this, as init_distributed's
-    trainer = TorchTrainer(
-        _worker, train_loop_config={"stated": worker_stated},
-        scaling_config=ScalingConfig(num_workers=nproc, use_gpu=gpus, resources_per_worker={"CPU": 1}),
-        torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=timeout_s),
-        run_config=RayRunConfig(
-            name=f"gputrain-{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-            storage_path=storage,
-            failure_config=FailureConfig(max_failures=spec.fit.max_restarts),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.train.keep_last)))
     try:
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        trainer = TorchTrainer(
+            _worker, train_loop_config={"stated": worker_stated},
+            scaling_config=ScalingConfig(num_workers=nproc, use_gpu=gpus, resources_per_worker={"CPU": 1}),
+            torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=timeout_s),
+            run_config=RayRunConfig(
+                name=f"gputrain-{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=spec.fit.max_restarts),
+                checkpoint_config=CheckpointConfig(num_to_keep=spec.train.keep_last)))
         return trainer.fit()
     except Exception as exc:  # noqa: BLE001 - Ray's TrainingFailedError wraps the worker's error
         refusal = _refusal_in(exc)
         if refusal is not None:
             raise refusal from None
         raise
+    finally:
+        ray.shutdown()
 
 
 def ray_storage(stated: str | None) -> str | None:

@@ -4,12 +4,13 @@ directory and resume target decided, and every field checked. Nothing is written
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from gputrain.config import DEFAULT_LOGGERS, TrainConfig, tensorboard_loggers
+from gputrain.config import DEFAULT_LOGGERS, tensorboard_loggers, workload_config
 from gputrain.errors import ConfigError
 from gputrain.io.run_layout import CHECKPOINTS_DIR, LEGACY_CHECKPOINT
 from gputrain.runs.stated import RunConfig, option_text
@@ -33,31 +34,37 @@ def resolve(stated: RunConfig, workload: Any = None) -> tuple[RunSpec, Any]:
         from gputrain.workloads import resolve_workload
 
         workload = resolve_workload(name, **options)
-    values = dict(workload.defaults)
-    for one, other in (("steps", "epochs"), ("epochs", "steps")):
-        if one in train:
-            values.pop(other, None)
     auto = tuple(k for k in AUTO_FIELDS if train.get(k, "auto" if k == "progress" else None) == "auto")
     tensorboard = train.pop("tensorboard", None)  # --no-tensorboard: the loggers without it
-    values.update({k: v for k, v in train.items() if k not in ("run_dir", "resume") and not (k in auto)})
+    given = {k: v for k, v in train.items() if k not in ("run_dir", "resume") and k not in auto}
     if tensorboard is not None:
-        values["loggers"] = tensorboard_loggers(values.get("loggers", DEFAULT_LOGGERS), tensorboard)
-    values["run_dir"], values["resume"] = _place(workload.name, train.get("run_dir"), train.get("resume", False),
-                                                 fit.no_save)
+        given["loggers"] = tensorboard_loggers(given.get("loggers", workload.defaults.get("loggers", DEFAULT_LOGGERS)),
+                                               tensorboard)
+    given["run_dir"], given["resume"] = _place(workload.name, train.get("run_dir"), train.get("resume", False),
+                                               fit.no_save)
     if "progress" in auto:
-        values["progress"] = sys.stderr.isatty()
-    known = set(TrainConfig.field_names())
-    config = TrainConfig(**{k: v for k, v in values.items() if k in known})
-    if workload.full_batch and "batch_size" not in train:
-        config = config.replace(batch_size=workload.make_data().num_train)  # the whole training set per step
-    if config.name is None:
-        config = config.replace(name=workload.name)
+        given["progress"] = sys.stderr.isatty()
+    # a batch size stated as "auto" is stated: a full-batch workload's is searched too
+    config = workload_config(workload, given, full_batch=workload.full_batch and "batch_size" not in train)
     check_reported(config.best_metric, workload, fit.ema, "best_metric")
     if stated.optimizers and workload.step_fn is None:
         raise ConfigError(f"[optimizers] sets {', '.join(stated.optimizers)}, but {workload.name} trains with the "
                           "built-in step (one optimizer: set [train] lr and weight_decay instead)")
     spec = RunSpec(WorkloadSpec(name, options, dict(stated.optimizers)), config, fit, auto, run_dir_stated=bool(train.get("run_dir")))
     return spec, workload
+
+
+def resolve_measured(stated: RunConfig) -> tuple[RunSpec, Any]:
+    """(RunSpec, Workload) of a run that is measured, not trained (`gputrain profile`, `memory`): as
+    `resolve`, but nothing is written or resumed (a file's run_dir and resume, and its [fit]
+    settings, belong to a run that trains) and no progress bar unless stated. ConfigError when
+    neither a workload nor a config file is given."""
+    if stated.workload is None and stated.source is None:
+        raise ConfigError("give a workload (a built-in one, see `gputrain fit --list`, or module:function) or a run's "
+                          "--config FILE")
+    train = {k: v for k, v in stated.train.items() if k not in ("run_dir", "resume")}
+    train.setdefault("progress", False)
+    return resolve(dataclasses.replace(stated, train=train, fit={"no_save": True}))
 
 
 def check_reported(metric: str | None, workload: Any, ema: float | None, what: str) -> None:

@@ -2,8 +2,22 @@
 
     RunSpec
       workload: WorkloadSpec   name (built-in or module:function) and its options
-      train:    TrainConfig    the trainer's config (gputrain/config.py)
-      fit:      RunSettings    what the run does around training: processes, autotune, early stop, EMA
+      train:    TrainConfig    what the trainer reads: [train], gputrain/config.py
+      fit:      RunSettings    what is done around the trainer: [fit]
+
+The rule that splits them: a field is TrainConfig's when the trainer reads it while one process
+trains, so that `fit(model, data, config=TrainConfig(...))` means the same in Python as on the
+command line (the device, the length, the optimizer's settings, on_nan, best_metric and
+checkpoint retention, the speed switches). A field is RunSettings' when the run spec acts on it
+before or around the trainer, where Python would pass an object or do it itself: where the
+processes start (nproc, launcher, max_restarts, ray_storage: runs/launch.py), what is decided
+before training and written into TrainConfig (autotune: the switches; no_save: no run directory),
+and the callbacks the spec adds (early_stop, patience, min_delta: EarlyStopping; ema: EMA; in
+Python, `fit(callbacks=[...])`). Presentation flags (--json, --quiet) say how the command shows the
+run, not how it trains: each command declares its own (sweep, profile, memory, bench), and fit's
+two sit in RunSettings, so that a run's file repeats it as it was shown (--print-config's output,
+given to --config, prints JSON again); nothing below the command line reads them except to set the
+run log's level (on Ray's workers too).
 
 Each field is declared once, with its flag, default, help and check (gputrain/fields.py): the command
 line is generated from the tree (runs/flags.py), a config file and a sweep trial are read into it

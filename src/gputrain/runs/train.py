@@ -5,6 +5,7 @@ command line renders them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -19,13 +20,37 @@ from gputrain.runs.spec import RunSpec, spec_text
 @dataclass
 class RunResult:
     """What a trained spec gives back. summary: the history's summary with the workload's name and
-    the run directory; is_main: False on the other ranks of a multi-process run (they report nothing)."""
+    the run directory; is_main: False on the other ranks of a multi-process run (they report
+    nothing). A run in processes torchrun started (runs/launch.py) is `shown` (their rank 0 printed
+    its summary: nothing more to show) and ends with their `exit_code` (0, 2 for a refusal they said,
+    128 + N when signal N stopped them); its history is None when none could be read."""
 
     spec: RunSpec
     history: Any
     summary: dict[str, Any]
     autotune_report: dict[str, Any] | None
     is_main: bool
+    shown: bool = False
+    exit_code: int = 0
+
+
+def decided(spec: RunSpec, workload: Any) -> tuple[Any, dict[str, Any] | None]:
+    """(spec.train with what is decided as the run starts, autotune's report or None): batch_size
+    "auto" searched (the largest that fits on CUDA), then the switches autotuned (fit.autotune), both
+    on the device the trainer will take (runtime/distributed.process_device). Nothing is written."""
+    from gputrain.runtime.distributed import process_device
+
+    config, report = spec.train, None
+    searched, tuned = "batch_size" in spec.auto, spec.fit.autotune or spec.fit.autotune_force
+    # one device for both, as the trainer will decide it
+    device = process_device(config.device) if searched or tuned else None
+    if searched:
+        config = _auto_batch_size(workload, config, device)
+    if tuned:
+        from gputrain.diagnostics.autotune import autotune
+
+        config, report = autotune(workload, config, force=spec.fit.autotune_force, device=device)
+    return config, report
 
 
 def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = ()) -> RunResult:
@@ -37,49 +62,30 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     spec written out) are recorded; a refused run leaves no folder it made. callbacks: added to the
     spec's own (fit.early_stop, fit.ema): a sweep's trial reports through one.
     """
-    from gputrain.runtime.distributed import is_main_process, process_device
+    from gputrain.runtime.distributed import is_main_process
     from gputrain.train import fit_workload
+    from gputrain.train.optim.by_name import NamedOptimizers
 
     if workload is None:
         from gputrain.workloads import resolve_workload
 
         workload = resolve_workload(spec.workload.name, **spec.workload.options)
+    if spec.train.run_dir:
+        check_run_dir_owner(Path(spec.train.run_dir), spec.workload.name, workload.name)
+    config, report = decided(spec, workload)
+    named = (NamedOptimizers(workload.optimizers, spec.workload.optimizers)
+             if workload.step_fn is not None and workload.optimizers is not None else None)
     is_main = is_main_process()
-    config = spec.train
-    if config.run_dir:
-        check_run_dir_owner(Path(config.run_dir), spec.workload.name, workload.name)
-    searched, tuned = "batch_size" in spec.auto, spec.fit.autotune or spec.fit.autotune_force
-    # The device decided once for what runs before the trainer, as the trainer will decide it.
-    device = process_device(config.device) if searched or tuned else None
-    if searched:
-        config = _auto_batch_size(workload, config, device)
-    report = None
-    if tuned:
-        from gputrain.diagnostics.autotune import autotune
-
-        config, report = autotune(workload, config, force=spec.fit.autotune_force, device=device)
     spec = RunSpec(spec.workload, config, spec.fit, tuple(k for k in spec.auto if k != "batch_size"),
                    spec.run_dir_stated)
     run_dir = Path(config.run_dir) if config.run_dir and is_main else None
     made = _missing_folders(run_dir) if run_dir is not None else []
 
-    from gputrain.train.optim.by_name import NamedOptimizers
-
-    named = NamedOptimizers(workload.optimizers, spec.workload.optimizers) \
-        if workload.step_fn is not None and workload.optimizers is not None else None
-
-    def record() -> None:  # workload.json and config.toml: what the run is, and how to repeat it
-        assert run_dir is not None
-        _record(run_dir, used_spec(), workload.name)
-
-    def used_spec() -> RunSpec:  # the optimizers' settings as they trained (the workload's defaults included)
-        if named is None:
-            return spec
-        return dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, optimizers=named.used))
-
+    # workload.json and config.toml, once the run goes ahead: what it is, and how to repeat it
+    record = None if run_dir is None else functools.partial(_record, run_dir, spec, named, workload.name)
     try:
         history, _model = fit_workload(workload, config, full_batch=False, callbacks=[*spec_callbacks(spec), *callbacks],
-                                       on_ready=None if run_dir is None else record, optimizers=named)
+                                       on_ready=record, optimizers=named)
     except BaseException:
         _remove_if_empty(made)  # the folders a refused run made for itself (preflight creates the run directory)
         raise
@@ -87,7 +93,19 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     summary["workload"] = workload.name
     if config.run_dir:
         summary["run_dir"] = config.run_dir
-    return RunResult(used_spec(), history, summary, report, is_main)
+    return RunResult(_used_spec(spec, named), history, summary, report, is_main)
+
+
+def read_result(spec: RunSpec) -> RunResult:
+    """The result of `spec` trained in other processes (torchrun's, Ray's workers), as rank 0 wrote
+    it in the run directory (history.json); GputrainError naming the file when it cannot be read."""
+    from gputrain.io.history import History
+
+    history = History.load(Path(spec.train.run_dir or ".") / "history.json")
+    summary = dict(history.summary)
+    summary["workload"] = spec.workload.name
+    summary["run_dir"] = spec.train.run_dir
+    return RunResult(spec, history, summary, None, True)
 
 
 def spec_callbacks(spec: RunSpec) -> list:
@@ -169,13 +187,21 @@ def _remove_if_empty(folders: list[Path]) -> None:
             return
 
 
-def _record(run_dir: Path, spec: RunSpec, name: str) -> None:
+def _used_spec(spec: RunSpec, named: Any) -> RunSpec:
+    """`spec` with the optimizers' settings as they trained (the workload's defaults included)."""
+    if named is None:
+        return spec
+    return dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, optimizers=named.used))
+
+
+def _record(run_dir: Path, spec: RunSpec, named: Any, name: str) -> None:
     """RUN_DIR/workload.json (what `gputrain eval / predict / export RUN_DIR` rebuild the model from,
-    and what tells a later run whose directory this is) and RUN_DIR/config.toml (the spec, which
-    `gputrain fit --config` repeats)."""
+    and what tells a later run whose directory this is) and RUN_DIR/config.toml (the spec as it
+    trains, which `gputrain fit --config` repeats)."""
     from gputrain.io.atomic import write_text
     from gputrain.workloads.from_run import stored_spec
 
+    spec = _used_spec(spec, named)
     try:
         write_text(run_dir / WORKLOAD_FILE, json.dumps({"workload": stored_spec(spec.workload.name), "name": name,
                                                         "options": spec.workload.options}, indent=2) + "\n")

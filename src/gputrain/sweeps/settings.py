@@ -26,11 +26,13 @@ and its line in the file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from gputrain.errors import ConfigError
+from gputrain.fields import positive_int_arg, setting
 from gputrain.io.toml_file import dumps
 from gputrain.runs.stated import RunConfig, check_value, field_types, merge, option_text
 
@@ -39,14 +41,47 @@ if TYPE_CHECKING:
 
 SWEEP_FILE = "sweep.toml"  # SWEEP_DIR/sweep.toml: the sweep's resolved config
 KINDS = ("loguniform", "uniform", "int", "choices")
-DEFAULTS = {"trials": None, "workers": None, "metric": "eval_loss", "direction": None, "value": "final",
-            "pruner": "median", "startup_trials": 5, "sampler": "tpe", "seed": 0, "sweep_dir": None}
-TYPES = {"trials": int, "workers": int, "metric": str, "direction": str, "value": str, "pruner": str,
-         "startup_trials": int, "sampler": str, "seed": int, "sweep_dir": str}
-CHOICES = {"direction": ("min", "max"), "value": ("final", "best"), "pruner": ("median", "none"),
-           "sampler": ("tpe", "random")}
 IDENTITY_FREE = ("trials", "workers", "sweep_dir")  # what a resumed sweep may change
 MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState, which takes 0 to 2**32 - 1
+
+
+# ---------------------------------------------------------------- the checks of [sweep]'s keys
+#
+# Each is called with "[sweep] KEY" as the name, so that a bad value is one line naming the key.
+
+
+def _kind(kind: type) -> Callable[[str, Any], None]:
+    """An int (not a bool) or a str; None passes (a setting left to its rule: direction, workers)."""
+
+    def check(name: str, value: Any) -> None:
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
+
+    return check
+
+
+def _choice(*choices: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        _kind(str)(name, value)
+        if value is not None and value not in choices:
+            raise ConfigError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+
+    return check
+
+
+def _at_least(low: int, said: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        _kind(int)(name, value)
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be {said}, got {value}")
+
+    return check
+
+
+def _seed(name: str, value: Any) -> None:
+    _kind(int)(name, value)
+    if not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{name} must be an integer from 0 to {MAX_SEED} (what Optuna's samplers take), got {value}")
 
 
 @dataclass(frozen=True)
@@ -89,29 +124,43 @@ class Param:
 
 @dataclass
 class SweepSettings:
-    """The [sweep] table, checked; `space`: the searched settings, in the file's order."""
+    """The [sweep] table, checked: each key declared once with its check (and the flag of
+    `gputrain sweep` that sets it, generated as fit's are: gputrain/runs/flags.py); `space`: the
+    searched settings, in the file's order."""
 
-    trials: int
-    metric: str = "eval_loss"
-    direction: str | None = None  # "min" | "max" as stated; None: by the metric's rule
-    workers: int | None = None  # None: one per GPU, else one
-    value: str = "final"
-    pruner: str = "median"
-    startup_trials: int = 5
-    sampler: str = "tpe"
-    seed: int = 0
-    sweep_dir: str | None = None
+    trials: int = setting(flag="--trials", parse=positive_int_arg, check=_at_least(1, "at least 1"),
+                          help="the budget: finished trials the study ends with")  # no default: a sweep states it
+    workers: int | None = setting(None, flag="--workers", parse=positive_int_arg, check=_at_least(1, "at least 1"),
+                                  help="trials at once (default: one per GPU; on the CPU, 1): processes, never two on "
+                                       "one GPU")  # None: one per GPU, else one
+    metric: str = setting("eval_loss", flag="--metric", check=_kind(str),
+                          help="the value each trial is judged by (default eval_loss)")
+    direction: str | None = setting(None, flag="--direction", choices=("min", "max"), choices_first=True,
+                                    check=_choice("min", "max"),
+                                    help="which way the metric improves (default: gputrain's rule for its name)")
+    value: str = setting("final", check=_choice("final", "best"))
+    pruner: str = setting("median", check=_choice("median", "none"))
+    startup_trials: int = setting(5, check=_at_least(0, "0 or more"))
+    sampler: str = setting("tpe", check=_choice("tpe", "random"))
+    seed: int = setting(0, check=_seed)
+    sweep_dir: str | None = setting(None, flag="--sweep-dir", check=_kind(str),
+                                    help="the sweep's folder (default sweeps/NAME for --config NAME.toml: the same "
+                                         "command again resumes); alone, resumes the sweep in it")
     space: list[Param] = field(default_factory=list)
 
     def table(self) -> dict[str, Any]:
         """The settings as [sweep] writes them (sweep_dir left out: the directory is where it is)."""
-        out = {k: getattr(self, k) for k in DEFAULTS if k != "sweep_dir"}
+        out = {k: getattr(self, k) for k in _KEYS if k != "sweep_dir"}
         out["space"] = {p.name: p.spec() for p in self.space}
         return out
 
     def identity(self) -> dict[str, Any]:
         """What makes two sweeps one study: all but the budget and the workers."""
         return {k: v for k, v in self.table().items() if k not in IDENTITY_FREE}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SweepSettings) if f.name != "space"}
+_KEYS = tuple(_FIELDS)  # the keys of [sweep], besides the table [sweep.space]
 
 
 def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> SweepSettings:
@@ -125,11 +174,12 @@ def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> Sweep
             if not isinstance(value, dict):
                 raise ConfigError(f"{where('sweep', key)}: [sweep] space must be a table ([sweep.space])")
             continue
-        if key not in TYPES:
+        if key not in _FIELDS:
             raise ConfigError(f"{where('sweep', key)}: unknown key {key!r} in [sweep]: the keys are "
-                              f"{', '.join(TYPES)} and the table [sweep.space]")
+                              f"{', '.join(_KEYS)} and the table [sweep.space]")
         _check_setting(key, value, where("sweep", key))
-    values = {**DEFAULTS, **{k: v for k, v in table.items() if k != "space"}}
+    defaults = {k: None if f.default is dataclasses.MISSING else f.default for k, f in _FIELDS.items()}
+    values = {**defaults, **{k: v for k, v in table.items() if k != "space"}}
     for key, value in (overrides or {}).items():
         if value is not None:
             _check_setting(key, value, "the command line")
@@ -147,23 +197,15 @@ def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> Sweep
     if not space:
         raise ConfigError(f"{where('sweep')}: the sweep has no search space: add [sweep.space] with, e.g., "
                           "lr = {loguniform = [1e-4, 1e-1]}")
-    return SweepSettings(space=space, **{k: values[k] for k in DEFAULTS})
+    return SweepSettings(space=space, **values)
 
 
 def _check_setting(key: str, value: Any, where: str) -> None:
-    kind = TYPES[key]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"{where}: [sweep] {key} must be {'an integer' if kind is int else 'a string'}, "
-                          f"got {value!r}")
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{where}: [sweep] {key} must be {' or '.join(map(repr, CHOICES[key]))}, got {value!r}")
-    if key in ("trials", "workers") and value < 1:
-        raise ConfigError(f"{where}: [sweep] {key} must be at least 1, got {value}")
-    if key == "startup_trials" and value < 0:
-        raise ConfigError(f"{where}: [sweep] startup_trials must be 0 or more, got {value}")
-    if key == "seed" and not 0 <= value <= MAX_SEED:
-        raise ConfigError(f"{where}: [sweep] seed must be an integer from 0 to {MAX_SEED} (what Optuna's samplers "
-                          f"take), got {value}")
+    """[sweep] `key`'s own check (declared beside its field), with `where` it was written."""
+    try:
+        _FIELDS[key].metadata["check"](f"[sweep] {key}", value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _check_base(rc: RunConfig) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 import torch
 from torch import nn
 
-from gputrain.config import TrainConfig
+from gputrain.config import TrainConfig, workload_config
 from gputrain.io.history import History
 from gputrain.runtime import distributed
 from gputrain.train.optim.by_name import NamedOptimizers
@@ -71,19 +71,6 @@ def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | N
         trainer.close()
         del trainer  # cleanup() frees the DDP wrapper before the process group goes (see there)
         distributed.cleanup(info)
-
-
-def workload_config(workload, config: TrainConfig | None = None, full_batch: bool | None = None) -> TrainConfig:
-    """The config a workload trains with: `config`, or the workload's defaults; full-batch
-    workloads (unless a config is given) train on the whole training set per step."""
-    if full_batch is None:
-        full_batch = workload.full_batch and config is None
-    config = config or TrainConfig(**workload.defaults)
-    if full_batch:
-        config = config.replace(batch_size=workload.make_data().num_train)
-    if config.name is None:
-        config = config.replace(name=workload.name)
-    return config
 
 
 def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool | None = None, *,
