@@ -16,8 +16,8 @@ import: argparse building --help, the interpreter's start.)
     python -m gputrain --help
 
 Usage:
-  python benchmarks/import_time.py                  # 9 runs of each, JSON to a temp folder
-  python benchmarks/import_time.py --runs 15 --json out.json
+  python -m benchmarks.import_time                  # 9 runs of each, JSON to a temp folder
+  python -m benchmarks.import_time --runs 15 --json out.json
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{shares[name]:15.3f}x" if name in shares else f"{'':>16}"
         print(f"{name:<18} {medians[name]:9.3f} {min(t):7.3f} {max(t):7.3f} {medians[name] / base:14.3f}x {share}")
     path = Path(args.json) if args.json else Path(tempfile.mkdtemp(prefix="import-time-")) / "import_time.json"
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from gputrain.io.atomic import atomic_file
+    from gputrain.io.atomic import atomic_file  # gputrain's (and torch's) import, after the measurement
 
     with atomic_file(path, "w") as fh:
         json.dump({"command": " ".join(sys.argv), "runs": args.runs, "seconds": times, "median_s": medians,

@@ -8,7 +8,7 @@ within 1.3x of replay). With resident data the graph also assembles each batch (
 cProfile's top host functions for one graphed run.
 
 Usage (needs CUDA):
-  python benchmarks/step_probe.py [--steps 3000] [--workloads iris-mlp,synthetic-cifar] [--profile]
+  python -m benchmarks.step_probe [--steps 3000] [--workloads iris-mlp,synthetic-cifar] [--profile]
 
 A short warm-up run per workload keeps cuDNN's algorithm search out of the figures; each
 run's own warm-up steps and capture stay in, so use enough steps.
@@ -22,16 +22,13 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import train_speed as ts  # noqa: E402
-
-from gputrain import TrainConfig  # noqa: E402
-from gputrain.train.loop.trainer import Trainer  # noqa: E402
-from gputrain.workloads import get_workload  # noqa: E402
+from benchmarks import train_speed as ts
+from gputrain import TrainConfig
+from gputrain.train.loop.trainer import Trainer
+from gputrain.workloads import get_workload
 
 BATCH = {"iris-mlp": None, "synthetic-cifar": 64, "mnist1d-cnn": 64, "digits-cnn": 64}
 

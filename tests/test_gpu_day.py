@@ -1,7 +1,7 @@
-"""The GPU day's driver (benchmarks/gpu_day.py): a missing zoo is "not present", the zoo's cases are
+"""The GPU day's driver (benchmarks/gpu_day/day.py): a missing zoo is "not present", the zoo's cases are
 read from pytest's JUnit XML, a part that crashes or overruns its budget fails the day with its log's
 tail in the summary, and the goals are read from the measured figures; the first-step part's script
-(benchmarks/first_step.py) reports medians over its rounds, stops starting cases when its budget is
+(benchmarks/gpu_day/first_step.py) reports medians over its rounds, stops starting cases when its budget is
 spent and writes its JSON after every case. The whole day on the CPU is .ci/run's step under torch
 2.11 (`bash benchmarks/gpu_session.sh day --device cpu`)."""
 
@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import day_report  # noqa: E402
-import first_step  # noqa: E402
-import gpu_day  # noqa: E402
+from benchmarks.gpu_day import day as gpu_day
+from benchmarks.gpu_day import first_step
+from benchmarks.gpu_day import report as day_report
 
 
 def _day(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
@@ -33,7 +31,7 @@ def test_a_missing_zoo_is_reported_not_present_and_the_day_passes(tmp_path):
     assert rc == 0
     assert day["parts"]["b"]["status"] == "not present"
     assert "tests/no_such_zoo.py is not in this tree" in md
-    assert day["environment"]["torch"] and day["command"].startswith("benchmarks/gpu_day.py --device cpu")
+    assert day["environment"]["torch"] and day["command"].startswith("python -m benchmarks.gpu_day.day --device cpu")
 
 
 def test_the_zoo_runs_on_the_named_device_and_its_cases_come_from_the_junit_xml(tmp_path):
@@ -303,7 +301,7 @@ def test_a_contender_that_errors_or_a_required_peer_that_is_missing_fails_the_sp
         monkeypatch, statuses, require, failed):
     import torch
 
-    import day_speed
+    from benchmarks.gpu_day import speed as day_speed
 
     monkeypatch.setattr(day_speed, "real_rows", lambda *a, **k: _real(statuses))
     monkeypatch.setattr(day_speed.rm, "bf16_matmul_peak", lambda device: None)
@@ -321,7 +319,7 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
     import torch
     from torch import nn
 
-    import real_models as rm
+    from benchmarks import real_models as rm
 
     def run(how: str) -> str:
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -346,13 +344,13 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_day_counts_each_sync_of_a_case_at_its_line(device):
-    """benchmarks/day_syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
+    """benchmarks/gpu_day/syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
     one-time notice that the mode is a prototype has been consumed (it would count as a sync); on the
     CPU as host reads. A read planted in a per-step callback is counted once per step at its line, and
     the same case without it has no site there."""
     import torch
 
-    import day_syncs
+    from benchmarks.gpu_day import syncs as day_syncs
     from gputrain import Callback
 
     class ReadsTheDevice(Callback):

@@ -46,11 +46,11 @@ kills a case still running S seconds after the start (with its compile workers; 
 error). The JSON is written again after every case.
 
 Usage:
-  python benchmarks/first_step.py                      # all cases, JSON to a temp folder
-  python benchmarks/first_step.py --json out.json --models gpt-mini --repeats 3
-  python benchmarks/first_step.py --steady 60          # the steady step only, interleaved
-  python benchmarks/first_step.py --steady 30 --n-embd 192 --n-head 6
-  python benchmarks/first_step.py --device cuda --budget 90 --json first_step.json   # the GPU day's (e)
+  python -m benchmarks.gpu_day.first_step                      # all cases, JSON to a temp folder
+  python -m benchmarks.gpu_day.first_step --json out.json --models gpt-mini --repeats 3
+  python -m benchmarks.gpu_day.first_step --steady 60          # the steady step only, interleaved
+  python -m benchmarks.gpu_day.first_step --steady 30 --n-embd 192 --n-head 6
+  python -m benchmarks.gpu_day.first_step --device cuda --budget 90 --json first_step.json   # the GPU day's (e)
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "benchmarks.gpu_day.first_step"  # this file, as the children import it (from ROOT)
 STEPS, LOG_EVERY, STOP_AT = 16, 4, 8
 # Sizes per device kind: the GPT's dimensions, the ResNet's width, the batch, the data's rows.
 SIZES = {
@@ -118,8 +119,8 @@ def loss_fn(name: str):
 
 
 def gpt_workload():
-    """The GPT-mini as a gputrain Workload, for `gputrain fit first_step:gpt_workload` (its sizes from
-    $FIRST_STEP_SIZE, which the parent sets, else the CPU's)."""
+    """The GPT-mini as a gputrain Workload, for `gputrain fit benchmarks.gpu_day.first_step:gpt_workload`
+    (its sizes from $FIRST_STEP_SIZE, which the parent sets, else the CPU's)."""
     from gputrain.workloads.base import DataSplits, Workload
 
     size = json.loads(os.environ.get("FIRST_STEP_SIZE") or json.dumps(SIZES["cpu"]))
@@ -242,7 +243,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
     workers included) and reported as timed out."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"),
                FIRST_STEP_SIZE=json.dumps(spec["size"]),
-               PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if spec["device"] == "cpu":
         # One thread: on the shared 2 cores, OpenMP threads spin-waiting for a core made small steps
         # many times slower (tests/conftest.py); both sides run with the same.
@@ -253,7 +254,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
         env.pop("TORCHINDUCTOR_CACHE_DIR")
     if spec["kind"] == "cli":
         run_dir = Path(spec["run_dir"])
-        cmd = [sys.executable, "-m", "gputrain", "fit", "first_step:gpt_workload", "--device", spec["device"],
+        cmd = [sys.executable, "-m", "gputrain", "fit", f"{MODULE}:gpt_workload", "--device", spec["device"],
                "--run-dir", str(run_dir), "--no-tensorboard", "--quiet"]
         if spec["device"] == "cpu":
             cmd += ["--precision", "fp32"]
@@ -262,7 +263,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
         elif spec["compile"] == "regional":
             cmd += ["--compile-scope", "regional"]
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+        cmd = [sys.executable, "-m", MODULE, "--child", json.dumps(spec)]
     t_spawn = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -17,13 +17,14 @@ warm-up, a torch LR scheduler of your own, callbacks with EarlyStopping, your ow
 optimizers, docs/examples/own_step.py), resident input (data_on_device=True) and DataLoader input
 (a DataLoader of your own over a Dataset).
 
-    python benchmarks/day_syncs.py --device cuda --json syncs.json
+    python -m benchmarks.gpu_day.syncs --device cuda --json syncs.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import sys
 import time
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 10  # steps before the window: the capture and every first-time cost are in them
 
 
@@ -58,10 +59,17 @@ def _plain(device: str, steps: int, callbacks=None, **extra) -> dict[str, Any]:
             "eval_data": splits.test, "callbacks": callbacks, "config": _config(device, steps, **extra)}
 
 
-def _own_step(device: str, steps: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "docs" / "examples"))
-    import own_step as examples
+def _examples():
+    """docs/examples/own_step.py, the README's example of a step of your own, loaded from its file."""
+    spec = importlib.util.spec_from_file_location("own_step", ROOT / "docs" / "examples" / "own_step.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as an import would (pickle finds it)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _own_step(device: str, steps: int) -> dict[str, Any]:
+    examples = _examples()
     model = examples.GAN()
     return {"model": model, "train_data": examples.digits(), "step_fn": examples.gan_step,
             "optimizer": examples.gan_optimizers(model), "config": _config(device, steps)}

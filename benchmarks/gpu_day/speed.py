@@ -20,7 +20,7 @@ before it starts (its last run's seconds, or a first-run guess): what does not f
 skipped, with n < repeats where a row lost rounds. On the CPU (--device cpu) every row runs at tiny
 sizes: it checks that the code runs, its figures mean nothing.
 
-    python benchmarks/day_speed.py --device cuda --budget 210 --json speed.json
+    python -m benchmarks.gpu_day.speed --device cuda --budget 210 --json speed.json
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_models as rm  # noqa: E402
-import train_speed as ts  # noqa: E402
+from benchmarks import real_models as rm
+from benchmarks import step_probe
+from benchmarks import train_speed as ts
 
 REAL_CONTENDERS = ("hand-eager", "hand-compile", "gputrain", "lightning-bf16", "accelerate-bf16")
 REAL_KEYS = {"resnet18-cifar": "resnet18", "gpt-mini": "gpt-mini"}  # workload -> its row's key
@@ -116,8 +116,6 @@ def whole_run_rows(case: ts.Case, who: list[str], device: torch.device, repeats:
 def graphed_ratio(workload: str, batch: int | None, device: torch.device, warmup: int, steps: int,
                   repeats: int, budget: Budget) -> dict[str, Any]:
     """Wall time per steady step of gputrain's graphed step, and per replay of its graph alone."""
-    import step_probe
-
     from gputrain import TrainConfig
     from gputrain.train.loop.trainer import Trainer
     from gputrain.workloads import get_workload

@@ -9,7 +9,7 @@ multiples of 16 stay in bf16 (float8 matmuls need them). A measured row, not a d
 Status "not installed" when torchao is not importable (carry its wheel: gpu_session.sh), "not
 applicable" without a CUDA GPU of compute capability 8.9 or higher (float8 tensor cores: Ada, Hopper).
 
-    python benchmarks/day_float8.py --device cuda --json float8.json
+    python -m benchmarks.gpu_day.float8 --device cuda --json float8.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_models as rm  # noqa: E402
+from benchmarks import real_models as rm
 
 
 def why_not(device: torch.device) -> tuple[str, str] | None:
