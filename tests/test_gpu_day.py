@@ -319,11 +319,11 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
     import torch
     from torch import nn
 
-    from benchmarks import real_models as rm
+    from benchmarks.contenders import AutocastSeen
 
     def run(how: str) -> str:
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        seen = rm.AutocastSeen(model, torch.device("cpu"))
+        seen = AutocastSeen(model, torch.device("cpu"))
         x = torch.randn(3, 4)
         if how == "around the call":  # Lightning: autocast around training_step
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -340,6 +340,66 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
         run("off")
     with pytest.raises(RuntimeError, match="autocast never called"):
         run("not at all")
+
+
+def test_a_peer_row_is_fp32_only_when_its_forward_ran_without_autocast():
+    import torch
+    from torch import nn
+
+    from benchmarks.contenders import AutocastSeen
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = AutocastSeen(model, torch.device("cpu"))
+    model(torch.randn(3, 4))
+    assert seen.check("the peer", "fp32") == "forward without autocast on cpu (checked in the run)"
+    seen = AutocastSeen(model, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # Lightning's 32-true would not do this
+        model(torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="the peer: the model's forward ran with autocast bfloat16 on cpu, not fp32"):
+        seen.check("the peer", "fp32")
+
+
+def test_each_contender_trains_the_steps_it_is_given_and_times_them_apart():
+    """benchmarks/contenders.py, which train_speed, real_models and the day's speed part share: the
+    hand loop and the seed tutorials' loop run `warmup` untimed steps, then `steps` timed ones (one
+    forward each); gputrain's timed window runs from its log point after the warm-up to its last;
+    the model's build is inside the call's wall time and out of its whole-run time."""
+    import torch
+    from torch import nn
+
+    from benchmarks.contenders import Length, Recipe, Spec, gputrain_run, hand_loop, seed_loop
+
+    forwards = []
+
+    def make_model() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+        return model
+
+    g = torch.Generator().manual_seed(0)
+    spec = Spec("tiny", 16, torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g), make_model,
+                nn.CrossEntropyLoss(), task="classification")
+    assert Length.of_epochs(spec, 2) == Length(steps=6, epochs=2)  # 3 batches an epoch, the last of 8
+    cpu, length = torch.device("cpu"), Length(steps=6, warmup=3)
+    for contender in (hand_loop, seed_loop):
+        forwards.clear()
+        run = contender(spec, cpu, length, Recipe())
+        assert len(forwards) == 9 and sorted(set(forwards)) == [8, 16], (contender.__name__, forwards)
+        assert (run.warmup_steps, run.measured_steps) == (3, 6)
+        assert 0 < run.model_s < run.wall_s and 0 < run.measured_s < run.whole_s
+    run = gputrain_run(spec, cpu, length, Recipe(weight_decay=0.0), precision="fp32", schedule="constant")
+    assert (run.warmup_steps, run.measured_steps) == (3, 6)  # log points at steps 3, 6 and 9
+    assert 0 < run.measured_s < run.whole_s < run.wall_s
+
+
+def test_the_day_names_its_results_file_by_its_device():
+    env, slug = gpu_day.read_environment(gpu_day.parse_args(["--device", "cpu", "--python", sys.executable]))
+    assert env["torch"] and slug == "cpu"
+    import torch
+
+    if not torch.cuda.is_available():  # a CUDA day without a GPU: no GPU's name to take
+        env, slug = gpu_day.read_environment(gpu_day.parse_args(["--python", sys.executable]))
+        assert slug == "cpu" and [d["device"] for d in env["devices"]] == ["cpu"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

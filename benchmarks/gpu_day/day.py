@@ -262,27 +262,25 @@ def _kill(proc: subprocess.Popen) -> None:
 # ---------------------------------------------------------------- the day
 
 
-def environment(args) -> dict[str, Any]:
-    """Versions, device name and driver: read in a subprocess of the day's interpreter (this one may
-    not be it), so that a broken torch shows here as an error, not as a crash of the day."""
+def read_environment(args) -> tuple[dict[str, Any], str]:
+    """Versions, device names and driver (gputrain.bench.common.environment), and the day's device as
+    the results' file name gives it (gputrain.bench.common.device_slug; "cpu" without a GPU): read in a
+    subprocess of the day's interpreter (this one may not be it), so that a broken torch shows here as
+    an error, not as a crash of the day."""
     import json
 
-    code = ("import json, torch; from gputrain.bench.common import environment; "
+    code = ("import json, torch; from gputrain.bench.common import device_slug, environment; "
             "d = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else []); "
-            "print(json.dumps(environment(d)))")
+            f"day = torch.device({args.device!r}); "
+            "print(json.dumps({'environment': environment(d), "
+            "'slug': device_slug(day if day.type != 'cuda' or torch.cuda.is_available() else None)}))")
     out = subprocess.run([args.python, "-c", code], cwd=ROOT, env=part_env({}), capture_output=True, text=True,
                          timeout=120)
     try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        return {"error": (out.stderr or out.stdout)[-2000:]}
-
-
-def device_slug(env: dict[str, Any], device: str) -> str:
-    names = [d["name"] for d in env.get("devices", []) if d.get("device", "").startswith("cuda")]
-    if device.startswith("cuda") and names:
-        return "".join(ch if ch.isalnum() else "-" for ch in names[0].lower()).strip("-")
-    return "cpu"
+        read = json.loads(out.stdout.strip().splitlines()[-1])
+        return read["environment"], read["slug"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return {"error": (out.stderr or out.stdout)[-2000:]}, "cpu"
 
 
 def write_outputs(day: dict[str, Any], out: Path, work: Path) -> None:
@@ -352,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
-    env = environment(args)
+    env, slug = read_environment(args)
     print(f"gpu day: {headline(env, args.device)}", flush=True)
     if not args.cpu and not any(d.get("device", "").startswith("cuda") for d in env.get("devices", [])):
         print(f"gpu_day: torch sees no CUDA device here ({env.get('torch') or env.get('error', '?')}): run it on "
@@ -367,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:  # the folder above --out is not ours to write: a temporary folder instead
         work = Path(tempfile.mkdtemp(prefix="gpu_day-"))
         (work / "logs").mkdir()
-    slug = device_slug(env, args.device)
     day: dict[str, Any] = {
         "benchmark": "gpu_day",
         "command": shlex.join(["python", "-m", "benchmarks.gpu_day.day", *(argv if argv is not None else sys.argv[1:])]),

@@ -399,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
               f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "torch": torch.__version__,
-                                                   "device": args.device, "size": size, "rounds": args.steady,
-                                                   "steady": figures}, indent=1))
+            from benchmarks.result_files import write_json
+
+            write_json(args.json, {"command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
+                                   "size": size, "rounds": args.steady, "steady": figures})
         return 0
 
     t0 = time.monotonic()
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.end is None else max(1.0, args.end - (time.monotonic() - t0))
             out = run_child(spec, rwork, timeout=left)
             rounds.setdefault(spec["name"], []).append(out)
-            write_json(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
+            write_result(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
             if "error" in out:
                 print(f"{spec['name']:<44} error: {out['error']}", flush=True)
                 continue
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"{spec['name']:<44} {f(out['from_command_s'], '14.2f')} {f(out['from_fit_s'], '10.2f')} "
                   f"{f(out['steady_ms'], '9.2f')}  {(out.get('compile_decision') or '')[:90]}", flush=True)
-    results = write_json(path, args, size, rounds, skipped)
+    results = write_result(path, args, size, rounds, skipped)
     rs = ratios(results)
     print(f"\nratios (medians of {args.repeats} round(s), side by side):" if args.repeats > 1 else
           "\nratios (one run, side by side):")
@@ -447,23 +448,22 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("error" in r and not r.get("timed_out") for r in results.values()) else 0
 
 
-def write_json(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
-               skipped: list[str]) -> dict[str, dict]:
+def write_result(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
+                 skipped: list[str]) -> dict[str, dict]:
     """The figures so far (each case's median over its rounds), written atomically; returns them."""
     import torch
 
-    from gputrain.io.atomic import atomic_file
+    from benchmarks.result_files import write_json
 
     results = {name: medians(outs) for name, outs in rounds.items()}
     errors = sorted(name for name, r in results.items() if "error" in r and not r.get("timed_out"))
     timed_out = sorted(name for name, r in results.items() if r.get("timed_out"))
-    with atomic_file(path, "w") as fh:
-        status = ("failures" if errors else "skipped: the budget was spent before the first case"
-                  if skipped and not results else "ok")
-        json.dump({"part": "first_step", "status": status, "errors": errors, "timed_out": timed_out,
-                   "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
-                   "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
-                   "skipped": skipped, "results": results, "ratios": ratios(results)}, fh, indent=1, default=str)
+    status = ("failures" if errors else "skipped: the budget was spent before the first case"
+              if skipped and not results else "ok")
+    write_json(path, {"part": "first_step", "status": status, "errors": errors, "timed_out": timed_out,
+                      "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
+                      "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
+                      "skipped": skipped, "results": results, "ratios": ratios(results)})
     return results
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from benchmarks.result_files import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 10  # steps before the window: the capture and every first-time cost are in them
@@ -170,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row)
         where = "; ".join(f"{s['where']} ({s['what']}) x{s['count']}" for s in row.get("sites", []))
         print(f"{name:45s} {row['status']:6s} syncs {row.get('syncs')!s:>4s}  {where or row.get('error', '')}", flush=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     if any(r["status"] != "ok" for r in result["rows"]):
         result["status"] = "failures"
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0 if result["status"] == "ok" else 1
 
 
