@@ -28,7 +28,7 @@ test-torch:
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
 
-# The GPU day's command (benchmarks/gpu_day.py) on the CPU at tiny sizes, under torch $(TORCH) in its venv,
+# The GPU day's command (benchmarks/gpu_day/day.py) on the CPU at tiny sizes, under torch $(TORCH) in its venv,
 # with the peers extra (Lightning, Accelerate) installed there: every part's code runs, the speed table's
 # peer rows included; it fails when a part crashes or a peer row errors or is missing. .ci/run runs it.
 gpu-day-cpu:

@@ -2,9 +2,9 @@
 """Fault injection (issue 13): kill, stop, damage and starve `gputrain fit` runs, then resume them.
 
 Every faulted run is a real `gputrain fit` process on the CPU (the tiny deterministic workload
-tests/fault_scripts/tiny.py:workload, a few seconds a run); each is then resumed with --resume and
+benchmarks/faults/tiny.py:workload, a few seconds a run); each is then resumed with --resume and
 its final checkpoint compared, tensor by tensor and bit by bit, with an uninterrupted run's (the
-harness that does it: tests/fault_harness.py):
+harness that does it: benchmarks/faults/harness.py):
 
   a  SIGKILL at a random moment of training, or aimed at a checkpoint write (the k-th temp file seen)
   b  SIGTERM at a random moment: exit 143, a checkpoint of the stop step, resume exact
@@ -18,13 +18,13 @@ harness that does it: tests/fault_harness.py):
   f  torchrun with 2 processes (gloo), SIGTERM to one rank: both stop at the same step, one
      checkpoint, a new --nproc 2 --resume ends exact
   g  sharded (DCP) checkpoints, 2 processes: SIGKILL of one rank while a checkpoint is being
-     written; every checkpoint left verifies, a --nproc 2 --resume ends exact (tests/fault_harness_dcp.py)
+     written; every checkpoint left verifies, a --nproc 2 --resume ends exact (benchmarks/faults/dcp.py)
   h  sharded checkpoints: one file of the newest folder damaged (a shard, a run state, the metadata);
      the resume warns naming the file, falls back to the previous checkpoint, ends exact
 
-    python benchmarks/fault_injection.py                 # the full counts (>= 30 SIGKILLs), minutes
-    python benchmarks/fault_injection.py --quick         # a few of each
-    python benchmarks/fault_injection.py --only a,b --json results.json
+    python -m benchmarks.fault_injection                 # the full counts (>= 30 SIGKILLs), minutes
+    python -m benchmarks.fault_injection --quick         # a few of each
+    python -m benchmarks.fault_injection --only a,b --json results.json
 
 Prints a table: fault, trials, runs that ended exact (or as configured, for d), data lost.
 tests/test_faults.py runs a short version of the same trials in the default suite.
@@ -43,11 +43,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness lives with the tests
-from fault_harness import (Harness, Trial, tmpfs_available, trial_corrupt, trial_enospc,  # noqa: E402
-                           trial_nonfinite, trial_preflight_full, trial_sigkill, trial_sigterm, trial_tmpfs,
-                           trial_torchrun, trial_torchrun_restart)
-from fault_harness_dcp import trial_dcp_damaged, trial_dcp_sigkill  # noqa: E402
+from benchmarks.faults.dcp import trial_dcp_damaged, trial_dcp_sigkill
+from benchmarks.faults.harness import (Harness, Trial, tmpfs_available, trial_corrupt, trial_enospc, trial_nonfinite,
+                                       trial_preflight_full, trial_sigkill, trial_sigterm, trial_tmpfs, trial_torchrun,
+                                       trial_torchrun_restart)
 
 
 # ---------------------------------------------------------------- the suite

@@ -16,14 +16,13 @@ import: argparse building --help, the interpreter's start.)
     python -m gputrain --help
 
 Usage:
-  python benchmarks/import_time.py                  # 9 runs of each, JSON to a temp folder
-  python benchmarks/import_time.py --runs 15 --json out.json
+  python -m benchmarks.import_time                  # 9 runs of each, JSON to a temp folder
+  python -m benchmarks.import_time --runs 15 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -91,13 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{shares[name]:15.3f}x" if name in shares else f"{'':>16}"
         print(f"{name:<18} {medians[name]:9.3f} {min(t):7.3f} {max(t):7.3f} {medians[name] / base:14.3f}x {share}")
     path = Path(args.json) if args.json else Path(tempfile.mkdtemp(prefix="import-time-")) / "import_time.json"
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from gputrain.io.atomic import atomic_file
+    from benchmarks.result_files import write_json  # gputrain's (and torch's) import, after the measurement
 
-    with atomic_file(path, "w") as fh:
-        json.dump({"command": " ".join(sys.argv), "runs": args.runs, "seconds": times, "median_s": medians,
-                   "ratio_to_import_torch": {n: m / base for n, m in medians.items()},
-                   "imports_over_torch_in_process": in_process, "imports_over_torch_median": shares}, fh, indent=1)
+    write_json(path, {"command": " ".join(sys.argv), "runs": args.runs, "seconds": times, "median_s": medians,
+                      "ratio_to_import_torch": {n: m / base for n, m in medians.items()},
+                      "imports_over_torch_in_process": in_process, "imports_over_torch_median": shares})
     print(f"JSON: {path}")
     return 0
 

@@ -16,6 +16,7 @@ every side; run in one process, interleaved (A B C ... A B C ...), median over -
   accelerate-bf16   Hugging Face Accelerate (mixed_precision="bf16"), the same DataLoader
 
 Lightning and Accelerate are skipped, with the reason recorded, where they are not importable.
+The contenders are contenders.py's, with the recipe above (RECIPE).
 
 Timing (BENCHMARKS.md): each run does --warmup steps, a synchronize, then --steps measured steps
 and a synchronize; the figure is measured samples over measured seconds (tokens = samples x
@@ -31,9 +32,9 @@ device, times steps per second, over the bf16 matmul peak measured in this proce
 None on the CPU.
 
 Usage:
-  python benchmarks/real_models.py                      # GPU: both workloads, all contenders
-  python benchmarks/real_models.py --workloads gpt-mini --repeats 3 --steps 1000
-  python benchmarks/real_models.py --smoke              # CPU: tiny models, a few steps
+  python -m benchmarks.real_models                      # GPU: both workloads, all contenders
+  python -m benchmarks.real_models --workloads gpt-mini --repeats 3 --steps 1000
+  python -m benchmarks.real_models --smoke              # CPU: tiny models, a few steps
 A GPU run writes benchmarks/results/real_models_<device>_<date>.json; a CPU run prints the table
 and writes its JSON to --out (default /tmp/real_models_cpu_<date>.json). On an H100 one workload
 with every contender takes several minutes (first compiles are the slow part): run the workloads
@@ -43,20 +44,18 @@ in separate commands when each command has a time limit.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import gc
-import json
-import os
 import statistics
 import sys
-import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from benchmarks.contenders import (Contender, Length, NotAvailable, Recipe, Run, Spec, accelerate_run, gputrain_run,
+                                   hand_loop, lightning_run)
+from benchmarks.result_files import results_path, write_json
 
 LR = 1e-3
 WEIGHT_DECAY = 0.05
@@ -68,38 +67,6 @@ CONTENDERS = ("hand-eager", "hand-compile", "gputrain", "gputrain-compile", "gpu
 
 
 # ---------------------------------------------------------------- workloads
-
-
-@dataclass
-class Spec:
-    """One workload as every contender sees it: host data, a model factory, the per-batch prep."""
-
-    name: str
-    batch: int
-    inputs: torch.Tensor  # host: uint8 (N, 3, 32, 32) images or int64 (N, T) tokens
-    targets: torch.Tensor  # host: int64 (N,) labels or (N, T) next tokens
-    make_model: Callable[[], torch.nn.Module]
-    loss_fn: Callable
-    task: str
-    channels_last: bool
-    tokens_per_sample: int = 1  # T for the GPT: throughput in tokens/s too
-    mean: tuple[float, ...] | None = None  # per-channel, 0..255 units (images)
-    std: tuple[float, ...] | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def prepare(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The on-device batch prep every loop does: uint8 -> normalized float (NHWC for the CNN)."""
-        if self.mean is None:
-            return lambda x: x
-        mean = torch.tensor(self.mean, device=device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=device).view(1, -1, 1, 1)
-        scale, shift = 1.0 / std, -mean / std  # (1, C, 1, 1): x * scale + shift == (x - mean) / std
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-
-        def prep(x: torch.Tensor) -> torch.Tensor:
-            return torch.addcmul(shift, x.float(), scale).contiguous(memory_format=fmt)
-
-        return prep
 
 
 def make_spec(name: str, smoke: bool, batches_per_epoch: int) -> Spec:
@@ -132,298 +99,24 @@ def make_spec(name: str, smoke: bool, batches_per_epoch: int) -> Spec:
     raise SystemExit(f"unknown workload {name!r}: choose resnet18-cifar or gpt-mini")
 
 
-# ---------------------------------------------------------------- what each run returns
+# ---------------------------------------------------------------- the contenders (contenders.py)
+
+# Every side: bf16 autocast, fused AdamW with LR and WEIGHT_DECAY, the peers fed by a DataLoader with
+# workers and pinned memory; the hand loop's torch.compile takes COMPILE_KW (the same dict).
+RECIPE = Recipe(precision="bf16", lr=LR, weight_decay=WEIGHT_DECAY, fused=True, workers=True, compile_kw=COMPILE_KW)
+FIT = {"precision": "bf16", "schedule": "constant"}  # gputrain asked for bf16, and a constant LR as the loops have
 
 
-@dataclass
-class Run:
-    warmup_steps: int
-    measured_steps: int
-    measured_s: float  # seconds of the measured steps
-    wall_s: float  # the whole call: setup, warm-up, compile, measured steps, teardown
-    compile_s: float | None = None
-    peak_memory_bytes: int | None = None
-    recompilations: int | None = None
-    graph_breaks: int | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device: torch.device) -> int | None:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-
-
-@contextlib.contextmanager
-def _watch(compiled: bool):
-    """A RecompileWatcher around compiled runs (dynamo reset first: a fresh model per run would
-    otherwise pile up cache entries for the same forward and reach the recompile limit)."""
-    if not compiled:
-        yield None
-        return
-    from gputrain.runtime.recompiles import RecompileWatcher
-
-    torch._dynamo.reset()
-    watcher = RecompileWatcher().start()
-    try:
-        yield watcher
-    finally:
-        watcher.stop()
-
-
-def _fill_compile(run: Run, watcher) -> Run:
-    if watcher is not None:
-        rep = watcher.report()
-        run.compile_s, run.recompilations, run.graph_breaks = rep["compile_time_s"], rep["recompilations"], rep["graph_breaks"]
-        if rep["recompilations"] or rep["graph_breaks"]:
-            run.notes.append(rep["summary"])
-    return run
-
-
-# ---------------------------------------------------------------- (a), (b): the hand-tuned loop
-
-
-def hand_loop(spec: Spec, device: torch.device, warmup: int, steps: int, compile_model: bool) -> Run:
-    with _watch(compile_model) as watcher:
-        t0 = time.perf_counter()
-        _reset_peak(device)
-        torch.manual_seed(0)
-        model = spec.make_model().to(device)
-        if spec.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        x_all, y_all = spec.inputs.to(device), spec.targets.to(device)  # once, for the whole run
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-        fwd = torch.compile(model, **COMPILE_KW) if compile_model else model
-        prep = spec.prepare(device)
-        gen = torch.Generator(device=device).manual_seed(0)
-        n, B = x_all.shape[0], spec.batch
-
-        def batches():
-            while True:
-                perm = torch.randperm(n, device=device, generator=gen)
-                for i in range(n // B):
-                    idx = perm[i * B:(i + 1) * B]
-                    yield x_all[idx], y_all[idx]
-
-        it = batches()
-
-        def step() -> None:
-            x, y = next(it)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = spec.loss_fn(fwd(prep(x)), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(warmup):
-            step()
-        _sync(device)
-        t1 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        t2 = time.perf_counter()
-        peak = _peak(device)
-        del model, fwd, opt, x_all, y_all, it
-    run = Run(warmup, steps, t2 - t1, time.perf_counter() - t0, peak_memory_bytes=peak)
-    return _fill_compile(run, watcher)
-
-
-# ---------------------------------------------------------------- (c), (d), (e): gputrain
-
-
-def gputrain_run(spec: Spec, device: torch.device, warmup: int, steps: int, **extra) -> Run:
-    import gputrain
-    from gputrain.config import TrainConfig
-    from gputrain.workloads.base import DataSplits
-
-    if "autotune" in extra and "autotune" not in TrainConfig.field_names():
-        raise NotAvailable("TrainConfig has no autotune field in this gputrain")
-    compiled = bool(extra.get("compile") or extra.get("autotune"))
-    with _watch(compiled) as watcher:
-        t0 = time.perf_counter()
-        _reset_peak(device)
-        torch.manual_seed(0)
-        model = spec.make_model()
-        data = DataSplits(train=(spec.inputs, spec.targets), test=None, mean=spec.mean, std=spec.std)
-        # One log point after the warm-up, then every `warmup` steps (each one synchronizes): the
-        # measured window is from the first log point to the last, as in the hand loop.
-        cfg = TrainConfig(device=str(device), precision="bf16", batch_size=spec.batch, steps=warmup + steps,
-                          log_every=warmup, lr=LR, weight_decay=WEIGHT_DECAY, schedule="constant", **extra)
-        history = gputrain.fit(model, data, loss_fn=spec.loss_fn, config=cfg, task=spec.task)
-        wall = time.perf_counter() - t0
-        recs = history.records
-        first, last = recs[0], recs[-1]
-        measured_steps = last["step"] - first["step"]
-        peak = history.summary.get("peak_memory_bytes") or _peak(device)
-        del model
-    run = Run(first["step"], measured_steps, last["wall_time_s"] - first["wall_time_s"], wall, peak_memory_bytes=peak)
-    for key in ("cuda_graphs", "channels_last", "data", "autotune"):
-        if key in history.summary:
-            run.notes.append(f"{key}: {history.summary[key]}")
-    return _fill_compile(run, watcher)
-
-
-class NotAvailable(Exception):
-    """A contender that cannot run here (package missing, feature absent): a recorded skip."""
-
-
-# ---------------------------------------------------------------- (f), (g): peers with a DataLoader
-
-
-class AutocastSeen:
-    """What autocast the model's first inner module saw on its first forward of the run: a peer's row
-    says it trained in bf16 only when its forward ran under bf16 autocast (a peer that ignored the
-    setting, on a device or release where it does, would otherwise time fp32 as bf16).
-
-    The hook sits on a child, not on the model itself: Accelerate wraps `model.forward` (inside
-    `__call__`, after the model's own hooks) in its autocast."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.device_type, self.seen = device.type, None
-        child = next((m for m in model.modules() if m is not model), model)
-        self.handle = child.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args) -> None:
-        if self.seen is None:
-            on = torch.is_autocast_enabled(self.device_type)
-            self.seen = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") if on else "off"
-        self.handle.remove()
-
-    def check(self, who: str) -> str:
-        """The note for the row; raises when the forward did not run under bf16 autocast."""
-        self.handle.remove()
-        if self.seen != "bfloat16":
-            raise RuntimeError(f"{who}: the model's forward ran with autocast {self.seen or 'never called'} on "
-                               f"{self.device_type}, not bf16: its row would not be a bf16 figure")
-        return f"forward under bf16 autocast on {self.device_type} (checked in the run)"
-
-
-def _loader(spec: Spec, device: torch.device):
-    from torch.utils.data import DataLoader, TensorDataset
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = max(1, min(8, cpus - 1))
-    return DataLoader(TensorDataset(spec.inputs, spec.targets), batch_size=spec.batch, shuffle=True,
-                      drop_last=True, num_workers=workers, pin_memory=device.type == "cuda",
-                      persistent_workers=True), workers
-
-
-def lightning_run(spec: Spec, device: torch.device, warmup: int, steps: int) -> Run:
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        try:
-            import pytorch_lightning as pl
-        except ImportError:
-            raise NotAvailable("neither lightning nor pytorch_lightning is importable") from None
-
-    class Clock(pl.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step == warmup:
-                _sync(device)
-                self.t1 = time.perf_counter()
-
-        def on_train_end(self, trainer, module):
-            _sync(device)
-            self.t2 = time.perf_counter()
-
-    class Module(pl.LightningModule):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-            self.prep = None
-
-        def training_step(self, batch, batch_idx):
-            if self.prep is None:
-                self.prep = spec.prepare(self.device)
-            x, y = batch
-            return spec.loss_fn(self.model(self.prep(x)), y)  # no self.log: no per-step sync
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-
-    t0 = time.perf_counter()
-    _reset_peak(device)
-    torch.manual_seed(0)
-    module = Module(spec.make_model())
-    seen = AutocastSeen(module.model, device)
-    loader, workers = _loader(spec, device)
-    clock = Clock()
-    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision="bf16-mixed", max_steps=warmup + steps, max_epochs=-1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[clock])
-    trainer.fit(module, loader)
-    wall = time.perf_counter() - t0
-    run = Run(warmup, steps, clock.t2 - clock.t1, wall, peak_memory_bytes=_peak(device),
-              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Lightning default)",
-                     seen.check("Lightning precision='bf16-mixed'")])
-    del trainer, module, loader
-    return run
-
-
-def accelerate_run(spec: Spec, device: torch.device, warmup: int, steps: int) -> Run:
-    try:
-        from accelerate import Accelerator
-    except ImportError:
-        raise NotAvailable("accelerate is not importable") from None
-    t0 = time.perf_counter()
-    _reset_peak(device)
-    torch.manual_seed(0)
-    acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
-    model = spec.make_model()
-    seen = AutocastSeen(model, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    loader, workers = _loader(spec, device)
-    model, opt, loader = acc.prepare(model, opt, loader)
-    prep = spec.prepare(acc.device)
-
-    def batches():
-        while True:
-            yield from loader
-
-    it = batches()
-
-    def step() -> None:
-        x, y = next(it)
-        loss = spec.loss_fn(model(prep(x)), y)  # prepare() wrapped forward in bf16 autocast
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    t2 = time.perf_counter()
-    run = Run(warmup, steps, t2 - t1, time.perf_counter() - t0, peak_memory_bytes=_peak(device),
-              notes=[f"DataLoader: {workers} workers, pin_memory={device.type == 'cuda'}; NCHW (Accelerate default)",
-                     seen.check("Accelerate mixed_precision='bf16'")])
-    del model, opt, loader, it, acc
-    return run
-
-
-def contender_fns() -> dict[str, Callable[[Spec, torch.device, int, int], Run]]:
+def contender_fns() -> dict[str, Contender]:
+    ours = functools.partial(gputrain_run, recipe=RECIPE, **FIT)
     return {
-        "hand-eager": lambda s, d, w, n: hand_loop(s, d, w, n, compile_model=False),
-        "hand-compile": lambda s, d, w, n: hand_loop(s, d, w, n, compile_model=True),
-        "gputrain": lambda s, d, w, n: gputrain_run(s, d, w, n),
-        "gputrain-compile": lambda s, d, w, n: gputrain_run(s, d, w, n, compile=True),
-        "gputrain-autotune": lambda s, d, w, n: gputrain_run(s, d, w, n, autotune=True),
-        "lightning-bf16": lightning_run,
-        "accelerate-bf16": accelerate_run,
+        "hand-eager": functools.partial(hand_loop, recipe=RECIPE),
+        "hand-compile": functools.partial(hand_loop, recipe=RECIPE, compile=True),
+        "gputrain": ours,
+        "gputrain-compile": functools.partial(ours, compile=True),
+        "gputrain-autotune": functools.partial(ours, autotune=True),
+        "lightning-bf16": functools.partial(lightning_run, recipe=RECIPE),
+        "accelerate-bf16": functools.partial(accelerate_run, recipe=RECIPE),
     }
 
 
@@ -499,6 +192,21 @@ def row_of(spec: Spec, contender: str, repeat: int, run: Run, flops: int, peak: 
     }
 
 
+def run_once(fn: Contender, spec: Spec, name: str, repeat: int, device: torch.device, length: Length, flops: int,
+             peak: float | None, missing: str = "not available") -> tuple[dict[str, Any], str | None]:
+    """One run of a contender as its row, and why it is to run no more (it cannot run here, status
+    `missing`; or it raised, status "error": one broken contender must not cost the others their
+    figures), else None."""
+    try:
+        return row_of(spec, name, repeat, fn(spec, device, length), flops, peak), None
+    except NotAvailable as exc:
+        status, reason = missing, str(exc)
+    except Exception as exc:
+        traceback.print_exc()
+        status, reason = "error", f"{type(exc).__name__}: {exc}"
+    return {"workload": spec.name, "contender": name, "repeat": repeat, "status": status, "reason": reason}, reason
+
+
 def run_workload(spec: Spec, device: torch.device, contenders: list[str], repeats: int, warmup: int,
                  steps: int, peak: float | None, result: dict) -> None:
     fns = contender_fns()
@@ -507,24 +215,15 @@ def run_workload(spec: Spec, device: torch.device, contenders: list[str], repeat
     result["workloads"][spec.name] = {"batch": spec.batch, "flops_per_step": flops, "model": spec.config,
                                       "samples": (warmup + steps) * spec.batch,
                                       "tokens_per_sample": spec.tokens_per_sample}
-    skipped: dict[str, str] = {}
+    skipped: set[str] = set()
     for r in range(repeats):  # interleaved: every contender once per round
         for name in contenders:
             if name in skipped:
                 continue
             print(f"  {spec.name} {name} (round {r + 1}/{repeats})", file=sys.stderr, flush=True)
-            try:
-                run = fns[name](spec, device, warmup, steps)
-                row = row_of(spec, name, r, run, flops, peak)
-            except NotAvailable as exc:
-                skipped[name] = str(exc)
-                row = {"workload": spec.name, "contender": name, "repeat": r, "status": "not available",
-                       "reason": str(exc)}
-            except Exception as exc:  # one broken peer must not cost the GPU run of the others
-                traceback.print_exc()
-                skipped[name] = f"{type(exc).__name__}: {exc}"
-                row = {"workload": spec.name, "contender": name, "repeat": r, "status": "error",
-                       "reason": f"{type(exc).__name__}: {exc}"}
+            row, stop = run_once(fns[name], spec, name, r, device, Length(steps, warmup), flops, peak)
+            if stop:
+                skipped.add(name)
             result["rows"].append(row)
             _free(device)
 
@@ -651,15 +350,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'not measured (no GPU)'}")
     print_table(result)
 
-    from gputrain.bench.common import to_json
-
+    date = result["environment"]["date"]
     if device.type == "cuda" and not args.smoke:
-        out = Path(__file__).parent / "results" / f"real_models_{device_slug(device)}_{result['environment']['date']}.json"
+        out = results_path("real_models", device, date)
     else:
-        out = Path(args.out or f"/tmp/real_models_{device_slug(device)}_{result['environment']['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_json(result) + "\n")
-    print(f"wrote {out}")
+        out = args.out or f"/tmp/real_models_{device_slug(device)}_{date}.json"
+    print(f"wrote {write_json(out, result)}")
     return 0
 
 

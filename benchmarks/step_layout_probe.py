@@ -7,20 +7,19 @@ fresh copies built the same way (one through gputrain's `make_optimizer`). Round
 in a shuffled order; CPU time; medians. Run it a few times: the ranking changes from process to
 process.
 
-  python benchmarks/step_layout_probe.py [--case iris-mlp|mlp] [--rounds 21]
+  python -m benchmarks.step_layout_probe [--case iris-mlp|mlp] [--rounds 21]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+
+from benchmarks import step_overhead as so
 
 
 def main(argv=None) -> int:
@@ -30,10 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200, help="steps per timed chunk")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("step_overhead", Path(__file__).with_name("step_overhead.py"))
-    so = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["step_overhead"] = so
-    spec.loader.exec_module(so)  # type: ignore[union-attr]
     from gputrain.train.optim.build import make_optimizer
     from gputrain.train.loop.trainer import Trainer
 

@@ -52,9 +52,9 @@ minimal loop's wall time per step moved 3-18x between rounds here, its CPU time 
 --clock wall for elapsed time on a quiet machine.
 
 Usage:
-  python benchmarks/step_overhead.py                            # this tree, all cases
-  python benchmarks/step_overhead.py --cases iris-mlp,mlp --rounds 7 --json out.json
-  python benchmarks/step_overhead.py --tree before=/tmp/base --tree after=. --rounds 5
+  python -m benchmarks.step_overhead                            # this tree, all cases
+  python -m benchmarks.step_overhead --cases iris-mlp,mlp --rounds 7 --json out.json
+  python -m benchmarks.step_overhead --tree before=/tmp/base --tree after=. --rounds 5
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 # The clock: CPU time of this process (default) or wall time. On 2 cores shared with other jobs the
@@ -674,11 +675,12 @@ def main(argv: list[str] | None = None) -> int:
         order = trees if rnd % 2 == 0 else trees[::-1]
         for tree, path in order:
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve() / "src"))
-            cmd = [sys.executable, __file__, *_worker_args(args), "--worker-round", str(rnd)]
+            # this tree's benchmark (run from its root), the other tree's gputrain
+            cmd = [sys.executable, "-m", "benchmarks.step_overhead", *_worker_args(args), "--worker-round", str(rnd)]
             if args.no_counts:
                 cmd.append("--no-counts")
             print(f"round {rnd + 1}/{args.rounds}: {tree}", file=sys.stderr, flush=True)
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
             if done.returncode:
                 sys.stderr.write(done.stderr)
                 raise SystemExit(f"the worker for {tree} failed (exit {done.returncode})")

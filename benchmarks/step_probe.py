@@ -8,7 +8,7 @@ within 1.3x of replay). With resident data the graph also assembles each batch (
 cProfile's top host functions for one graphed run.
 
 Usage (needs CUDA):
-  python benchmarks/step_probe.py [--steps 3000] [--workloads iris-mlp,synthetic-cifar] [--profile]
+  python -m benchmarks.step_probe [--steps 3000] [--workloads iris-mlp,synthetic-cifar] [--profile]
 
 A short warm-up run per workload keeps cuDNN's algorithm search out of the figures; each
 run's own warm-up steps and capture stay in, so use enough steps.
@@ -22,23 +22,21 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import train_speed as ts  # noqa: E402
-
-from gputrain import TrainConfig  # noqa: E402
-from gputrain.train.loop.trainer import Trainer  # noqa: E402
-from gputrain.workloads import get_workload  # noqa: E402
+from benchmarks import train_speed as ts
+from benchmarks.contenders import Length, hand_loop
+from gputrain import TrainConfig
+from gputrain.train.loop.trainer import Trainer
+from gputrain.workloads import get_workload
 
 BATCH = {"iris-mlp": None, "synthetic-cifar": 64, "mnist1d-cnn": 64, "digits-cnn": 64}
 
 
 def trainer_for(name: str, steps: int, **extra) -> tuple[Trainer, object, object]:
-    wl = get_workload(name, **({"n": 10000} if name == "synthetic-cifar" else {}))
-    splits = ts._no_test(wl.make_data())
+    wl = get_workload(name, **ts.workload_options(name))
+    splits = ts.train_only(wl.make_data())
     torch.manual_seed(0)
     batch = BATCH.get(name) or splits.num_train
     cfg = TrainConfig(device="cuda", batch_size=batch, steps=steps, lr=ts.LR, log_every=1000, **extra)
@@ -86,17 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", {replay:.1f} us/step replay only, wall/replay {wall / replay:.2f}x" if replay else "")
                   + f" ({h.summary['precision']}, data {h.summary['data']}"
                   + (", batches assembled in the graph" if graphs and deferred else "") + ")")
-        x, y = ts.normalized_float(splits)
-        torch.manual_seed(0)
-        b = BATCH.get(name) or x.shape[0]
-        epochs = max(1, args.steps * b // x.shape[0])
-        ts.hand_loop(wl.make_model(), x, y, wl.loss_fn, b, 1, dev)  # warm-up
+        spec = ts.workload_spec(name, BATCH.get(name))
+        epochs = max(1, args.steps * spec.batch // spec.inputs.shape[0])
+        hand_loop(spec, dev, Length.of_epochs(spec, 1), ts.PLAIN)  # warm-up
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        ts.hand_loop(wl.make_model(), x, y, wl.loss_fn, b, epochs, dev)
-        torch.cuda.synchronize()
-        steps = epochs * -(-x.shape[0] // b)
-        print(f"{name:16s} hand loop fp32: {(time.perf_counter() - t0) / steps * 1e6:8.1f} us/step")
+        length = Length.of_epochs(spec, epochs)
+        run = hand_loop(spec, dev, length, ts.PLAIN)  # its model, setup and steps: the call's wall time
+        print(f"{name:16s} hand loop fp32: {run.wall_s / length.steps * 1e6:8.1f} us/step")
         if args.profile:
             trainer, _, _ = trainer_for(name, args.steps)
             prof = cProfile.Profile()

@@ -21,16 +21,18 @@ loop. Contenders:
   lightning-bf16,       (GPU) their best documented setting: bf16 mixed precision; not on
   accelerate-bf16       iris, where a 4-10-3 MLP has nothing for bf16 to speed up
 
-Every contender is timed the same way: from the call that gets the model and the data to the end
-of its last step (synchronized), so each tool's setup (data to the device, DataLoader, Trainer,
-capture) is inside its time. Precision: the plain loops, Lightning and Accelerate run fp32 unless
-named -bf16; gputrain-default and -fast run gputrain's automatic choice (bf16 on the GPU).
+The contenders are contenders.py's, with the tutorials' recipe (fp32, AdamW's defaults, a
+DataLoader in the main process). Every contender is timed the same way: from its model, built, to
+the end of its last step (synchronized; `Run.whole_s`), so each tool's setup (data to the device,
+DataLoader, Trainer, capture) is inside its time. Precision: the plain loops, Lightning and
+Accelerate run fp32 unless named -bf16; gputrain-default and -fast run gputrain's automatic choice
+(bf16 on the GPU).
 
 Usage:
-  python benchmarks/train_speed.py                 # all workloads, CPU (and GPU if present)
-  python benchmarks/train_speed.py --quick         # a short run for smoke testing
-  python benchmarks/train_speed.py --workloads digits-cnn,mnist1d-cnn --json out.json
-  python benchmarks/train_speed.py --iris-epochs 2000  # a shorter iris run (the seed's is 20000)
+  python -m benchmarks.train_speed                # all workloads, CPU (and GPU if present)
+  python -m benchmarks.train_speed --quick        # a short run for smoke testing
+  python -m benchmarks.train_speed --workloads digits-cnn,mnist1d-cnn --json out.json
+  python -m benchmarks.train_speed --iris-epochs 2000  # a shorter iris run (the seed's is 20000)
 
 A GPU run writes benchmarks/results/train_speed_<device>_<date>.json (see shared BENCHMARKS.md).
 """
@@ -38,22 +40,25 @@ A GPU run writes benchmarks/results/train_speed_<device>_<date>.json (see shared
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import functools
-import json
+import importlib.util
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from gputrain import TrainConfig, fit
-from gputrain.runtime.devices import cpu_model_name, synchronizer
+from benchmarks.contenders import (Contender, Length, NotAvailable, Recipe, Run, Spec, accelerate_run, gputrain_run,
+                                   hand_loop, lightning_module, lightning_run, seed_loop)
+from benchmarks.result_files import results_path, write_json
+from gputrain import TrainConfig
+from gputrain.bench.common import environment
+from gputrain.runtime.devices import device_name, synchronizer
 from gputrain.workloads import get_workload
 
 LR = 1e-3
@@ -81,121 +86,54 @@ def cases(quick: bool, iris_epochs: int = 20000) -> list[Case]:
 
 
 # ---------------------------------------------------------------- contenders
-# Each trains `epochs` epochs over (x, y) and returns; `_call` times the whole call. The plain loops
-# get float inputs normalized once up front (as the tutorials do); gputrain gets the workload's own
-# data (uint8 images stay uint8 and are normalized per batch on the device).
+# contenders.py's, with the tutorials' recipe: fp32 (unless named -bf16), AdamW with its defaults
+# and LR, a DataLoader in the main process for the peers. The plain loops and the peers get float
+# inputs normalized once up front (as the tutorials do); gputrain gets the workload's own data
+# (uint8 images stay uint8 and are normalized per batch on the device).
+
+PLAIN = Recipe(precision="fp32", lr=LR)
+BF16 = dataclasses.replace(PLAIN, precision="bf16")
 
 
-def seed_loop(model, x, y, loss_fn, batch, epochs, device) -> None:
-    from torch.utils.data import DataLoader, TensorDataset
-
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for _ in range(epochs):
-        for xb, yb in loader:
-            xb, yb = xb.to(device), yb.to(device)
-            opt.zero_grad()
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            opt.step()
-            _ = loss.item()  # the tutorials record the loss every step
+def workload_options(workload: str) -> dict:
+    """The workload's options here: synthetic-cifar at 10000 images."""
+    return {"n": 10000} if workload == "synthetic-cifar" else {}
 
 
-def hand_loop(model, x, y, loss_fn, batch, epochs, device) -> None:
-    model.to(device)
-    x, y = x.to(device), y.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    n = x.shape[0]
-    for _ in range(epochs):
-        perm = torch.randperm(n, device=device)
-        for lo in range(0, n, batch):
-            idx = perm[lo:lo + batch]
-            loss = loss_fn(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+def train_only(splits):
+    """A workload's data without its test split and augmentation: what gputrain trains on here."""
+    return dataclasses.replace(splits, test=None, augment=None)
 
 
-def gputrain_run(extra: dict) -> Callable:
-    def run(model, splits, loss_fn, batch, epochs, device) -> None:
-        cfg = TrainConfig(device=str(device), batch_size=batch, epochs=epochs, lr=LR, **extra)
-        fit(model, _no_test(splits), loss_fn=loss_fn, config=cfg)
-    return run
+def workload_spec(workload: str, batch: int | None, name: str | None = None, **options) -> Spec:
+    """A built-in workload as the contenders see it (`batch` None: full batch)."""
+    wl = get_workload(workload, **(options or workload_options(workload)))
+    splits = wl.make_data()
+    x, y = normalized_float(splits)
+    return Spec(name or workload, batch or x.shape[0], x, y, wl.make_model, wl.loss_fn, fit_data=train_only(splits))
 
 
 AUTOTUNE: dict[str, dict] = {}  # case name -> {"choice", "trial_s", "rows"}
 
 
-def autotuned_run(case) -> Callable:
+def autotuned_run(case) -> Contender:
     """gputrain with autotune's choice for this case: the trial on the first call (the untimed
     warm-up round), the chosen switches on every call."""
 
-    def run(model, splits, loss_fn, batch, epochs, device) -> None:
+    def run(spec: Spec, device: torch.device, length: Length) -> Run:
         if case.name not in AUTOTUNE:
             from gputrain.diagnostics.autotune import autotune
-            from gputrain.workloads import get_workload
 
-            wl = get_workload(case.workload, **({"n": 10000} if case.workload == "synthetic-cifar" else {}))
-            cfg = TrainConfig(device=str(device), batch_size=batch, lr=LR, log_every=50)
+            wl = get_workload(case.workload, **workload_options(case.workload))
+            cfg = TrainConfig(device=str(device), batch_size=spec.batch, lr=LR, log_every=50)
             t0 = time.perf_counter()
             tuned, report = autotune(wl, cfg, force=True)
             AUTOTUNE[case.name] = {"choice": report["choice"], "trial_s": time.perf_counter() - t0,
                                    "rows": report["rows"]}
         choice = AUTOTUNE[case.name]["choice"] or {}
-        gputrain_run({"log_every": 50, **choice})(model, splits, loss_fn, batch, epochs, device)
+        return gputrain_run(spec, device, length, PLAIN, **{"log_every": 50, **choice})
 
     return run
-
-
-def _no_test(splits):
-    import dataclasses
-
-    return dataclasses.replace(splits, test=None, augment=None)
-
-
-def lightning_run(model, x, y, loss_fn, batch, epochs, device, precision: str = "32-true") -> None:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def training_step(self, b, i):
-            xb, yb = b
-            return loss_fn(self.model(xb), yb)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=LR)
-
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Module(), loader)
-
-
-def accelerate_run(model, x, y, loss_fn, batch, epochs, device, mixed_precision: str = "no") -> None:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from torch.utils.data import DataLoader, TensorDataset
-
-    # Accelerate keeps one process-wide state and refuses another precision in the same process;
-    # reset it (as its own test suite does) so fp32 and bf16 runs can alternate.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt, loader = acc.prepare(model, opt, loader)
-    for _ in range(epochs):
-        for xb, yb in loader:
-            opt.zero_grad()
-            loss = loss_fn(model(xb), yb)
-            acc.backward(loss)
-            opt.step()
 
 
 # ---------------------------------------------------------------- driver
@@ -217,62 +155,78 @@ PRECISION = {"seed-cpu": "fp32", "seed-gpu": "fp32", "hand": "fp32", "gputrain-d
              "lightning-bf16": "bf16-mixed", "accelerate": "fp32 (no)", "accelerate-bf16": "bf16"}
 
 
-def contenders(device: torch.device, case: Case, compiled: bool = False) -> dict[str, tuple[str, Callable]]:
-    """name -> (kind, fn); kind says which data the fn takes ("plain" float tensors or "splits")."""
-    out: dict[str, tuple[str, Callable]] = {}
+def contenders(device: torch.device, case: Case, compiled: bool = False) -> dict[str, tuple[torch.device, Contender]]:
+    """name -> (the device it trains on, the contender)."""
+    out: dict[str, tuple[torch.device, Contender]] = {}
     cuda = device.type == "cuda"
-    out["seed-cpu"] = ("plain-cpu", seed_loop)
+    out["seed-cpu"] = (torch.device("cpu"), functools.partial(seed_loop, recipe=PLAIN))
     if device.type != "cpu":
-        out["seed-gpu"] = ("plain", seed_loop)
-    out["hand"] = ("plain", hand_loop)
-    out["gputrain-default"] = ("splits", gputrain_run({"log_every": 50}))
+        out["seed-gpu"] = (device, functools.partial(seed_loop, recipe=PLAIN))
+    out["hand"] = (device, functools.partial(hand_loop, recipe=PLAIN))
+
+    def ours(**config) -> tuple[torch.device, Contender]:
+        return device, functools.partial(gputrain_run, recipe=PLAIN, **config)
+
+    out["gputrain-default"] = ours(log_every=50)
     fast = {"log_every": 1000}
     if cuda:
         fast["cuda_graphs"] = True  # forced: a capture failure is logged as a warning
-    out["gputrain-fast"] = ("splits", gputrain_run(fast))
+    out["gputrain-fast"] = ours(**fast)
     if cuda:
-        out["gputrain-fp32"] = ("splits", gputrain_run({"log_every": 50, "precision": "fp32"}))
+        out["gputrain-fp32"] = ours(log_every=50, precision="fp32")
     if cuda and compiled and case.workload != "iris-mlp":
-        out["gputrain-compile"] = ("splits", gputrain_run({"log_every": 50, "compile": True}))
-        out["gputrain-autotuned"] = ("splits", autotuned_run(case))
+        out["gputrain-compile"] = ours(log_every=50, compile=True)
+        out["gputrain-autotuned"] = (device, autotuned_run(case))
     # bf16 cannot speed up iris's 4-10-3 MLP; skipping the -bf16 peers there keeps the 20000-epoch
     # case (minutes per Lightning run) inside one device session.
     best_peers = cuda and case.workload != "iris-mlp"
     if cuda:
         try:
-            import lightning.pytorch  # noqa: F401
-
-            out["lightning"] = ("plain", lightning_run)
+            lightning_module()
+            out["lightning"] = (device, functools.partial(lightning_run, recipe=PLAIN))
             if best_peers:
-                out["lightning-bf16"] = ("plain", functools.partial(lightning_run, precision="bf16-mixed"))
-        except Exception:
+                out["lightning-bf16"] = (device, functools.partial(lightning_run, recipe=BF16))
+        except NotAvailable:
             pass
-        try:
-            import accelerate  # noqa: F401
-
-            out["accelerate"] = ("plain", accelerate_run)
+        if importlib.util.find_spec("accelerate"):
+            out["accelerate"] = (device, functools.partial(accelerate_run, recipe=PLAIN))
             if best_peers:
-                out["accelerate-bf16"] = ("plain", functools.partial(accelerate_run, mixed_precision="bf16"))
-        except Exception:
-            pass
+                out["accelerate-bf16"] = (device, functools.partial(accelerate_run, recipe=BF16))
     return out
 
 
+def interleaved(names: list[str], run: Callable[[str], float], repeats: int,
+                fits: Callable[[str, list[float]], bool] | None = None) -> tuple[dict[str, list[float]], int]:
+    """Every contender once per round (A B C A B C ...): name -> the seconds of each of its runs, and
+    how many runs `fits(name, its times so far)` held back (a budget)."""
+    times: dict[str, list[float]] = {k: [] for k in names}
+    skipped = 0
+    for _ in range(repeats):
+        for name in names:
+            if fits is not None and not fits(name, times[name]):
+                skipped += 1
+                continue
+            times[name].append(run(name))
+    return times, skipped
+
+
+def whole_runs(who: dict[str, tuple[torch.device, Contender]], spec: Spec, case: Case, device: torch.device,
+               repeats: int, fits: Callable[[str, list[float]], bool] | None = None
+               ) -> tuple[dict[str, list[float]], int]:
+    """Each contender's whole runs of `case`, interleaved, after a warm-up round (allocator, cuDNN's
+    autotuning, lazy init: one short run each, not timed)."""
+    warm = Length.of_epochs(spec, 1 if case.batch_size else min(case.epochs, 50))
+    length = Length.of_epochs(spec, case.epochs)
+    for target, fn in who.values():
+        _call(target, fn, spec, warm, device)
+    return interleaved(list(who), lambda name: _call(*who[name], spec, length, device), repeats, fits)
+
+
 def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | None, compiled: bool = False) -> dict:
-    wl = get_workload(case.workload, **({"n": 10000} if case.workload == "synthetic-cifar" else {}))
-    splits = wl.make_data()
-    x, y = normalized_float(splits)
-    n = x.shape[0]
-    batch = case.batch_size or n
-    epochs = case.epochs
+    spec = workload_spec(case.workload, case.batch_size, case.name)
+    n, batch, epochs = spec.inputs.shape[0], spec.batch, case.epochs
     who = {k: v for k, v in contenders(device, case, compiled).items() if only is None or k in only}
-    times: dict[str, list[float]] = {k: [] for k in who}
-    # Warm-up round (allocator, cuDNN autotuning, lazy init): one short run each, not timed.
-    for name, (kind, fn) in who.items():
-        _call(fn, kind, wl, splits, x, y, batch, 1 if case.batch_size else min(epochs, 50), device)
-    for _ in range(repeats):  # interleaved: A B C A B C ...
-        for name, (kind, fn) in who.items():
-            times[name].append(_call(fn, kind, wl, splits, x, y, batch, epochs, device))
+    times, _ = whole_runs(who, spec, case, device, repeats)
     samples = n * epochs
     rows = {}
     for name, ts in times.items():
@@ -289,34 +243,11 @@ def run_case(case: Case, device: torch.device, repeats: int, only: set[str] | No
             "samples": samples, "results": rows, "autotune": AUTOTUNE.get(case.name)}
 
 
-def _call(fn, kind, wl, splits, x, y, batch, epochs, device) -> float:
-    """Seconds for one whole run of a contender, its setup included (synchronized at both ends)."""
-    torch.manual_seed(0)
-    model = wl.make_model()
-    target = torch.device("cpu") if kind == "plain-cpu" else device
-    data = (x, y) if kind.startswith("plain") else (splits,)
-    sync = synchronizer(device)
-    sync()
-    t0 = time.perf_counter()
-    fn(model, *data, wl.loss_fn, batch, epochs, target)
-    sync()
-    return time.perf_counter() - t0
-
-
-def environment(device: torch.device) -> dict:
-    env = {"date": dt.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "cpu": cpu_model_name(), "threads": torch.get_num_threads(),
-           "device": str(device), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception:
-            env["driver"] = None
-    return env
+def _call(target: torch.device, fn: Contender, spec: Spec, length: Length, device: torch.device) -> float:
+    """Seconds for one whole run of a contender, its setup included: from its model, built (seed 0),
+    to its last step, synchronized (the device synchronized before, too)."""
+    synchronizer(device)()
+    return fn(spec, target, length).whole_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         r = run_case(case, device, args.repeats, only, args.compile_contenders)
         results.append(r)
         _print_case(r)
-    out = {"benchmark": "train_speed", "environment": environment(device),
+    env = environment([torch.device("cpu")] + ([device] if device.type != "cpu" else []))
+    # the keys this benchmark's results have had since their first file, beside the common ones
+    env.update(threads=torch.get_num_threads(), device=str(device),
+               **({"device_name": device_name(device)} if device.type == "cuda" else {}))
+    out = {"benchmark": "train_speed", "environment": env,
            "config": {"lr": LR, "optimizer": "AdamW", "repeats": args.repeats, "quick": args.quick,
                       "iris_epochs": args.iris_epochs, "precision": "per contender, see each row",
                       "timing": "whole run including each tool's setup, synchronized, median of repeats"},
@@ -355,13 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_bars(out["bars"])
     path = args.json
     if path is None and device.type == "cuda":
-        from gputrain.bench.common import device_slug
-
-        path = f"benchmarks/results/train_speed_{device_slug(device)}_{dt.date.today().isoformat()}.json"
+        path = results_path("train_speed", device, dt.date.today().isoformat())
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(out, indent=2))
-        print(f"wrote {path}")
+        print(f"wrote {write_json(path, out)}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Fault injection, the short version (issue 13): real `gputrain fit` processes on the CPU are killed,
 stopped, fed a non-finite step, denied disk, and resumed; each must end bit-equal to an uninterrupted
-run (or stop / skip as configured). The harness is tests/fault_harness.py; benchmarks/fault_injection.py
+run (or stop / skip as configured). The harness is benchmarks/faults/harness.py; benchmarks/fault_injection.py
 runs the same trials in full counts (>= 30 SIGKILLs) and prints the table in benchmarks/README.md.
 
 Faulted runs are processes; the runs that are not faulted (the uninterrupted references and the
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 
-import fault_harness as fi
 import pytest
+
+from benchmarks.faults import harness as fi
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_torchrun_sigterm_to_one_rank_both_stop_at_one_step_one_checkpoint_resum
 
 
 def test_a_damaged_shard_of_a_dcp_checkpoint_falls_back_naming_the_file_and_ends_exact(h):
-    import fault_harness_dcp
+    from benchmarks.faults import dcp as fault_harness_dcp
 
     trial = fault_harness_dcp.trial_dcp_damaged(h, random.Random(11))
     assert trial.ok, trial.detail

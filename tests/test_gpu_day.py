@@ -1,7 +1,7 @@
-"""The GPU day's driver (benchmarks/gpu_day.py): a missing zoo is "not present", the zoo's cases are
+"""The GPU day's driver (benchmarks/gpu_day/day.py): a missing zoo is "not present", the zoo's cases are
 read from pytest's JUnit XML, a part that crashes or overruns its budget fails the day with its log's
 tail in the summary, and the goals are read from the measured figures; the first-step part's script
-(benchmarks/first_step.py) reports medians over its rounds, stops starting cases when its budget is
+(benchmarks/gpu_day/first_step.py) reports medians over its rounds, stops starting cases when its budget is
 spent and writes its JSON after every case. The whole day on the CPU is .ci/run's step under torch
 2.11 (`bash benchmarks/gpu_session.sh day --device cpu`)."""
 
@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import day_report  # noqa: E402
-import first_step  # noqa: E402
-import gpu_day  # noqa: E402
+from benchmarks.gpu_day import day as gpu_day
+from benchmarks.gpu_day import first_step
+from benchmarks.gpu_day import report as day_report
 
 
 def _day(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
@@ -33,7 +31,7 @@ def test_a_missing_zoo_is_reported_not_present_and_the_day_passes(tmp_path):
     assert rc == 0
     assert day["parts"]["b"]["status"] == "not present"
     assert "tests/no_such_zoo.py is not in this tree" in md
-    assert day["environment"]["torch"] and day["command"].startswith("benchmarks/gpu_day.py --device cpu")
+    assert day["environment"]["torch"] and day["command"].startswith("python -m benchmarks.gpu_day.day --device cpu")
 
 
 def test_the_zoo_runs_on_the_named_device_and_its_cases_come_from_the_junit_xml(tmp_path):
@@ -303,7 +301,7 @@ def test_a_contender_that_errors_or_a_required_peer_that_is_missing_fails_the_sp
         monkeypatch, statuses, require, failed):
     import torch
 
-    import day_speed
+    from benchmarks.gpu_day import speed as day_speed
 
     monkeypatch.setattr(day_speed, "real_rows", lambda *a, **k: _real(statuses))
     monkeypatch.setattr(day_speed.rm, "bf16_matmul_peak", lambda device: None)
@@ -321,11 +319,11 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
     import torch
     from torch import nn
 
-    import real_models as rm
+    from benchmarks.contenders import AutocastSeen
 
     def run(how: str) -> str:
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        seen = rm.AutocastSeen(model, torch.device("cpu"))
+        seen = AutocastSeen(model, torch.device("cpu"))
         x = torch.randn(3, 4)
         if how == "around the call":  # Lightning: autocast around training_step
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -344,15 +342,75 @@ def test_a_peer_row_is_bf16_only_when_its_forward_ran_under_bf16_autocast():
         run("not at all")
 
 
+def test_a_peer_row_is_fp32_only_when_its_forward_ran_without_autocast():
+    import torch
+    from torch import nn
+
+    from benchmarks.contenders import AutocastSeen
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = AutocastSeen(model, torch.device("cpu"))
+    model(torch.randn(3, 4))
+    assert seen.check("the peer", "fp32") == "forward without autocast on cpu (checked in the run)"
+    seen = AutocastSeen(model, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # Lightning's 32-true would not do this
+        model(torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="the peer: the model's forward ran with autocast bfloat16 on cpu, not fp32"):
+        seen.check("the peer", "fp32")
+
+
+def test_each_contender_trains_the_steps_it_is_given_and_times_them_apart():
+    """benchmarks/contenders.py, which train_speed, real_models and the day's speed part share: the
+    hand loop and the seed tutorials' loop run `warmup` untimed steps, then `steps` timed ones (one
+    forward each); gputrain's timed window runs from its log point after the warm-up to its last;
+    the model's build is inside the call's wall time and out of its whole-run time."""
+    import torch
+    from torch import nn
+
+    from benchmarks.contenders import Length, Recipe, Spec, gputrain_run, hand_loop, seed_loop
+
+    forwards = []
+
+    def make_model() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+        return model
+
+    g = torch.Generator().manual_seed(0)
+    spec = Spec("tiny", 16, torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g), make_model,
+                nn.CrossEntropyLoss(), task="classification")
+    assert Length.of_epochs(spec, 2) == Length(steps=6, epochs=2)  # 3 batches an epoch, the last of 8
+    cpu, length = torch.device("cpu"), Length(steps=6, warmup=3)
+    for contender in (hand_loop, seed_loop):
+        forwards.clear()
+        run = contender(spec, cpu, length, Recipe())
+        assert len(forwards) == 9 and sorted(set(forwards)) == [8, 16], (contender.__name__, forwards)
+        assert (run.warmup_steps, run.measured_steps) == (3, 6)
+        assert 0 < run.model_s < run.wall_s and 0 < run.measured_s < run.whole_s
+    run = gputrain_run(spec, cpu, length, Recipe(weight_decay=0.0), precision="fp32", schedule="constant")
+    assert (run.warmup_steps, run.measured_steps) == (3, 6)  # log points at steps 3, 6 and 9
+    assert 0 < run.measured_s < run.whole_s < run.wall_s
+
+
+def test_the_day_names_its_results_file_by_its_device():
+    env, slug = gpu_day.read_environment(gpu_day.parse_args(["--device", "cpu", "--python", sys.executable]))
+    assert env["torch"] and slug == "cpu"
+    import torch
+
+    if not torch.cuda.is_available():  # a CUDA day without a GPU: no GPU's name to take
+        env, slug = gpu_day.read_environment(gpu_day.parse_args(["--python", sys.executable]))
+        assert slug == "cpu" and [d["device"] for d in env["devices"]] == ["cpu"]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_day_counts_each_sync_of_a_case_at_its_line(device):
-    """benchmarks/day_syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
+    """benchmarks/gpu_day/syncs.py's count_case (part (c)): on CUDA under the sync debug mode, after torch's
     one-time notice that the mode is a prototype has been consumed (it would count as a sync); on the
     CPU as host reads. A read planted in a per-step callback is counted once per step at its line, and
     the same case without it has no site there."""
     import torch
 
-    import day_syncs
+    from benchmarks.gpu_day import syncs as day_syncs
     from gputrain import Callback
 
     class ReadsTheDevice(Callback):

@@ -1,4 +1,4 @@
-"""The tools for the day a GPU is lent, checked on the CPU: benchmarks/gpu_smoke.py's lines (every
+"""The tools for the day a GPU is lent, checked on the CPU: benchmarks/gpu_day/smoke.py's lines (every
 built-in workload, every flag one gputrain accepts) and its summary; scripts/uncovered_functions.py."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.gpu_day import smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,6 @@ def _load(path: Path):
     return module
 
 
-smoke = _load(ROOT / "benchmarks" / "gpu_smoke.py")
 uncovered = _load(ROOT / "scripts" / "uncovered_functions.py")
 
 

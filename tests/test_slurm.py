@@ -21,7 +21,7 @@ from gputrain.runtime.slurm import (DEFAULT_PORT_BASE, launcher_rank, parse_node
                                     slurm_task)
 from helpers import finish_process, start_process, subprocess_env
 
-TINY = f"{Path(__file__).parent / 'fault_scripts' / 'tiny.py'}:workload"
+TINY = f"{Path(__file__).parents[1] / 'benchmarks' / 'faults' / 'tiny.py'}:workload"
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

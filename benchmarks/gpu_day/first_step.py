@@ -46,11 +46,11 @@ kills a case still running S seconds after the start (with its compile workers; 
 error). The JSON is written again after every case.
 
 Usage:
-  python benchmarks/first_step.py                      # all cases, JSON to a temp folder
-  python benchmarks/first_step.py --json out.json --models gpt-mini --repeats 3
-  python benchmarks/first_step.py --steady 60          # the steady step only, interleaved
-  python benchmarks/first_step.py --steady 30 --n-embd 192 --n-head 6
-  python benchmarks/first_step.py --device cuda --budget 90 --json first_step.json   # the GPU day's (e)
+  python -m benchmarks.gpu_day.first_step                      # all cases, JSON to a temp folder
+  python -m benchmarks.gpu_day.first_step --json out.json --models gpt-mini --repeats 3
+  python -m benchmarks.gpu_day.first_step --steady 60          # the steady step only, interleaved
+  python -m benchmarks.gpu_day.first_step --steady 30 --n-embd 192 --n-head 6
+  python -m benchmarks.gpu_day.first_step --device cuda --budget 90 --json first_step.json   # the GPU day's (e)
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "benchmarks.gpu_day.first_step"  # this file, as the children import it (from ROOT)
 STEPS, LOG_EVERY, STOP_AT = 16, 4, 8
 # Sizes per device kind: the GPT's dimensions, the ResNet's width, the batch, the data's rows.
 SIZES = {
@@ -118,8 +119,8 @@ def loss_fn(name: str):
 
 
 def gpt_workload():
-    """The GPT-mini as a gputrain Workload, for `gputrain fit first_step:gpt_workload` (its sizes from
-    $FIRST_STEP_SIZE, which the parent sets, else the CPU's)."""
+    """The GPT-mini as a gputrain Workload, for `gputrain fit benchmarks.gpu_day.first_step:gpt_workload`
+    (its sizes from $FIRST_STEP_SIZE, which the parent sets, else the CPU's)."""
     from gputrain.workloads.base import DataSplits, Workload
 
     size = json.loads(os.environ.get("FIRST_STEP_SIZE") or json.dumps(SIZES["cpu"]))
@@ -242,7 +243,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
     workers included) and reported as timed out."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor-"),
                FIRST_STEP_SIZE=json.dumps(spec["size"]),
-               PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if spec["device"] == "cpu":
         # One thread: on the shared 2 cores, OpenMP threads spin-waiting for a core made small steps
         # many times slower (tests/conftest.py); both sides run with the same.
@@ -253,7 +254,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
         env.pop("TORCHINDUCTOR_CACHE_DIR")
     if spec["kind"] == "cli":
         run_dir = Path(spec["run_dir"])
-        cmd = [sys.executable, "-m", "gputrain", "fit", "first_step:gpt_workload", "--device", spec["device"],
+        cmd = [sys.executable, "-m", "gputrain", "fit", f"{MODULE}:gpt_workload", "--device", spec["device"],
                "--run-dir", str(run_dir), "--no-tensorboard", "--quiet"]
         if spec["device"] == "cpu":
             cmd += ["--precision", "fp32"]
@@ -262,7 +263,7 @@ def run_child(spec: dict, work: Path, timeout: float | None = None) -> dict:
         elif spec["compile"] == "regional":
             cmd += ["--compile-scope", "regional"]
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+        cmd = [sys.executable, "-m", MODULE, "--child", json.dumps(spec)]
     t_spawn = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -398,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regional / whole: median {figures['regional']['median_ms'] / figures['whole']['median_ms']:.2f}x, "
               f"min {figures['regional']['min_ms'] / figures['whole']['min_ms']:.2f}x")
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "torch": torch.__version__,
-                                                   "device": args.device, "size": size, "rounds": args.steady,
-                                                   "steady": figures}, indent=1))
+            from benchmarks.result_files import write_json
+
+            write_json(args.json, {"command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
+                                   "size": size, "rounds": args.steady, "steady": figures})
         return 0
 
     t0 = time.monotonic()
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.end is None else max(1.0, args.end - (time.monotonic() - t0))
             out = run_child(spec, rwork, timeout=left)
             rounds.setdefault(spec["name"], []).append(out)
-            write_json(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
+            write_result(path, args, size, rounds, skipped)  # after each case: a run cut short keeps what it measured
             if "error" in out:
                 print(f"{spec['name']:<44} error: {out['error']}", flush=True)
                 continue
@@ -434,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"{spec['name']:<44} {f(out['from_command_s'], '14.2f')} {f(out['from_fit_s'], '10.2f')} "
                   f"{f(out['steady_ms'], '9.2f')}  {(out.get('compile_decision') or '')[:90]}", flush=True)
-    results = write_json(path, args, size, rounds, skipped)
+    results = write_result(path, args, size, rounds, skipped)
     rs = ratios(results)
     print(f"\nratios (medians of {args.repeats} round(s), side by side):" if args.repeats > 1 else
           "\nratios (one run, side by side):")
@@ -446,23 +448,22 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any("error" in r and not r.get("timed_out") for r in results.values()) else 0
 
 
-def write_json(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
-               skipped: list[str]) -> dict[str, dict]:
+def write_result(path: Path, args: argparse.Namespace, size: dict, rounds: dict[str, list[dict]],
+                 skipped: list[str]) -> dict[str, dict]:
     """The figures so far (each case's median over its rounds), written atomically; returns them."""
     import torch
 
-    from gputrain.io.atomic import atomic_file
+    from benchmarks.result_files import write_json
 
     results = {name: medians(outs) for name, outs in rounds.items()}
     errors = sorted(name for name, r in results.items() if "error" in r and not r.get("timed_out"))
     timed_out = sorted(name for name, r in results.items() if r.get("timed_out"))
-    with atomic_file(path, "w") as fh:
-        status = ("failures" if errors else "skipped: the budget was spent before the first case"
-                  if skipped and not results else "ok")
-        json.dump({"part": "first_step", "status": status, "errors": errors, "timed_out": timed_out,
-                   "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
-                   "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
-                   "skipped": skipped, "results": results, "ratios": ratios(results)}, fh, indent=1, default=str)
+    status = ("failures" if errors else "skipped: the budget was spent before the first case"
+              if skipped and not results else "ok")
+    write_json(path, {"part": "first_step", "status": status, "errors": errors, "timed_out": timed_out,
+                      "command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
+                      "steps": STEPS, "log_every": LOG_EVERY, "size": size, "repeats": args.repeats,
+                      "skipped": skipped, "results": results, "ratios": ratios(results)})
     return results
 
 

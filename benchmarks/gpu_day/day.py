@@ -3,21 +3,21 @@
 
     bash benchmarks/gpu_session.sh day                 # on the GPU machine, into $OUT: < 9 min on an H100
     bash benchmarks/gpu_session.sh day --device cpu    # the same code on the CPU, tiny sizes (CI runs it)
-    python benchmarks/gpu_day.py --parts a,c --out DIR
+    python -m benchmarks.gpu_day.day --parts a,c --out DIR
     bash benchmarks/gpu_session.sh day --parts a --smoke-only '^(profile|report)$' --budget 180   # a rerun
 
 Parts, in this order (the most important first), each a subprocess with its own time budget (plus
 what the parts before it left unused), so that a run cut short still returns what came before; after
 each part the summary files are written again:
 
-  a  smoke     every `gpu` test and a smoke of every CLI command (gpu_smoke.py)
+  a  smoke     every `gpu` test and a smoke of every CLI command (smoke.py)
   b  zoo       the conformance zoo: GPUTRAIN_ZOO_DEVICE=<device> pytest tests/test_zoo.py, per-case
                results from its JUnit XML ("not present" where the file is missing)
-  c  syncs     steady-state host syncs over 50 steps of 8 kinds of run (day_syncs.py): 0 each, or named
-  d  speed     the speed table, side by side in one process, medians of 3 (day_speed.py)
+  c  syncs     steady-state host syncs over 50 steps of 8 kinds of run (syncs.py): 0 each, or named
+  d  speed     the speed table, side by side in one process, medians of 3 (speed.py)
   e  first-step  the time to the first step of the 12-block GPT-mini, whole-model against regional
                compile, cold and with the compile cache (first_step.py), as long as the day's time lasts
-  f  float8    bf16 vs float8 GPT-mini through torchao (day_float8.py): "not installed" without it
+  f  float8    bf16 vs float8 GPT-mini through torchao (float8.py): "not installed" without it
 
 Parts (e) and (f) are optional: skipped for want of time, the day is still whole.
 
@@ -49,11 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from day_report import FINE, goals, headline, next_call, not_fine, write_markdown  # noqa: E402
+from benchmarks.gpu_day.report import FINE, goals, headline, next_call, not_fine, write_markdown
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
+PARTS_PACKAGE = "benchmarks.gpu_day"  # each part runs as `python -m benchmarks.gpu_day.<module>` from ROOT
 
 
 @dataclass
@@ -92,7 +91,7 @@ CPU_SMOKE = r"^(gpu-tests|info|fit-iris-mlp|fit-linear-regression|eval|predict|e
 
 
 def smoke_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
-    cmd = [args.python, str(BENCH / "gpu_smoke.py"), "--out", str(work), "--device", args.device,
+    cmd = [args.python, "-m", f"{PARTS_PACKAGE}.smoke", "--out", str(work), "--device", args.device,
            "--budget", str(max(30.0, budget - 15))]
     if args.cpu:
         cmd += ["--steps", "3"]
@@ -155,12 +154,12 @@ def zoo_status(result: dict | None, rc: int) -> str:
 
 def syncs_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
     steps = "10" if args.cpu else "50"
-    return [args.python, str(BENCH / "day_syncs.py"), "--device", args.device, "--steps", steps,
+    return [args.python, "-m", f"{PARTS_PACKAGE}.syncs", "--device", args.device, "--steps", steps,
             "--json", str(work / "syncs.json")], {}, work / "syncs.json"
 
 
 def speed_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
-    return [args.python, str(BENCH / "day_speed.py"), "--device", args.device, "--repeats", "2" if args.cpu else "3",
+    return [args.python, "-m", f"{PARTS_PACKAGE}.speed", "--device", args.device, "--repeats", "2" if args.cpu else "3",
             "--budget", str(max(10.0, budget - 15)), "--json", str(work / "speed.json"),
             *(["--require-peers"] if args.require_peers else [])], {}, work / "speed.json"
 
@@ -171,15 +170,15 @@ def first_step_part(args, work: Path, budget: float) -> tuple[list[str], dict, P
                 "reason": f"{budget:.0f} s left, under the {FIRST_STEP_LAST_START_S + 15} s that one case may take"}
     # no case starts in the part's last FIRST_STEP_LAST_START_S seconds; one still running 5 s before
     # the part's end is killed ("timed out"), so the part writes its JSON before the day's kill
-    return [args.python, str(BENCH / "first_step.py"), "--device", args.device, "--models", "gpt-mini",
+    return [args.python, "-m", f"{PARTS_PACKAGE}.first_step", "--device", args.device, "--models", "gpt-mini",
             "--only", FIRST_STEP_CPU if args.cpu else FIRST_STEP_GPU,
             "--budget", str(budget - FIRST_STEP_LAST_START_S), "--end", str(budget - 5),
             "--json", str(work / "first_step.json")], {}, work / "first_step.json"
 
 
 def float8_part(args, work: Path, budget: float) -> tuple[list[str], dict, Path]:
-    return [args.python, str(BENCH / "day_float8.py"), "--device", args.device, "--budget", str(max(10.0, budget - 10)),
-            "--json", str(work / "float8.json")], {}, work / "float8.json"
+    return [args.python, "-m", f"{PARTS_PACKAGE}.float8", "--device", args.device,
+            "--budget", str(max(10.0, budget - 10)), "--json", str(work / "float8.json")], {}, work / "float8.json"
 
 
 def json_status(result: dict | None, rc: int) -> str:
@@ -263,27 +262,25 @@ def _kill(proc: subprocess.Popen) -> None:
 # ---------------------------------------------------------------- the day
 
 
-def environment(args) -> dict[str, Any]:
-    """Versions, device name and driver: read in a subprocess of the day's interpreter (this one may
-    not be it), so that a broken torch shows here as an error, not as a crash of the day."""
+def read_environment(args) -> tuple[dict[str, Any], str]:
+    """Versions, device names and driver (gputrain.bench.common.environment), and the day's device as
+    the results' file name gives it (gputrain.bench.common.device_slug; "cpu" without a GPU): read in a
+    subprocess of the day's interpreter (this one may not be it), so that a broken torch shows here as
+    an error, not as a crash of the day."""
     import json
 
-    code = ("import json, torch; from gputrain.bench.common import environment; "
+    code = ("import json, torch; from gputrain.bench.common import device_slug, environment; "
             "d = [torch.device('cpu')] + ([torch.device('cuda')] if torch.cuda.is_available() else []); "
-            "print(json.dumps(environment(d)))")
+            f"day = torch.device({args.device!r}); "
+            "print(json.dumps({'environment': environment(d), "
+            "'slug': device_slug(day if day.type != 'cuda' or torch.cuda.is_available() else None)}))")
     out = subprocess.run([args.python, "-c", code], cwd=ROOT, env=part_env({}), capture_output=True, text=True,
                          timeout=120)
     try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        return {"error": (out.stderr or out.stdout)[-2000:]}
-
-
-def device_slug(env: dict[str, Any], device: str) -> str:
-    names = [d["name"] for d in env.get("devices", []) if d.get("device", "").startswith("cuda")]
-    if device.startswith("cuda") and names:
-        return "".join(ch if ch.isalnum() else "-" for ch in names[0].lower()).strip("-")
-    return "cpu"
+        read = json.loads(out.stdout.strip().splitlines()[-1])
+        return read["environment"], read["slug"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return {"error": (out.stderr or out.stdout)[-2000:]}, "cpu"
 
 
 def write_outputs(day: dict[str, Any], out: Path, work: Path) -> None:
@@ -353,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
-    env = environment(args)
+    env, slug = read_environment(args)
     print(f"gpu day: {headline(env, args.device)}", flush=True)
     if not args.cpu and not any(d.get("device", "").startswith("cuda") for d in env.get("devices", [])):
         print(f"gpu_day: torch sees no CUDA device here ({env.get('torch') or env.get('error', '?')}): run it on "
@@ -368,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:  # the folder above --out is not ours to write: a temporary folder instead
         work = Path(tempfile.mkdtemp(prefix="gpu_day-"))
         (work / "logs").mkdir()
-    slug = device_slug(env, args.device)
     day: dict[str, Any] = {
-        "benchmark": "gpu_day", "command": shlex.join(["benchmarks/gpu_day.py", *(argv if argv is not None else sys.argv[1:])]),
+        "benchmark": "gpu_day",
+        "command": shlex.join(["python", "-m", "benchmarks.gpu_day.day", *(argv if argv is not None else sys.argv[1:])]),
         "config": {"device": args.device, "parts": args.wanted, "budget_s": args.budget, "grace_s": args.grace,
                    "smoke_only": args.smoke_only, "zoo_tests": args.zoo_tests, "zoo_cases": args.zoo_cases or "all",
                    "require_peers": args.require_peers,

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """One command for the day a GPU is lent: every `gpu` test and a smoke run of each CLI command on CUDA.
 
-    python benchmarks/gpu_smoke.py                      # on cuda, into $OUT (or gpu-out)
+    python -m benchmarks.gpu_day.smoke                  # on cuda, into $OUT (or gpu-out)
     bash benchmarks/gpu_session.sh smoke                # the same, as one device command (480 s budget: < 9 min)
-    python benchmarks/gpu_smoke.py --device cpu --steps 3 --only 'fit-(iris|linear)' --demo-failure
-    python benchmarks/gpu_smoke.py --dry-run            # print the lines, run nothing
+    python -m benchmarks.gpu_day.smoke --device cpu --steps 3 --only 'fit-(iris|linear)' --demo-failure
+    python -m benchmarks.gpu_day.smoke --dry-run        # print the lines, run nothing
 
 Each line is one subprocess (`python -m gputrain ...` or `python -m pytest -m gpu`) with its own
 timeout, killed whole (its process group) when it runs over; the whole session has a budget, and
@@ -37,8 +37,9 @@ Output, in --out (default $OUT, else gpu-out): gpu_smoke.json and gpu_smoke.md (
 the command and the tail of the output of each line), and smoke/ with the run directories and the
 full log of every line. Exit status: 0 when every line that ran passed, 1 otherwise.
 
-On the GPU machine (no network) the mnist1d wheel comes in .whl/ (see gpu_session.sh); this script
-needs nothing beyond gputrain's own dependencies.
+On the GPU machine (no network) the mnist1d wheel comes in .whl/ (see session.sh); this script
+needs nothing beyond gputrain's own dependencies, and gputrain importable (session.sh puts src/ on
+PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TAIL_CHARS = 2000
 
 
@@ -122,7 +123,6 @@ def write_sweep_config(path: Path, device: str, steps: int) -> Path:
 
 
 def builtin_workloads() -> list[str]:
-    sys.path.insert(0, str(ROOT / "src"))
     from gputrain.workloads.registry import WORKLOADS
 
     return list(WORKLOADS)

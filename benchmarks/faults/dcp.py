@@ -1,5 +1,5 @@
 """Fault injection for sharded (DCP) checkpoints: `gputrain fit --nproc 2` (gloo), every rank writing
-its part; the trials of tests/fault_harness.py's Harness (same workload, flags and exactness check):
+its part; the trials of harness.py's Harness (same workload, flags and exactness check):
 
   g  SIGKILL of one rank while a DCP checkpoint is being written (a staging folder exists): torchrun
      stops the job; every checkpoint left under a step name verifies, and a --nproc 2 --resume ends
@@ -19,7 +19,7 @@ import re
 import signal
 from pathlib import Path
 
-from fault_harness import Harness, Trial, _ranks, damage, training_started, wait_for
+from benchmarks.faults.harness import Harness, Trial, _ranks, damage, training_started, wait_for
 
 # a save's staging folder (.step-N.dcp.TOKEN.tmp, TOKEN = hex time - pid), not a pruned or replaced
 # folder on its way out (.step-N.dcp.pruned-PID.tmp)

@@ -1,6 +1,6 @@
 """bf16 against float8 training of the GPT-mini through torchao (optional part (f) of `gpu_session.sh day`).
 
-The hand loop of real_models.py (data on the device, fused AdamW, bf16 autocast, torch.compile'd), once
+The hand loop of real_models.py's recipe (data on the device, fused AdamW, bf16 autocast, torch.compile'd), once
 on the plain GPT-mini and once with its Linear layers swapped for torchao's Float8Linear
 (`torchao.float8.convert_to_float8_training`, tensorwise scaling: the recipe torchao documents as
 its default); interleaved rounds, medians. The tied output head and any Linear whose sizes are not
@@ -9,7 +9,7 @@ multiples of 16 stay in bf16 (float8 matmuls need them). A measured row, not a d
 Status "not installed" when torchao is not importable (carry its wheel: gpu_session.sh), "not
 applicable" without a CUDA GPU of compute capability 8.9 or higher (float8 tensor cores: Ada, Hopper).
 
-    python benchmarks/day_float8.py --device cuda --json float8.json
+    python -m benchmarks.gpu_day.float8 --device cuda --json float8.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_models as rm  # noqa: E402
+from benchmarks import real_models as rm
+from benchmarks.contenders import Length, Spec, hand_loop
+from benchmarks.result_files import write_json
 
 
 def why_not(device: torch.device) -> tuple[str, str] | None:
@@ -42,7 +43,7 @@ def why_not(device: torch.device) -> tuple[str, str] | None:
     return None
 
 
-def float8_spec(spec: rm.Spec) -> rm.Spec:
+def float8_spec(spec: Spec) -> Spec:
     """The same workload with the model's eligible Linear layers in float8 (torchao)."""
     from torchao.float8 import convert_to_float8_training
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     blocked = why_not(device)
     if blocked:
         result["status"], result["reason"] = blocked
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
         print(f"float8: {blocked[0]}: {blocked[1]}")
         return 0
     import torchao
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             try:
-                run = rm.hand_loop(s, device, args.warmup, args.steps, compile_model=True)
+                run = hand_loop(s, device, Length(args.steps, args.warmup), rm.RECIPE, compile=True)
                 times[name].append(run.measured_s / run.measured_steps)
             except Exception as exc:  # float8 may fail on this torch/torchao pair: a row, not a crash
                 traceback.print_exc()
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         result["float8_over_bf16"] = rows["float8"]["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
     ran = any(times.values())
     result["status"] = "failures" if errors else ("ok" if ran else "skipped: budget spent")
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     print(json.dumps(result, indent=2))
     return 1 if errors else 0
 

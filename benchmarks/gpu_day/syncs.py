@@ -17,14 +17,14 @@ warm-up, a torch LR scheduler of your own, callbacks with EarlyStopping, your ow
 optimizers, docs/examples/own_step.py), resident input (data_on_device=True) and DataLoader input
 (a DataLoader of your own over a Dataset).
 
-    python benchmarks/day_syncs.py --device cuda --json syncs.json
+    python -m benchmarks.gpu_day.syncs --device cuda --json syncs.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
+import importlib.util
 import sys
 import time
 import traceback
@@ -34,7 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.result_files import write_json
+
+ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 10  # steps before the window: the capture and every first-time cost are in them
 
 
@@ -58,10 +60,17 @@ def _plain(device: str, steps: int, callbacks=None, **extra) -> dict[str, Any]:
             "eval_data": splits.test, "callbacks": callbacks, "config": _config(device, steps, **extra)}
 
 
-def _own_step(device: str, steps: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "docs" / "examples"))
-    import own_step as examples
+def _examples():
+    """docs/examples/own_step.py, the README's example of a step of your own, loaded from its file."""
+    spec = importlib.util.spec_from_file_location("own_step", ROOT / "docs" / "examples" / "own_step.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as an import would (pickle finds it)
+    spec.loader.exec_module(module)
+    return module
 
+
+def _own_step(device: str, steps: int) -> dict[str, Any]:
+    examples = _examples()
     model = examples.GAN()
     return {"model": model, "train_data": examples.digits(), "step_fn": examples.gan_step,
             "optimizer": examples.gan_optimizers(model), "config": _config(device, steps)}
@@ -162,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row)
         where = "; ".join(f"{s['where']} ({s['what']}) x{s['count']}" for s in row.get("sites", []))
         print(f"{name:45s} {row['status']:6s} syncs {row.get('syncs')!s:>4s}  {where or row.get('error', '')}", flush=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     if any(r["status"] != "ok" for r in result["rows"]):
         result["status"] = "failures"
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0 if result["status"] == "ok" else 1
 
 

@@ -1,4 +1,4 @@
-"""The GPU day's goals and its Markdown summary, read from the day's JSON (benchmarks/gpu_day.py).
+"""The GPU day's goals and its Markdown summary, read from the day's JSON (gpu_day/day.py).
 
 The goals, reported against (not tuned toward). Issue 42's: iris whole run < 1.0 s; the seed CNN
 >= 10x the seed's GPU loop; ResNet-18 and GPT-mini >= 1.0x the hand eager loop and >= 1.3x Lightning

@@ -2,7 +2,7 @@
 them, and compare their final checkpoints bit by bit with an uninterrupted run's.
 
 Every faulted run is a real `gputrain fit` process on the CPU (the tiny deterministic workload
-tests/fault_scripts/tiny.py:workload, a few seconds a run). `Harness` starts runs and finds and
+benchmarks/faults/tiny.py:workload, a few seconds a run). `Harness` starts runs and finds and
 compares checkpoints; each `trial_*` function injects one fault and returns a `Trial` (ok, detail,
 steps lost):
 
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = f"{ROOT / 'tests' / 'fault_scripts' / 'tiny.py'}:workload"
+ROOT = Path(__file__).resolve().parents[2]  # the runs' working folder: the repository
+WORKLOAD = f"{Path(__file__).resolve().with_name('tiny.py')}:workload"
 # atomic_file's temp of a checkpoint (or of its .sha256), or the staging folder of a sharded one
 _TEMP = re.compile(r"^\.step-\d+\.(pt|dcp)\..+\.tmp$")
 _STEP_FILE = re.compile(r"^step-(\d+)\.(pt|dcp)$")  # a one-file checkpoint or a sharded one's folder

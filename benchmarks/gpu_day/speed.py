@@ -3,7 +3,7 @@
 Rows, cheapest first so that a run cut at its budget still has the small ones:
 
   seed-cnn     seed 000's CIFAR CNN (synthetic-cifar) at batch 64, one epoch, whole runs timed
-               (train_speed.py): the seed tutorial's loop on the device vs a hand loop vs gputrain's
+               (train_speed.py's table): the seed tutorial's loop on the device vs a hand loop vs gputrain's
                defaults and its fastest switches
   iris         iris-mlp, 20000 full-batch epochs, gputrain's whole run (the goal is absolute: < 1.0 s)
   graphed      the graphed step's wall time per step over the GPU time of its replay alone
@@ -13,20 +13,19 @@ Rows, cheapest first so that a run cut at its budget still has the small ones:
                Accelerate `bf16`; a peer that is not installed is a "not installed" row
                (a failure with --require-peers), a contender whose every run raised an "error"
                row and a failure of the part (exit 1); each peer's forward is checked to run
-               under bf16 autocast (real_models.AutocastSeen)
+               under bf16 autocast (contenders.AutocastSeen)
 
 Median of --repeats interleaved rounds (A B C A B C ...). Every run is checked against the budget
 before it starts (its last run's seconds, or a first-run guess): what does not fit is recorded as
 skipped, with n < repeats where a row lost rounds. On the CPU (--device cpu) every row runs at tiny
 sizes: it checks that the code runs, its figures mean nothing.
 
-    python benchmarks/day_speed.py --device cuda --budget 210 --json speed.json
+    python -m benchmarks.gpu_day.speed --device cuda --budget 210 --json speed.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,9 +35,11 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_models as rm  # noqa: E402
-import train_speed as ts  # noqa: E402
+from benchmarks import real_models as rm
+from benchmarks import step_probe
+from benchmarks import train_speed as ts
+from benchmarks.contenders import Length
+from benchmarks.result_files import write_json
 
 REAL_CONTENDERS = ("hand-eager", "hand-compile", "gputrain", "lightning-bf16", "accelerate-bf16")
 REAL_KEYS = {"resnet18-cifar": "resnet18", "gpt-mini": "gpt-mini"}  # workload -> its row's key
@@ -73,25 +74,12 @@ def sizes(cpu: bool) -> dict[str, Any]:
 def whole_run_rows(case: ts.Case, who: list[str], device: torch.device, repeats: int, budget: Budget,
                    options: dict) -> dict[str, Any]:
     """train_speed's contenders on one case, interleaved, each run checked against the budget."""
-    from gputrain.workloads import get_workload
-
-    wl = get_workload(case.workload, **options)
-    splits = wl.make_data()
-    x, y = ts.normalized_float(splits)
-    n, batch = x.shape[0], case.batch_size or x.shape[0]
+    spec = ts.workload_spec(case.workload, case.batch_size, case.name, **options)
+    n = spec.inputs.shape[0]
     table = ts.contenders(device, case)
     missing = [c for c in who if c not in table]
-    fns = {c: table[c] for c in who if c in table}
-    times: dict[str, list[float]] = {c: [] for c in fns}
-    for name, (kind, fn) in fns.items():  # warm-up round, not timed
-        ts._call(fn, kind, wl, splits, x, y, batch, 1 if case.batch_size else min(case.epochs, 50), device)
-    skipped = 0
-    for _ in range(repeats):
-        for name, (kind, fn) in fns.items():
-            if not budget.fits(max(times[name], default=1.0)):
-                skipped += 1
-                continue
-            times[name].append(ts._call(fn, kind, wl, splits, x, y, batch, case.epochs, device))
+    times, skipped = ts.whole_runs({c: table[c] for c in who if c in table}, spec, case, device, repeats,
+                                   fits=lambda name, t: budget.fits(max(t, default=1.0)))
     rows = {}
     for name, t in times.items():
         if t:
@@ -105,7 +93,7 @@ def whole_run_rows(case: ts.Case, who: list[str], device: torch.device, repeats:
     ok = {k: r for k, r in rows.items() if r["status"] == "ok"}
     for name, r in ok.items():
         r["x_vs"] = {o: r["samples_per_s"] / ok[o]["samples_per_s"] for o in ok if o != name}
-    return {"case": case.name, "workload": case.workload, "batch_size": batch, "epochs": case.epochs,
+    return {"case": case.name, "workload": case.workload, "batch_size": spec.batch, "epochs": case.epochs,
             "samples": n * case.epochs, "timing": "whole run, setup included, synchronized at both ends",
             "runs_skipped_for_budget": skipped, "results": rows}
 
@@ -116,14 +104,12 @@ def whole_run_rows(case: ts.Case, who: list[str], device: torch.device, repeats:
 def graphed_ratio(workload: str, batch: int | None, device: torch.device, warmup: int, steps: int,
                   repeats: int, budget: Budget) -> dict[str, Any]:
     """Wall time per steady step of gputrain's graphed step, and per replay of its graph alone."""
-    import step_probe
-
     from gputrain import TrainConfig
     from gputrain.train.loop.trainer import Trainer
     from gputrain.workloads import get_workload
 
-    wl = get_workload(workload, **({"n": 10000} if workload == "synthetic-cifar" else {}))
-    splits = ts._no_test(wl.make_data())
+    wl = get_workload(workload, **ts.workload_options(workload))
+    splits = ts.train_only(wl.make_data())
     sync = lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None  # noqa: E731
     walls, replays, status = [], [], None
     for _ in range(repeats):
@@ -201,18 +187,10 @@ def real_rows(names: list[str], device: torch.device, repeats: int, budget: Budg
                     continue
                 print(f"  {name} {c} (round {r + 1}/{repeats})", flush=True)
                 t0 = time.monotonic()
-                try:
-                    run = fns[c](spec, device, size["real_warmup"], size["real_steps"])
-                    row = rm.row_of(spec, c, r, run, result["flops"], peak)
-                except rm.NotAvailable as exc:
+                row, stop = rm.run_once(fns[c], spec, c, r, device, Length(size["real_steps"], size["real_warmup"]),
+                                        result["flops"], peak, missing="not installed")
+                if stop:
                     given_up.add((name, c))
-                    row = {"workload": name, "contender": c, "repeat": r, "status": "not installed",
-                           "reason": str(exc)}
-                except Exception as exc:  # one broken contender must not cost the others their figures
-                    traceback.print_exc()
-                    given_up.add((name, c))
-                    row = {"workload": name, "contender": c, "repeat": r, "status": "error",
-                           "reason": f"{type(exc).__name__}: {exc}"}
                 last[(name, c)] = time.monotonic() - t0
                 result["rows"].append(row)
                 rm._free(device)
@@ -333,18 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.benchmark = True  # every contender: fixed shapes (gputrain turns it on itself)
 
     def write(result: dict) -> None:
-        args.json.write_text(rm_json(result) + "\n")
+        write_json(args.json, result)
 
     result = run_rows(device, args.repeats, Budget(args.budget), set(args.only.split(",")) if args.only else None,
                       write, require_peers=args.require_peers)
     write(result)
     return 0 if result["status"] == "ok" else 1
-
-
-def rm_json(result: dict) -> str:
-    from gputrain.bench.common import to_json
-
-    return to_json(result)
 
 
 if __name__ == "__main__":

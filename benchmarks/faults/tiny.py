@@ -1,5 +1,5 @@
 """A tiny deterministic workload for the fault-injection runs (tests/test_faults.py,
-benchmarks/fault_injection.py): `gputrain fit tests/fault_scripts/tiny.py:workload ...`.
+benchmarks/fault_injection.py): `gputrain fit benchmarks/faults/tiny.py:workload ...`.
 
 Options (--option key=value): n (samples), inf_at (a training sample whose first input is made
 +inf: a non-finite loss at the step that draws it), sleep_ms (a pause in every training forward,
