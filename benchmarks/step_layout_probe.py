@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     trainer = Trainer(case.make_model(), so._data(case), loss_fn=case.loss_fn, config=so._config(case, 10**7, 10**7))
     minimal = so.Minimal(case)
-    x, y = next(iter(trainer.stream.loader))
+    x, y = next(iter(trainer.parts.data.stream.loader))
 
     def fresh(make_opt):
         torch.manual_seed(0)
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ours = lambda m: make_optimizer(None, m.parameters(), lr=so.LR, weight_decay=so.WEIGHT_DECAY,  # noqa: E731
                                     device=torch.device("cpu"))[0]
     pairs = {"minimal loop's model + AdamW": (minimal.model, minimal.opt),
-             "Trainer's model + optimizer": (trainer.module, trainer.optimizer),
+             "Trainer's model + optimizer": (trainer.parts.model.module, trainer.parts.optim.optimizer),
              "fresh model + AdamW": fresh(adamw),
              "fresh model + make_optimizer": fresh(ours)}
 

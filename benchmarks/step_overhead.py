@@ -296,7 +296,11 @@ def _patched(obj, name: str, value):
 
 def _variant(name: str, trainer, stack: contextlib.ExitStack) -> list[str]:
     """Switch one of gputrain's per-step additions off in `trainer`; returns what was patched
-    (empty: this tree has nothing to switch off for that variant)."""
+    (empty: this tree has nothing to switch off for that variant). Works on the trees before and after
+    the run's parts were built once (`trainer.parts`, train/loop/parts.py), so that --tree compares them."""
+    parts = getattr(trainer, "parts", None)
+    if parts is not None:
+        return _variant_parts(name, parts, stack)
     from gputrain.train.step import train_step as step_mod
 
     step = trainer.train_step
@@ -327,6 +331,37 @@ def _variant(name: str, trainer, stack: contextlib.ExitStack) -> list[str]:
         elif part == "no-schedule":
             stack.enter_context(_patched(trainer.scheduler, "step", lambda: None))
             done.append("scheduler.step")
+        elif part == "no-progress":
+            import gputrain.report.progress as progress
+
+            stack.enter_context(_patched(progress, "TrainProgress", _NullProgress))
+            done.append("TrainProgress")
+    return done
+
+
+def _variant_parts(name: str, parts, stack: contextlib.ExitStack) -> list[str]:
+    """`_variant` on a tree whose run is built into parts: the step's pieces (train/step/micro.py,
+    totals.py) and the schedule's interval (train/optim/intervals.py) are patched."""
+    from gputrain.train.step.totals import TotalsRead
+
+    step = parts.step.body
+    done: list[str] = []
+    for part in VARIANTS[1:-1] if name == "all-off" else (name,):
+        if part == "no-nan-guard":
+            zero = torch.zeros(())
+            stack.enter_context(_patched(type(step.totals), "_state_probe", lambda self: zero))
+            done.append("StepTotals._state_probe")
+        elif part == "no-weighting":
+            stack.enter_context(_patched(step.micro, "weights", lambda pieces: [1.0] * len(pieces)))
+            done.append("MicroBatches.weights")
+        elif part == "no-accumulators":
+            stack.enter_context(_patched(step.totals, "keep", lambda loss: None))
+            stack.enter_context(_patched(step.totals, "nonfinite", _NoAdd()))
+            stack.enter_context(_patched(step, "read_totals", lambda: TotalsRead(0.0, 0)))
+            done.append("StepTotals.keep/nonfinite, TrainStep.read_totals")
+        elif part == "no-schedule":
+            stack.enter_context(_patched(parts.optim.steps, "per_step", lambda: None))
+            done.append("SchedulerSteps.per_step")
         elif part == "no-progress":
             import gputrain.report.progress as progress
 
@@ -445,7 +480,7 @@ def count_ops(case: Case, variant: str) -> dict[str, Any] | None:
         if variant != "default" and not _variant(variant, trainer, stack):
             trainer.close()
             return None
-        trainer.model.train()
+        getattr(getattr(trainer, "parts", None), "model", trainer).model.train()  # either tree's model
         for _ in range(3):
             trainer.train_one_step()
         with OpCounter() as c:

@@ -45,9 +45,9 @@ def trainer_for(name: str, steps: int, **extra) -> tuple[Trainer, object, object
 
 def replay_only_us(trainer: Trainer, n: int = 500) -> float | None:
     """Microseconds per replay of the captured full-batch step, back to back."""
-    if trainer.graphed is None or trainer.graphed.graph is None:
+    if trainer.parts.step.graphed is None or trainer.parts.step.graphed.graph is None:
         return None
-    g = trainer.graphed.graph
+    g = trainer.parts.step.graphed.graph
     for _ in range(10):
         g.replay()
     torch.cuda.synchronize()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.steps * 1e6
             replay = replay_only_us(trainer)
-            deferred = bool(getattr(trainer.train_loader, "defer", False))
+            deferred = bool(getattr(trainer.parts.data.train, "defer", False))
             print(f"{name:16s} graphs {'on ' if graphs else 'off'}: {wall:8.1f} us/step wall"
                   + (f", {replay:.1f} us/step replay only, wall/replay {wall / replay:.2f}x" if replay else "")
                   + f" ({h.summary['precision']}, data {h.summary['data']}"

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gputrain.diagnostics.syncs import host_read
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -24,7 +24,8 @@ from helpers import sgd
 
 from gputrain import ConfigError, TrainConfig, fit
 from gputrain.report.html import render_report
-from gputrain.runtime import compile_cache, torch_compat
+from gputrain import torch_compat
+from gputrain.runtime import compile_cache
 from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts, named_folder
 from gputrain.runtime.compile_regions import find_repeated_blocks
 from gputrain.train import Trainer

@@ -241,7 +241,7 @@ def test_doctor_measures_the_gpu():
 def test_private_torch_names_this_torch_lacks_are_a_warning_naming_them(monkeypatch):
     """The real gather reads runtime/torch_compat: on this torch every name resolves (a pass); a torch
     without one (marked missing, as a torch without it would resolve) is a warning naming it."""
-    from gputrain.runtime import torch_compat
+    from gputrain import torch_compat
 
     assert doc.gather_probe().torch_fallbacks == []
     assert by_name(doc.run_checks(doc.gather_probe()))["torch internals"].status == "pass"

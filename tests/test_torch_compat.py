@@ -1,4 +1,4 @@
-"""Torch's private corners (gputrain/runtime/torch_compat.py), and what every supported torch must run.
+"""Torch's private corners (gputrain/torch_compat.py), and what every supported torch must run.
 
 - every entry resolves on the installed torch: one test per entry, so that a rename in a torch
   release names the entry that broke (`make test-torch TORCH=X.Y.Z` runs them on another torch);
@@ -22,7 +22,7 @@ from torch import nn
 
 import gputrain
 from gputrain.checkpoint.sharded import single_process_quiet
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 ROOT = Path(gputrain.__file__).parent
 
@@ -131,14 +131,14 @@ def test_no_module_reaches_a_private_torch_name_but_torch_compat():
     offenders, pending_seen = [], set()
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "runtime/torch_compat.py":
+        if rel == "torch_compat.py":
             continue
         uses = private_torch_uses(path.read_text())
         if rel in PENDING:
             pending_seen.add(rel) if uses else None
             continue
         offenders += [f"{rel}:{line}: {name}" for line, name in uses]
-    assert not offenders, "private torch names outside runtime/torch_compat.py (add an entry there and " \
+    assert not offenders, "private torch names outside torch_compat.py (add an entry there and " \
                           "use it):\n" + "\n".join(offenders)
     assert pending_seen == PENDING, f"no private torch name left in {sorted(PENDING - pending_seen)}: " \
                                     "remove it from PENDING"

@@ -220,14 +220,14 @@ def test_export_hf_round_trips_through_from_pretrained(tmp_path, monkeypatch, ca
     assert torch.equal(a, b)
     assert json.loads((d / "workload.json").read_text())["workload"] == "tiny_bert:make"
     from gputrain.errors import ConfigError
-    from gputrain.io.export import export_hf
+    from gputrain.export import export_hf
 
     with pytest.raises(ConfigError, match="not one: use --format safetensors"):
         export_hf(nn.Linear(2, 2), tmp_path / "nope")
 
 
 def test_a_failed_export_says_which_format_and_leaves_nothing_at_its_destination(tmp_path, monkeypatch):
-    from gputrain.io import export
+    from gputrain import export
 
     class HalfSaves(nn.Linear):
         """Looks like a Hugging Face model; its save_pretrained writes one file and then fails."""
@@ -369,7 +369,7 @@ def test_readme_examples_run_and_are_the_ones_in_the_readme(name, section, tmp_p
 def test_a_model_that_raises_before_the_onnx_export_keeps_its_error_and_names_the_inputs(example, says, tmp_path):
     """The model's own forward failing on the example inputs is the model's error, kept as raised, with
     a note of the inputs it was given; nothing is written."""
-    from gputrain.io.export import export_onnx
+    from gputrain.export import export_onnx
 
     class Fails(nn.Module):
         def forward(self, *args, **kwargs):

@@ -126,7 +126,7 @@ def count_case(make: Callable[[], dict[str, Any]], device: str, steps: int) -> d
         return {"status": "ok", "counted": found["kind"], "steps": found["steps"], "syncs": found["total"],
                 "sites": [{"where": f"{s['file']}:{s['line']}", "function": s["function"], "code": s["code"],
                            "what": s["what"], "count": s["count"]} for s in found["sites"]],
-                "graph_status": trainer.graph_status(), "precision": trainer.precision.name}
+                "graph_status": trainer.graph_status(), "precision": trainer.parts.precision.name}
     finally:
         trainer.close()
 

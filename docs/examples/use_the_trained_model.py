@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import gputrain
-from gputrain.io.export import export_safetensors
+from gputrain.export import export_safetensors
 
 g = torch.Generator().manual_seed(0)
 x = torch.randn(1200, 10, generator=g)

@@ -6,8 +6,10 @@ The public API is re-exported here; each name lives in a small module named for 
   run as one typed tree, and `train_spec`), sweeps/ (hyperparameter sweeps on Optuna).
 - Training: train/ (the step, its optimizers, evaluation, the loop), data/ (feeding the device), checkpoint/
   (a run's checkpoints), runtime/ (devices, precision, processes, speed switches), batch (nested batches:
-  move, count, split), outputs (a model's loss and logits), metric_direction (which way a metric improves).
-- Around a run: io/ (files written whole, read back checked), report/ (what a run shows), diagnostics/
+  move, count, split), outputs (a model's loss and logits), metric_direction (which way a metric improves),
+  torch_compat (torch's private names, resolved once).
+- Around a run: io/ (files written whole, read back checked), export (a trained model's weights as
+  safetensors, Hugging Face or ONNX), report/ (what a run shows), diagnostics/
   (memory and time of the step), bench/ (where the GPU wins), workloads/ (built-in and user workloads).
 - The command line: cli (`gputrain`), commands/ (one module per subcommand), __main__ (`python -m gputrain`).
 - errors (gputrain's exceptions), version, import_clock (how long `import gputrain` took).

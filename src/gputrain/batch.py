@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import DataError, DeviceError
-from gputrain.runtime.torch_compat import pytree
+from gputrain.torch_compat import pytree
 
 _register_lock = threading.Lock()
 

@@ -121,7 +121,7 @@ def _compile_mode(name: str, value: Any) -> None:
     """None, or a mode torch.compile knows (runtime/torch_compat.compile_modes)."""
     if value is None:
         return
-    from gputrain.runtime.torch_compat import compile_modes
+    from gputrain.torch_compat import compile_modes
 
     modes = compile_modes()
     if value not in modes:

@@ -24,7 +24,7 @@ from gputrain.checkpoint.names import step_file_name
 from gputrain.errors import CheckpointError
 from gputrain.io.atomic import atomic_file
 from gputrain.io.run_layout import CHECKPOINTS_DIR
-from gputrain.runtime.torch_compat import COMPILED_MODULE_ATTR
+from gputrain.torch_compat import COMPILED_MODULE_ATTR
 
 FORMAT = "gputrain-checkpoint"
 VERSION = 1

@@ -42,7 +42,7 @@ from torch import nn
 from gputrain.checkpoint.format import load_checkpoint, write_checkpoint
 from gputrain.checkpoint.names import DCP_METADATA, run_state_name
 from gputrain.errors import CheckpointError
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 FORMAT = "gputrain-dcp"
 _SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank files

@@ -37,7 +37,7 @@ from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint import sharded
 from gputrain.checkpoint.digests import files_sha256, verify, write_manifest
 from gputrain.checkpoint.names import staging_name, step_dir_name
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 from gputrain.runtime.distributed import DistInfo
 
 log = logging.getLogger("gputrain")

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from gputrain.io import export
+    from gputrain import export
     from gputrain.io.preflight import check_output_dir, check_output_file
 
     if args.out:  # before the model is built: a bad --out costs nothing

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gputrain.diagnostics import peaks
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 GiB = 2**30
 
@@ -43,7 +43,7 @@ class Probe:
     mps_available: bool = False
     mps_fallback: bool = False
     torch_hip: str | None = None  # ROCm version of an AMD build (torch.cuda then drives AMD GPUs)
-    # The private torch names gputrain uses (runtime/torch_compat.py) that this torch lacks: each then
+    # The private torch names gputrain uses (torch_compat.py) that this torch lacks: each then
     # runs its fallback. None: not looked up (a Probe built by hand).
     torch_fallbacks: list[str] | None = None
 

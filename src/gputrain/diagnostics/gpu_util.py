@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 
 class GpuUtilSampler:

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
-# The dispatcher's view needs torch's private TorchDispatchMode (runtime/torch_compat.py); without it
+# The dispatcher's view needs torch's private TorchDispatchMode (torch_compat.py); without it
 # only the Python calls are counted.
 _DispatchMode: Any = torch_compat.torch_dispatch_mode() or object
 
@@ -172,7 +172,7 @@ def _aten_ops(*names: str) -> frozenset:
 
 # The host waits for a device value: a Scalar made of a tensor (.item(), `if t:`, float(t), and a
 # 0-dim tensor passed where an op takes a Scalar), or an answer returned to Python.
-# aten's .item() (private: runtime/torch_compat.py)
+# aten's .item() (private: torch_compat.py)
 _ITEM_OPS = frozenset(op for op in (torch_compat.resolve("torch.ops.aten._local_scalar_dense"),
                                     getattr(torch.ops.aten, "item", None)) if op is not None)
 _VALUE_OPS = _ITEM_OPS | _aten_ops("is_nonzero", "equal", "allclose")

@@ -8,7 +8,8 @@
 - oom: out-of-memory errors recognized and recovered; host_memory: the steps' page faults.
 - compile_regions: torch.compile of the whole model or of its repeated block; compile_cache: compiled
   artifacts kept across processes; recompiles: torch.compile's recompilations with their reasons.
-- timing: the measuring protocol's timer; torch_compat: every private torch name, resolved once.
+- timing: the measuring protocol's timer (torch's private names: gputrain/torch_compat.py, on the ground
+  floor).
 
 A floor under the trainer: nothing here imports train, report or checkpoint.
 """

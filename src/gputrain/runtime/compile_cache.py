@@ -53,7 +53,7 @@ def use_for_inductor(folder: Path) -> Path | None:
     """Point inductor's on-disk cache at `folder`/inductor for this process (before its first
     compile: torch reads the variable on each use), unless the environment names another. Returns
     the folder now in use, or None when the user's TORCHINDUCTOR_CACHE_DIR stands."""
-    from gputrain.runtime.torch_compat import inductor_default_cache_dir
+    from gputrain.torch_compat import inductor_default_cache_dir
 
     global _set_here
     current = os.environ.get(INDUCTOR_ENV)

@@ -30,7 +30,7 @@ from torch import nn
 from gputrain.batch import OptimizerLike, torch_optimizers
 from gputrain.errors import ConfigError
 from gputrain.runtime.launch import launch_torchrun  # noqa: F401  (fit --nproc's launcher, by its usual name)
-from gputrain.runtime.torch_compat import compiled_inner
+from gputrain.torch_compat import compiled_inner
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # torchrun's store, and the process groups init_distributed made on it in this process (see there).

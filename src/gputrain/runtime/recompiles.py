@@ -7,7 +7,7 @@
     watcher.stop()
 
 Where the data comes from (dynamo's records, read only, nothing switched on; reached through
-runtime/torch_compat.py, which says what happens on a torch without them):
+torch_compat.py, which says what happens on a torch without them):
 - `torch._dynamo.utils.get_compilation_metrics()`: one CompilationMetrics per frame compilation,
   kept in a deque of the last 64. A recompilation carries `recompile_reason`, the first guard that
   failed (e.g. "0/0: tensor 'args[0]' size mismatch at index 0. expected 8, actual 3"), and every
@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 _SIZE = re.compile(r"tensor '(?P<name>[^']+)' size mismatch at index (?P<dim>\d+)\. "
                    r"expected (?P<expected>\d+), actual (?P<actual>\d+)")

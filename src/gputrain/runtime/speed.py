@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 # Where a whole step can be captured. The CPU suite adds "cpu" with its stand-in for CUDA graphs
 # (tests/graph_capture.py), so that the graph path runs there with CUDA's capture semantics.

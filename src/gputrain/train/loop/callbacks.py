@@ -38,7 +38,7 @@ from torch import nn
 from gputrain.batch import OptimizerLike
 from gputrain.errors import ConfigError
 from gputrain.metric_direction import Direction, metric_direction
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 
 if TYPE_CHECKING:
     from gputrain.config import TrainConfig

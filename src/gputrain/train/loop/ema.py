@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 from gputrain.train.loop.callbacks import Callback, RunControl
 from gputrain.train.modes import set_training
 
@@ -140,7 +140,7 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
 
 
-# The foreach ops have no public name: runtime/torch_compat.py resolves them (a per-tensor loop without).
+# The foreach ops have no public name: torch_compat.py resolves them (a per-tensor loop without).
 def _lerp_(shadow: list[torch.Tensor], live: list[torch.Tensor], weight: float) -> None:
     torch_compat.foreach_lerp_(shadow, live, weight)
 

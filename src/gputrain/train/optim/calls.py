@@ -13,7 +13,7 @@ wrapper's pre- and post-hooks (global or the optimizer's, looked at every call, 
 registered mid-run is called from its next step on), a running profiler (its trace keeps the
 "Optimizer.step#..." range), a `step` or `zero_grad` set on the instance (an LR scheduler's step
 counter, a library's wrapper) or defined by the optimizer's class in place of torch's. The wrapper,
-its hook dicts and the profiler's flag are torch's private corners (runtime/torch_compat.py): on a
+its hook dicts and the profiler's flag are torch's private corners (torch_compat.py): on a
 torch without one of them, every call goes through torch's own `step()` / `zero_grad()`.
 """
 
@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from gputrain.runtime import torch_compat
-from gputrain.runtime.torch_compat import profiler_enabled
+from gputrain import torch_compat
+from gputrain.torch_compat import profiler_enabled
 
 
 def _torch_step_wrapper_code() -> Any:

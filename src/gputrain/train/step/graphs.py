@@ -43,7 +43,7 @@ import torch
 
 from gputrain import batch as batches
 from gputrain.data.deferred import DeferredBatch, materialize
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 from gputrain.train.step.totals import StepTotals
 
 log = logging.getLogger("gputrain")
@@ -129,7 +129,7 @@ class _PythonValues:
 
 
 def _version(t: torch.Tensor) -> int:
-    """The tensor's version counter (runtime/torch_compat.py; -1 on a torch without one)."""
+    """The tensor's version counter (torch_compat.py; -1 on a torch without one)."""
     read = torch_compat.tensor_version
     return read(t) if read is not None else -1
 

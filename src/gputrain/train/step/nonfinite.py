@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gputrain.errors import ConfigError
-from gputrain.runtime import torch_compat
+from gputrain import torch_compat
 from gputrain.runtime.precision import RunPrecision
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint  # torch's name for recompute: nothing is saved to disk
 
 from gputrain.errors import ConfigError
-from gputrain.runtime.torch_compat import BATCHNORM_TYPES
+from gputrain.torch_compat import BATCHNORM_TYPES
 
 class RecomputeUnit:
     """One block that is recomputed: a module, or a run of children of an nn.Sequential (`container`,

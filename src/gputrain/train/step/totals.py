@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence, cast
 import torch
 from torch import nn
 
-from gputrain.runtime import distributed, torch_compat
+from gputrain import torch_compat
+from gputrain.runtime import distributed
 
 FOLD_EVERY = 256  # eager steps' losses kept before they are summed into the accumulator (bounded memory)
 

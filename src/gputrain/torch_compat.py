@@ -13,7 +13,7 @@ some behind a heavy import (dynamo, DCP), on first use. A missing name is logged
 with its fallback. One public API that behaves differently between releases is told apart here too
 (`dcp_stager_reusable`: torch 2.11's DCP stager stages only once).
 
-    from gputrain.runtime import torch_compat
+    from gputrain import torch_compat
     torch_compat.missing()        # [] on a torch that has everything
     torch_compat.ENTRIES["torch.autograd.profiler._is_profiler_enabled"].fallback
 """
