@@ -1,13 +1,23 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; no test leaks a process group or env var."""
+"""Shared test setup: the `gpu` marker skips without CUDA; no test leaks a process group, an env var, its
+folder, a signal handler or a torch setting; `-n auto` starts one worker per core (tests/README.md)."""
 
 import os
 
 import pytest
 import torch
+from helpers import process_state, put_back
 
 # One thread: on a busy 2-core machine OpenMP threads that spin-wait for a core make small steps
 # 100x slower; tests need correctness, not speed.
 torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (make test): one pytest-xdist worker per CPU core this process may use (its affinity:
+    a container's or taskset's share, not the host's count). Most tests run one torch thread, so a
+    worker per core keeps every core busy; tests that start processes of their own wait on them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,8 +31,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 _WATCHED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
 @pytest.fixture(autouse=True)
 def _no_leaks():
     import logging
@@ -39,8 +47,13 @@ def _no_leaks():
         logger.setLevel(logging.NOTSET)
 
     plain()
+    state = process_state()
     yield
     plain()
+    after = process_state()
+    changed = sorted(k for k in state if after[k] != state[k])
+    if changed:
+        put_back(state)
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
@@ -52,6 +65,7 @@ def _no_leaks():
     bad = sorted(k for k in added if k in _WATCHED or k.startswith("GPUTRAIN_"))
     assert not leaked_pg, "test left a torch.distributed process group initialized"
     assert not bad, f"test leaked environment variables: {bad}"
+    assert not changed, f"test left the process changed (put back now): {changed}"
 
 
 @pytest.fixture
