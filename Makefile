@@ -48,7 +48,7 @@ gpu-day-cpu:
 # uncovered_functions.txt, untaken_branches.txt), checked against docs/gpu_checklist.md.
 coverage:
 	@bash scripts/setup.sh --with-browser
-	@bash scripts/coverage.sh
+	@WORKERS=$(WORKERS) bash scripts/coverage.sh
 
 info: setup
 	$(BIN)/gputrain info

@@ -2,6 +2,7 @@
 folder, a signal handler or a torch setting; `-n auto` starts one worker per core (tests/README.md)."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, cores or 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    _group_by_shared_fixture(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: none visible to this PyTorch "
@@ -28,6 +31,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's hook, which writes each group into the test's node id
+def pytest_collection_finish(session):
+    """Under --dist loadgroup (a worker of make test) every grouped test must carry its group in its node
+    id, which is what the scheduler reads; a pytest that xdist does not follow drops it silently
+    (constraints.txt pins the pair), and the groups would be spread over the workers."""
+    if not session.config.getoption("loadgroup", False):  # set in a worker only
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        why = (f"{len(lost)} tests lost their xdist_group (first: {lost[0]}): this pytest and pytest-xdist do "
+               "not group; install the versions constraints.txt pins")
+        print(f"conftest: {why}", file=sys.__stderr__)  # xdist shows a worker's exception as its own error
+        raise pytest.UsageError(why)
+
+
+def _group_by_shared_fixture(items) -> None:
+    """Under `make test` (--dist loadgroup) a test that uses a fixture of module or class scope (one
+    Ray run, one torchrun world, one trained run directory shared by its file's tests) joins the
+    xdist_group of its file: one worker runs those tests in a row and builds the fixture once. Spread
+    over the workers, or run between other files' tests, each return to the file would build it again.
+    A test that names its own xdist_group keeps it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info is not None and any(d.scope in ("module", "class", "package")
+                                          for defs in info.name2fixturedefs.values() for d in defs)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 _WATCHED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -18,6 +18,7 @@ with a snapshot taken before it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -122,15 +123,18 @@ def snapshot(folder: Path) -> dict[str, str]:
 def work(tmp_path_factory) -> Path:
     """A working folder with run directories (digits: digits-cnn, 4 steps; its copies without
     workload.json and with a damaged checkpoint; unexportable), data files good and bad, a file
-    and a folder in the way."""
+    and a folder in the way. The runs are trained through main() here (their files are what
+    `gputrain fit` writes either way; the process rows and the tests below read them as processes)."""
     w = tmp_path_factory.mktemp("bad-inputs")
     (w / "userwl.py").write_text(USER_WORKLOADS)
     common = ("--steps", "4", "--log-every", "2", "--device", "cpu", "--precision", "fp32", "--no-tensorboard",
               "--progress", "off", "--quiet")
+    from gputrain.cli import main
+
     for workload, run in (("digits-cnn", "digits"), ("userwl.py:unexportable", "unexportable"),
                           ("userwl.py:fails_when_asked", "fails")):
-        proc = gputrain(w, "fit", workload, "--run-dir", run, *common, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        with as_a_process_would(w):  # `gputrain fit`, in this process: no interpreter to start
+            assert main(["fit", workload, "--run-dir", run, *common]) == 0
     shutil.copytree(w / "digits", w / "nowl")  # as a run of the Python API: no workload.json
     (w / "nowl" / "workload.json").unlink()
     shutil.copytree(w / "digits", w / "damaged")
@@ -444,7 +448,13 @@ def test_the_table_covers_every_subcommand():
     assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def rows(cases: list[Case]) -> list:
+    """The cases as pytest parameters: a process row carries the `processes` mark (make test-fast leaves
+    it out)."""
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.processes] if c.process else []) for c in cases]
+
+
+@pytest.mark.parametrize("case", rows(CASES))
 def test_bad_input_gets_one_line_and_changes_nothing(case: Case, work: Path, tmp_path: Path, monkeypatch, capfd,
                                                      caplog):
     check_case(case, work, tmp_path, monkeypatch, capfd, caplog)
@@ -488,36 +498,16 @@ def check_case(case: Case, work: Path, tmp_path: Path, monkeypatch, capfd, caplo
 _HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
-def run_in_process(case: Case, cwd: Path, monkeypatch, capfd, caplog) -> tuple[int, str, str]:
-    """`python -m gputrain ARGV` with `case.env`, in `cwd`, as `gputrain.cli.main(ARGV)` in this process:
-    (exit status, stdout, stderr). What the child would print and this process would not is added to
-    stderr: a warning Python's default filters show, a log record of WARNING or above that reaches the
-    root logger (logging.lastResort prints it where no handler is set). Put back afterwards: the
-    environment and folder (monkeypatch), sys.argv, sys.path, the user modules imported, torch's global
-    settings and random states, the signal handlers; a thread left running fails the case."""
-    from gputrain.cli import main
-
-    monkeypatch.chdir(cwd)
-    for key in [k for k in os.environ if launcher_variable(k)]:
-        monkeypatch.delenv(key)  # as helpers.subprocess_env leaves them out of a child's environment
-    for key, value in (("COLUMNS", "200"), ("OMP_NUM_THREADS", "1"), ("GLOO_SOCKET_IFNAME", "lo"), *case.env):
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(sys, "argv", [str(Path(main.__code__.co_filename).with_name("__main__.py")), *case.argv])
+@contextlib.contextmanager
+def as_a_process_would(cwd: Path):
+    """Run the block in `cwd`, then put back what a process of its own would have taken with it: the
+    folder, sys.path, the user's workload modules imported from files, torch's settings and the signal
+    handlers (helpers.process_state), the random states of torch, random and numpy."""
     saved_path, saved_modules, saved_state = list(sys.path), set(sys.modules), process_state()
     saved_random = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    threads = set(threading.enumerate())
-    capfd.readouterr()
-    caplog.clear()
+    os.chdir(cwd)
     try:
-        with warnings.catch_warnings(record=True) as shown:
-            warnings.simplefilter("default")
-            try:
-                code = main(list(case.argv))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if not isinstance(exc.code, (int, type(None))):
-                    print(exc.code, file=sys.stderr)  # as the interpreter prints SystemExit("text")
-        out, err = capfd.readouterr()
+        yield
     finally:
         sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:
@@ -527,6 +517,35 @@ def run_in_process(case: Case, cwd: Path, monkeypatch, capfd, caplog) -> tuple[i
         torch.set_rng_state(saved_random[0])
         random.setstate(saved_random[1])
         np.random.set_state(saved_random[2])
+
+
+def run_in_process(case: Case, cwd: Path, monkeypatch, capfd, caplog) -> tuple[int, str, str]:
+    """`python -m gputrain ARGV` with `case.env`, in `cwd`, as `gputrain.cli.main(ARGV)` in this process:
+    (exit status, stdout, stderr). What the child would print and this process would not is added to
+    stderr: a warning Python's default filters show, a log record of WARNING or above that reaches the
+    root logger (logging.lastResort prints it where no handler is set). Put back afterwards: the
+    environment and sys.argv (monkeypatch), and what `as_a_process_would` puts back; a thread left
+    running, or Ray imported here, fails the case."""
+    from gputrain.cli import main
+
+    for key in [k for k in os.environ if launcher_variable(k)]:
+        monkeypatch.delenv(key)  # as helpers.subprocess_env leaves them out of a child's environment
+    for key, value in (("COLUMNS", "200"), ("OMP_NUM_THREADS", "1"), ("GLOO_SOCKET_IFNAME", "lo"), *case.env):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [str(Path(main.__code__.co_filename).with_name("__main__.py")), *case.argv])
+    saved_modules = set(sys.modules)
+    threads = set(threading.enumerate())
+    capfd.readouterr()
+    caplog.clear()
+    with as_a_process_would(cwd), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        try:
+            code = main(list(case.argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)  # as the interpreter prints SystemExit("text")
+        out, err = capfd.readouterr()
     extra = [f"{w.category.__name__}: {w.message}" for w in shown if not issubclass(w.category, _HIDDEN_WARNINGS)]
     extra += [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "ray" in saved_modules or "ray" not in sys.modules, f"{case.id} imported Ray here: make it a process row"
@@ -538,6 +557,7 @@ def run_in_process(case: Case, cwd: Path, monkeypatch, capfd, caplog) -> tuple[i
 # ---------------------------------------------------------------- beyond the table
 
 
+@pytest.mark.processes
 def test_a_refused_resume_leaves_the_run_usable(work: Path):
     """The issue's case: a wrong-workload resume, then eval / predict / export of the run still work."""
     before = snapshot(work / "digits")
@@ -551,6 +571,7 @@ def test_a_refused_resume_leaves_the_run_usable(work: Path):
     assert (work / "p.pt").is_file() and (work / "m.safetensors").is_file()
 
 
+@pytest.mark.processes
 def test_resume_without_a_workload_continues_the_runs_own(work: Path, tmp_path: Path):
     """`gputrain fit --resume RUN/checkpoints/step-N.pt` trains the run's workload (from its
     workload.json), not the default, and goes on in RUN (not in RUN/checkpoints)."""
@@ -564,6 +585,7 @@ def test_resume_without_a_workload_continues_the_runs_own(work: Path, tmp_path: 
     assert not (run / "checkpoints" / "checkpoints").exists()
 
 
+@pytest.mark.processes
 def test_the_users_model_failing_keeps_its_traceback_with_a_note(work: Path):
     """An error raised by the user's own model is not turned into one line: its traceback stays,
     with gputrain's note of what it was doing (and on what data)."""
@@ -824,7 +846,8 @@ def test_each_command_and_failure_class_has_a_process_row():
     assert not missing and len(classes) >= 10, f"classes {sorted(classes)}: no process row for {sorted(missing)}"
 
 
-@pytest.mark.parametrize("case", CASES_HELD, ids=[c.id for c in CASES_HELD])
+@pytest.mark.processes  # `held` trains with --checkpoint-format dcp and sweeps (a trial process)
+@pytest.mark.parametrize("case", rows(CASES_HELD))
 def test_what_a_run_holds_is_never_lost(case: Case, held: Path, tmp_path: Path, monkeypatch, capfd, caplog):
     check_case(case, held, tmp_path, monkeypatch, capfd, caplog)
 
@@ -876,6 +899,7 @@ def test_a_step_of_your_own_that_misuses_the_api_says_the_fix(step_fn, error, sa
     assert type(exc).__name__ == error and re.search(says, str(exc)), f"{type(exc).__name__}: {exc}"
 
 
+@pytest.mark.processes
 def test_a_workload_builder_that_raises_keeps_its_traceback_with_a_note(held: Path, tmp_path: Path):
     """An exception in the user's own builder is their code's: its traceback stays, with gputrain's note,
     on every surface that builds the workload; and the run it was named by is left as it was."""
@@ -896,6 +920,7 @@ def test_a_workload_builder_that_raises_keeps_its_traceback_with_a_note(held: Pa
     assert snapshot(run) == before and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_a_file_workloads_run_is_found_from_another_folder(held: Path):
     """workload.json keeps a file workload with its absolute path: eval from another folder finds it."""
     assert json.loads((held / "frozen1" / "workload.json").read_text())["workload"] == \
@@ -905,6 +930,7 @@ def test_a_file_workloads_run_is_found_from_another_folder(held: Path):
     assert json.loads(proc.stdout)["step"] == 4
 
 
+@pytest.mark.processes
 def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp_path: Path):
     """torch.save's failed write (a RuntimeError, not an OSError) on a full disk: here a file-size limit."""
     import resource
@@ -922,6 +948,7 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Path, tmp_path: Path):
     """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2; the
     same command with room goes on in the folder it left (no trial had run)."""
