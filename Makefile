@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup fit test test-torch test-gpu gpu-day-cpu coverage info doctor
+.PHONY: setup fit test test-fast test-torch test-gpu gpu-day-cpu coverage info doctor
 
 setup:
 	@bash scripts/setup.sh
@@ -10,10 +10,18 @@ setup:
 fit: setup
 	$(BIN)/gputrain fit
 
-# Also installs Debian's chromium (as root, when missing) for the browser test of report.html.
+# Every CPU test, on pytest-xdist workers, one per core (-n auto: tests/conftest.py); each run ends
+# with its 25 slowest tests. Also installs Debian's chromium (as root, when missing) for the browser
+# test of report.html. WORKERS=N sets the count (WORKERS=0: one process, no workers).
+WORKERS ?= auto
 test:
 	@bash scripts/setup.sh --with-browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS)
+
+# The inner loop while changing the step, configs, data or checkpoints: the tests that are not slow
+# and start no processes of their own (tests/README.md: the rule and what it leaves out).
+test-fast: setup
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not slow and not processes"
 
 # The suite under another torch release, in a venv of its own (.venv-torch$(TORCH), git-ignored; made by
 # scripts/setup.sh, which installs exactly torch==$(TORCH), several GB with its CUDA libraries, unless
@@ -23,7 +31,7 @@ TORCH ?= 2.11.0
 PYTEST_ARGS ?=
 test-torch:
 	@GPUTRAIN_VENV=.venv-torch$(TORCH) GPUTRAIN_TORCH=$(TORCH) bash scripts/setup.sh --with-browser
-	.venv-torch$(TORCH)/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv-torch$(TORCH)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
@@ -40,7 +48,7 @@ gpu-day-cpu:
 # uncovered_functions.txt, untaken_branches.txt), checked against docs/gpu_checklist.md.
 coverage:
 	@bash scripts/setup.sh --with-browser
-	@bash scripts/coverage.sh
+	@WORKERS=$(WORKERS) bash scripts/coverage.sh
 
 info: setup
 	$(BIN)/gputrain info

@@ -41,9 +41,11 @@ rm -rf "$OUT"/.coverage* "$OUT"/html "$OUT"/coverage.json
 start=$(date +%s)
 echo "$start" > "$OUT/run_started"  # untaken_branches.py names the source files modified after it
 # -p no:cacheprovider: leave .pytest_cache alone; -p coverage_guard (scripts/coverage_guard.py): puts
-# coverage's tracer back after any test that removed it with sys.settrace; the rest as `make test` runs it.
+# coverage's tracer back after any test that removed it with sys.settrace; the rest as `make test` runs it,
+# on its pytest-xdist workers (-n, WORKERS=N to choose; each worker is a Python below the measured one,
+# so it measures itself into its own data file, as the processes the tests start do).
 PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" \
-    "$VPY" -m coverage run -m pytest -q -p no:cacheprovider -p coverage_guard "$@"
+    "$VPY" -m coverage run -m pytest -q -p no:cacheprovider -p coverage_guard -n "${WORKERS:-auto}" "$@"
 rc=$?
 echo "coverage: pytest exited $rc after $(( $(date +%s) - start )) s"
 

@@ -1,16 +1,29 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; no test leaks a process group or env var."""
+"""Shared test setup: the `gpu` marker skips without CUDA; no test leaks a process group, an env var, its
+folder, a signal handler or a torch setting; `-n auto` starts one worker per core (tests/README.md)."""
 
 import os
+import sys
 
 import pytest
 import torch
+from helpers import process_state, put_back
 
 # One thread: on a busy 2-core machine OpenMP threads that spin-wait for a core make small steps
 # 100x slower; tests need correctness, not speed.
 torch.set_num_threads(1)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (make test): one pytest-xdist worker per CPU core this process may use (its affinity:
+    a container's or taskset's share, not the host's count). Most tests run one torch thread, so a
+    worker per core keeps every core busy; tests that start processes of their own wait on them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    _group_by_shared_fixture(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: none visible to this PyTorch "
@@ -20,9 +33,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's hook, which writes each group into the test's node id
+def pytest_collection_finish(session):
+    """Under --dist loadgroup (a worker of make test) every grouped test must carry its group in its node
+    id, which is what the scheduler reads; a pytest that xdist does not follow drops it silently
+    (constraints.txt pins the pair), and the groups would be spread over the workers."""
+    if not session.config.getoption("loadgroup", False):  # set in a worker only
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        why = (f"{len(lost)} tests lost their xdist_group (first: {lost[0]}): this pytest and pytest-xdist do "
+               "not group; install the versions constraints.txt pins")
+        print(f"conftest: {why}", file=sys.__stderr__)  # xdist shows a worker's exception as its own error
+        raise pytest.UsageError(why)
+
+
+def _group_by_shared_fixture(items) -> None:
+    """Under `make test` (--dist loadgroup) a test that uses a fixture of module or class scope (one
+    Ray run, one torchrun world, one trained run directory shared by its file's tests) joins the
+    xdist_group of its file: one worker runs those tests in a row and builds the fixture once. Spread
+    over the workers, or run between other files' tests, each return to the file would build it again.
+    A test that names its own xdist_group keeps it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info is not None and any(d.scope in ("module", "class", "package")
+                                          for defs in info.name2fixturedefs.values() for d in defs)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 _WATCHED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
 @pytest.fixture(autouse=True)
 def _no_leaks():
     import logging
@@ -39,8 +81,13 @@ def _no_leaks():
         logger.setLevel(logging.NOTSET)
 
     plain()
+    state = process_state()
     yield
     plain()
+    after = process_state()
+    changed = sorted(k for k in state if after[k] != state[k])
+    if changed:
+        put_back(state)
     import torch.distributed as dist
 
     leaked_pg = dist.is_available() and dist.is_initialized()
@@ -52,6 +99,7 @@ def _no_leaks():
     bad = sorted(k for k in added if k in _WATCHED or k.startswith("GPUTRAIN_"))
     assert not leaked_pg, "test left a torch.distributed process group initialized"
     assert not bad, f"test leaked environment variables: {bad}"
+    assert not changed, f"test left the process changed (put back now): {changed}"
 
 
 @pytest.fixture

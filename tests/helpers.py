@@ -6,10 +6,12 @@
 - what tests compare: `params`, `modes`, `records_without_timings` (`TIMING_KEYS` left out),
   `assert_same_tensors`;
 - files: `file_names`, `flip_a_byte`, `png_size`, `fork_child` (a child process to kill mid-write);
+- what a test may change in its process: `process_state`, `put_back` (the conftest's `_no_leaks` checks it);
 - the command line in this process: `cli`;
-- subprocesses of the gputrain under test: `subprocess_env` (`unmeasured_env`: without `make coverage`'s
-  measurement, for a child under a file-size limit), `free_port`, `start_process`, `process_descendants`,
-  `finish_process`, `torchrun`, `run_python`, `TORCHRUN`, `DIST_SCRIPTS`.
+- subprocesses of the gputrain under test: `subprocess_env` (`launcher_variable`: what it leaves out;
+  `unmeasured_env`: without `make coverage`'s measurement, for a child under a file-size limit),
+  `free_port`, `start_process`, `process_descendants`, `finish_process`, `torchrun`, `run_python`,
+  `TORCHRUN`, `DIST_SCRIPTS`.
 """
 
 from __future__ import annotations
@@ -213,6 +215,37 @@ def fork_child(run: Callable[[int], object], error_file: Path) -> tuple[int, int
     return pid, read_fd
 
 
+# ---------------------------------------------------------------- what a test may change in its process
+
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                 if hasattr(signal, n))
+
+
+def process_state() -> dict[str, object]:
+    """What one test could change for the tests after it on the same worker (under pytest-xdist a
+    worker runs another share of the suite on each run): the folder, the handlers of the stop
+    signals, torch's thread count, determinism, matmul precision, default dtype and grad mode."""
+    return {"cwd": os.getcwd(), "signals": {s: signal.getsignal(s) for s in _SIGNALS},
+            "threads": torch.get_num_threads(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "matmul": torch.get_float32_matmul_precision(), "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled()}
+
+
+def put_back(state: dict) -> None:
+    """Undo what changed since `state = process_state()`."""
+    os.chdir(state["cwd"])
+    for sig, handler in state["signals"].items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    torch.set_num_threads(state["threads"])
+    torch.use_deterministic_algorithms(state["deterministic"][0], warn_only=state["deterministic"][1])
+    torch.set_float32_matmul_precision(state["matmul"])
+    torch.set_default_dtype(state["dtype"])
+    torch.set_grad_enabled(state["grad"])
+
+
 # ---------------------------------------------------------------- the command line and subprocesses
 
 
@@ -234,12 +267,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def launcher_variable(key: str) -> bool:
+    """Whether `key` is set by a launcher (torchrun, Slurm): a subprocess must not inherit it."""
+    return key in _LAUNCHER_VARS or key.startswith(("TORCHELASTIC_", "SLURM_"))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a subprocess of the gputrain under test: no launcher variables, one
     OpenMP thread (the machine is shared), unbuffered output, gloo on loopback, this checkout's src first on
     PYTHONPATH (absolute: it survives a cwd of tmp_path); then `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items() if not launcher_variable(k)}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     src = str(Path(gputrain.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))

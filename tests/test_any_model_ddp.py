@@ -11,6 +11,8 @@ pytest.importorskip("torchmetrics")
 
 from helpers import DIST_SCRIPTS, run_python, torchrun  # noqa: E402
 
+pytestmark = pytest.mark.processes  # every test here starts processes: make test-fast leaves them out
+
 SCRIPT = str(DIST_SCRIPTS / "dict_batches.py")
 
 

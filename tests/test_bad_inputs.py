@@ -1,28 +1,42 @@
-"""Bad input, tried as a new user would, across every subcommand: each case is its own `python -m
-gputrain` process and must exit 2 (argparse's and gputrain's status for a refused command) with
-exactly one line on stderr that says what was wrong, no traceback, and, where a run directory is
-involved, every file in it byte-identical before and after (a refused command writes nothing).
+"""Bad input, tried as a new user would, across every subcommand: each case must exit 2 (argparse's and
+gputrain's status for a refused command) with exactly one line on stderr that says what was wrong, no
+traceback, nothing on stdout, and every file of its working folder byte-identical before and after (a
+refused command writes nothing).
+
+Each case runs in a fresh copy of the working folder. Most run `gputrain.cli.main(ARGV)` in this process,
+as `python -m gputrain ARGV` would (`run_in_process`: the child's environment and folder, what a fresh
+interpreter would print for a warning or a log record, its torch settings, signal handlers, sys.path and
+imported user modules put back afterwards). The rows with `process=True` run as a real `python -m
+gputrain` process, at least one per subcommand and one per failure class (`failure_class`; held by
+`test_each_command_and_failure_class_has_a_process_row`), so that a refusal is still shown to hold as a
+process: its exit status, its stderr, its files.
 
 The run directories are trained once per module (digits-cnn for 4 steps, two tiny user workloads)
-and shared; a case that would change one fails here, not in the cases after it, because each case
-compares the directory it names with its own snapshot.
+and copied for each case; a case that would change one fails here, as each case compares its copy
+with a snapshot taken before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import random
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import subprocess_env, unmeasured_env
+from helpers import launcher_variable, process_state, put_back, subprocess_env, unmeasured_env
 
 HAS_PROC = Path("/proc/self").is_dir()  # a tree no one can create files in, not even root (Linux)
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
@@ -136,15 +150,18 @@ def snapshot(folder: Path) -> dict[str, str]:
 def work(tmp_path_factory) -> Path:
     """A working folder with run directories (digits: digits-cnn, 4 steps; its copies without
     workload.json and with a damaged checkpoint; unexportable), data files good and bad, a file
-    and a folder in the way."""
+    and a folder in the way. The runs are trained through main() here (their files are what
+    `gputrain fit` writes either way; the process rows and the tests below read them as processes)."""
     w = tmp_path_factory.mktemp("bad-inputs")
     (w / "userwl.py").write_text(USER_WORKLOADS)
     common = ("--steps", "4", "--log-every", "2", "--device", "cpu", "--precision", "fp32", "--no-tensorboard",
               "--progress", "off", "--quiet")
+    from gputrain.cli import main
+
     for workload, run in (("digits-cnn", "digits"), ("userwl.py:unexportable", "unexportable"),
                           ("userwl.py:fails_when_asked", "fails")):
-        proc = gputrain(w, "fit", workload, "--run-dir", run, *common, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        with as_a_process_would(w):  # `gputrain fit`, in this process: no interpreter to start
+            assert main(["fit", workload, "--run-dir", run, *common]) == 0
     shutil.copytree(w / "digits", w / "nowl")  # as a run of the Python API: no workload.json
     (w / "nowl" / "workload.json").unlink()
     shutil.copytree(w / "digits", w / "damaged")
@@ -186,6 +203,7 @@ class Case:
     env: tuple[tuple[str, str], ...] = ()
     rc: int = 2
     needs: str | None = None  # "proc" | "onnx" | "optuna": skipped (with the reason) where missing
+    process: bool = False  # a real `python -m gputrain` process, not main() in this one (see the docstring)
 
 
 SRUN = (("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "localhost"))
@@ -193,17 +211,19 @@ TORCHRUN = (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_AD
 
 CASES = [
     # ---------------------------------------------------------------- fit
-    Case("fit-misspelt-workload", ("fit", "digits-cnnn"), r"unknown workload 'digits-cnnn': did you mean 'digits-cnn'"),
+    Case("fit-misspelt-workload", ("fit", "digits-cnnn"), r"unknown workload 'digits-cnnn': did you mean 'digits-cnn'",
+         process=True),
     Case("fit-negative-lr", ("fit", "digits-cnn", "--lr", "-1"), r"--lr: expected a positive number, got '-1'"),
-    Case("fit-steps-and-epochs", ("fit", "digits-cnn", "--steps", "2", "--epochs", "1"), r"not allowed with"),
+    Case("fit-steps-and-epochs", ("fit", "digits-cnn", "--steps", "2", "--epochs", "1"), r"not allowed with",
+         process=True),
     Case("fit-missing-device", ("fit", "digits-cnn", "--device", "cuda:7", "--no-save"), r"cuda:7 requested"),
     # --launcher ray: refused before a Ray cluster starts (RAY_ADDRESS unset unless the case sets it)
     Case("fit-ray-not-installed", ("fit", "iris-mlp", "--launcher", "ray", "--run-dir", "r-ray"),
          r"Ray is not installed \(No module named 'ray'\): install the extra with pip install 'gputrain\[ray\]'",
-         env=(("PYTHONPATH", "no-ray"), ("RAY_ADDRESS", "")), absent="r-ray"),
+         env=(("PYTHONPATH", "no-ray"), ("RAY_ADDRESS", "")), absent="r-ray", process=True),
     Case("fit-ray-cluster-unreachable", ("fit", "iris-mlp", "--launcher", "ray", "--run-dir", "r-ray"),
          r"cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1' \(.+\): start it \(`ray start --head`\) or unset "
-         r"RAY_ADDRESS", env=(("RAY_ADDRESS", "127.0.0.1:1"),), absent="r-ray"),
+         r"RAY_ADDRESS", env=(("RAY_ADDRESS", "127.0.0.1:1"),), absent="r-ray", process=True),
     Case("fit-ray-more-workers-than-cores", ("fit", "iris-mlp", "--launcher", "ray", "--nproc", "100000"),
          r"--nproc 100000: 100000 Ray workers need 100000 CPUs \(one each\) but this machine \(a local Ray cluster\) "
          r"has \d+: use --nproc \d+ or fewer", env=(("RAY_ADDRESS", ""),)),
@@ -242,7 +262,7 @@ CASES = [
          r"cannot create run directory in-the-way/run: a file .* is in the way"),
     Case("fit-resume-another-workloads-run", ("fit", "iris-mlp", "--resume", "digits", "--run-dir", "digits"),
          r"digits belongs to a run of digits-cnn .*resume it with `gputrain fit digits-cnn --resume digits`, or "
-         r"start a new run of iris-mlp with another --run-dir", run="digits"),
+         r"start a new run of iris-mlp with another --run-dir", run="digits", process=True),
     Case("fit-into-another-workloads-run", ("fit", "iris-mlp", "--run-dir", "digits", "--steps", "1"),
          r"digits belongs to a run of digits-cnn", run="digits"),
     Case("fit-resume-another-model-no-workload-json", ("fit", "iris-mlp", "--resume", "nowl"),
@@ -252,7 +272,7 @@ CASES = [
     Case("fit-malformed-master-port", ("fit", "digits-cnn", "--resume", "digits"), r"MASTER_PORT='abc' is not an integer",
          run="digits", env=(*TORCHRUN, ("MASTER_PORT", "abc"))),
     Case("fit-malformed-world-size", ("fit", "digits-cnn", "--no-save"), r"WORLD_SIZE='two' is not an integer",
-         env=(("WORLD_SIZE", "two"),)),
+         env=(("WORLD_SIZE", "two"),), process=True),
     Case("fit-rank-beyond-world", ("fit", "digits-cnn", "--no-save"), r"RANK='5' is not an integer from 0 to 1",
          env=(*TORCHRUN[:1], ("RANK", "5"), *TORCHRUN[2:], ("MASTER_PORT", "29999"))),
     Case("fit-malformed-slurm-restart-count", ("fit", "digits-cnn", "--no-save"),
@@ -263,12 +283,14 @@ CASES = [
     Case("eval-no-such-run", ("eval", "no-such-run"), r"no-such-run: no such run directory"),
     Case("eval-run-without-checkpoints", ("eval", "empty-run"), r"empty-run: the run has no checkpoint"),
     Case("eval-damaged-checkpoint", ("eval", "damaged"),
-         r"damaged: no checkpoint verifies \(step-000004.pt: its content hash does not match", run="damaged"),
+         r"damaged: no checkpoint verifies \(step-000004.pt: its content hash does not match", run="damaged",
+         process=True),
     Case("eval-another-workload", ("eval", "digits", "--workload", "iris-mlp"),
          r"--workload names iris-mlp, but the checkpoint was trained as digits-cnn: pass --workload digits-cnn$",
          run="digits"),
     Case("eval-garbage-pt", ("eval", "digits", "--data", "garbage.pt"),
-         r"garbage.pt: not a PyTorch file, or a damaged one .*write the data with torch.save", run="digits"),
+         r"garbage.pt: not a PyTorch file, or a damaged one .*write the data with torch.save", run="digits",
+         process=True),
     Case("eval-garbage-npy", ("eval", "digits", "--data", "garbage.npy"),
          r"garbage.npy: not a readable .npy file .*numpy.save", run="digits"),
     Case("eval-pickled-objects-npy", ("eval", "digits", "--data", "objects.npy"),
@@ -297,7 +319,7 @@ CASES = [
     # ---------------------------------------------------------------- predict
     Case("predict-wrong-channels", ("predict", "digits", "--data", "three-channels.pt"),
          r"the model failed on it \(RuntimeError: .*\): inputs \(5, 3, 8, 8\) float32 where digits-cnn's are "
-         r"\(N, 1, 8, 8\) uint8", run="digits"),
+         r"\(N, 1, 8, 8\) uint8", run="digits", process=True),
     Case("predict-wrong-rank-npy", ("predict", "digits", "--data", "flat.npy"),
          r"inputs \(5, 40\) float32 where digits-cnn's are \(N, 1, 8, 8\) uint8", run="digits"),
     Case("predict-complex", ("predict", "digits", "--data", "complex.pt"), r"inputs are complex numbers", run="digits"),
@@ -310,7 +332,7 @@ CASES = [
     Case("predict-out-below-a-file", ("predict", "digits", "--data", "test", "--out", "in-the-way/p.pt"),
          r"in-the-way is a file, not a folder", run="digits"),
     Case("predict-out-unwritable", ("predict", "digits", "--data", "test", "--out", "/proc/p.pt"),
-         r"--out /proc/p.pt: cannot write in /proc", run="digits", needs="proc"),
+         r"--out /proc/p.pt: cannot write in /proc", run="digits", needs="proc", process=True),
     Case("predict-no-data", ("predict", "digits"), r"the following arguments are required: --data"),
     # ---------------------------------------------------------------- export
     Case("export-onnx-to-a-folder", ("export", "digits", "--format", "onnx", "--out", "a-folder"),
@@ -324,17 +346,19 @@ CASES = [
     Case("export-unknown-format", ("export", "digits", "--format", "tflite"), r"invalid choice: 'tflite'"),
     Case("export-onnx-exporter-fails", ("export", "unexportable", "--format", "onnx"),
          r"--format onnx failed: torch.onnx.export cannot convert this model \(.*special_i0e.*\); nothing was "
-         r"written, and the other formats still work \(--format safetensors\)", run="unexportable", needs="onnx"),
+         r"written, and the other formats still work \(--format safetensors\)", run="unexportable", needs="onnx",
+         process=True),
     # ---------------------------------------------------------------- report
     Case("report-no-such-run", ("report", "no-such-run"), r"no-such-run: no such run directory"),
-    Case("report-not-a-run", ("report", "a-folder"), r"a-folder: not a run directory"),
+    Case("report-not-a-run", ("report", "a-folder"), r"a-folder: not a run directory", process=True),
     Case("report-out-is-a-folder", ("report", "digits", "--out", "a-folder"), r"--out a-folder is a folder",
          run="digits"),
     Case("report-out-unwritable", ("report", "digits", "--out", "/proc/report.html"), r"cannot write in /proc",
          run="digits", needs="proc"),
     # ---------------------------------------------------------------- memory, profile, bench
     Case("memory-unknown-workload", ("memory", "nosuch-workload"), r"unknown workload 'nosuch-workload'"),
-    Case("memory-bad-limit", ("memory", "digits-cnn", "--limit", "lots"), r"--limit: expected a size in bytes"),
+    Case("memory-bad-limit", ("memory", "digits-cnn", "--limit", "lots"), r"--limit: expected a size in bytes",
+         process=True),
     Case("memory-zero-batch", ("memory", "digits-cnn", "--batch-size", "0"), r"expected a positive integer, got '0'"),
     Case("memory-unknown-optimizer", ("memory", "digits-cnn", "--optimizer", "lion"),
          r"argument --optimizer: invalid choice: 'lion' \(choose from 'adamw', 'adam', 'sgd'"),
@@ -347,15 +371,15 @@ CASES = [
     Case("profile-batch-size-in-words", ("profile", "digits-cnn", "--batch-size", "many"),
          r"argument --batch-size: expected a positive integer, got 'many'"),
     Case("profile-out-is-a-file", ("profile", "digits-cnn", "--out", "in-the-way"),
-         r"--out in-the-way is a file, but a folder is needed"),
+         r"--out in-the-way is a file, but a folder is needed", process=True),
     Case("bench-unknown-benchmark", ("bench", "nosuch"), r"invalid choice: 'nosuch'"),
     Case("bench-out-is-a-file", ("bench", "matmul", "--quick", "--out", "in-the-way"),
-         r"--out in-the-way is a file, but a folder is needed"),
+         r"--out in-the-way is a file, but a folder is needed", process=True),
     # ---------------------------------------------------------------- slurm
     Case("slurm-misspelt-workload", ("slurm", "digits-cnnn", "--run-dir", "/shared/run"),
          r"did you mean 'digits-cnn'"),
     Case("slurm-bad-time", ("slurm", "digits-cnn", "--run-dir", "/shared/run", "--time", "soon"),
-         r"--time 'soon': use sbatch's forms"),
+         r"--time 'soon': use sbatch's forms", process=True),
     Case("slurm-fit-args-fit-refuses", ("slurm", "digits-cnn", "--run-dir", "/shared/run", "--fit-args=--bogus 1"),
          r"`gputrain fit` on the cluster would refuse them \(unrecognized arguments: --bogus 1\)"),
     Case("slurm-fit-args-as-two-flags", ("slurm", "digits-cnn", "--run-dir", "/shared/run", "--fit-args", "--shard"),
@@ -363,7 +387,8 @@ CASES = [
     Case("slurm-output-is-a-folder", ("slurm", "digits-cnn", "--run-dir", "/shared/run", "--output", "a-folder"),
          r"--output a-folder is a folder"),
     # ---------------------------------------------------------------- sweep (more: tests/test_sweep.py)
-    Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep"),
+    Case("sweep-nothing-to-run", ("sweep",), r"give a sweep's config \(--config FILE\), or --sweep-dir of a sweep",
+         process=True),
     Case("sweep-direction-up", ("sweep", "--config", "sweep-negative-seed.toml", "--direction", "up"),
          r"argument --direction: invalid choice: 'up' \(choose from 'min', 'max'\)"),
     # ---------------------------------------------------------------- values a field refuses, from a flag, a file
@@ -392,7 +417,8 @@ CASES = [
           ("print-config-more-processes-than-cores", "iris-mlp", ("--nproc", "100000", "--print-config"),
            r"nproc must be at most \d+ \(the CPU cores of this machine"),
       )],
-    *[Case(f"fit-config-{name}", ("fit", "--config", f"{name}.toml", "--run-dir", "r-refused"), says, absent="r-refused")
+    *[Case(f"fit-config-{name}", ("fit", "--config", f"{name}.toml", "--run-dir", "r-refused"), says,
+           absent="r-refused", process=name == "uncatchable-stop-signal")
       for name, says in (
           ("uncatchable-stop-signal", r"line 4: \[train\] stop_signals: SIGKILL in stop_signals: no process can catch it"),
           ("negative-max-grad-norm", r"line 4: \[train\] max_grad_norm: max_grad_norm must be a finite number > 0, got -1"),
@@ -421,9 +447,9 @@ CASES = [
           ("accumulate-beyond-any-step", r"\[train\] accumulate: accumulate must be an integer from 1 to 65536"),
       )],
     # ---------------------------------------------------------------- info, doctor
-    Case("info-unknown-flag", ("info", "--gpus"), r"unrecognized arguments: --gpus"),
-    Case("doctor-unknown-flag", ("doctor", "--fast"), r"unrecognized arguments: --fast"),
-    Case("unknown-command", ("train", "digits-cnn"), r"invalid choice: 'train'"),
+    Case("info-unknown-flag", ("info", "--gpus"), r"unrecognized arguments: --gpus", process=True),
+    Case("doctor-unknown-flag", ("doctor", "--fast"), r"unrecognized arguments: --fast", process=True),
+    Case("unknown-command", ("train", "digits-cnn"), r"invalid choice: 'train'", process=True),
 ]
 
 
@@ -464,40 +490,116 @@ def test_the_table_covers_every_subcommand():
     assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_gets_one_line_and_changes_nothing(case: Case, work: Path):
-    check_case(case, work)
+def rows(cases: list[Case]) -> list:
+    """The cases as pytest parameters: a process row carries the `processes` mark (make test-fast leaves
+    it out)."""
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.processes] if c.process else []) for c in cases]
 
 
-def check_case(case: Case, work: Path) -> None:
-    """Run `case` in `work`: one line on stderr, its exit status, nothing on stdout, and every file in
-    `work` (every run directory, sweep and data file of the table) byte-identical afterwards, none added."""
+@pytest.mark.parametrize("case", rows(CASES))
+def test_bad_input_gets_one_line_and_changes_nothing(case: Case, work: Path, tmp_path: Path, monkeypatch, capfd,
+                                                     caplog):
+    check_case(case, work, tmp_path, monkeypatch, capfd, caplog)
+
+
+def check_case(case: Case, work: Path, tmp_path: Path, monkeypatch, capfd, caplog) -> None:
+    """Run `case` in a fresh copy of `work` (as a process where case.process, else through main() here):
+    one line on stderr, its exit status, nothing on stdout, and every file of the copy (every run
+    directory, sweep and data file of the table) byte-identical afterwards, none added."""
     if case.needs == "proc" and not HAS_PROC:
         pytest.skip("needs /proc (Linux) for a folder no one can write to")
     if case.needs == "onnx" and not HAS_ONNX:
         pytest.skip("needs onnx and onnxruntime (pip install 'gputrain[export]')")
     if case.needs == "optuna" and not HAS_OPTUNA:
         pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
-    before = snapshot(work)
-    proc = gputrain(work, *case.argv, **dict(case.env))
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.returncode == case.rc, proc.stderr[-3000:]
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{proc.stderr[-3000:]}"
-    assert proc.stdout == "", f"a refused command printed on stdout:\n{proc.stdout[-3000:]}"
+    folder = tmp_path / "w"
+    shutil.copytree(work, folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    before = snapshot(folder)
+    if case.process:
+        proc = gputrain(folder, *case.argv, **dict(case.env))
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = run_in_process(case, folder, monkeypatch, capfd, caplog)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err[-3000:]
+    assert code == case.rc, err[-3000:]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err[-3000:]}"
+    assert out == "", f"a refused command printed on stdout:\n{out[-3000:]}"
     command = case.argv[0] if case.argv[0] != "train" else ""
     assert lines[0].startswith((f"gputrain {command}: error: ", "gputrain: error: ")), lines[0]
     assert re.search(case.says, lines[0]), f"{case.says!r} not in:\n{lines[0]}"
-    after = snapshot(work)
+    after = snapshot(folder)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"{case.id} changed {changed[:8]}"
     if case.absent:
-        assert not (work / case.absent).exists(), f"{case.absent} was left behind"
+        assert not (folder / case.absent).exists(), f"{case.absent} was left behind"
+
+
+# What `python -m gputrain` prints of a warning in a fresh interpreter: every category but these, which
+# Python's default filters hide (DeprecationWarning outside __main__ included).
+_HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+@contextlib.contextmanager
+def as_a_process_would(cwd: Path):
+    """Run the block in `cwd`, then put back what a process of its own would have taken with it: the
+    folder, sys.path, the user's workload modules imported from files, torch's settings and the signal
+    handlers (helpers.process_state), the random states of torch, random and numpy."""
+    saved_path, saved_modules, saved_state = list(sys.path), set(sys.modules), process_state()
+    saved_random = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if name.startswith("_gputrain_user_") or str(cwd) in str(getattr(sys.modules[name], "__file__", "")):
+                del sys.modules[name]
+        put_back(saved_state)
+        torch.set_rng_state(saved_random[0])
+        random.setstate(saved_random[1])
+        np.random.set_state(saved_random[2])
+
+
+def run_in_process(case: Case, cwd: Path, monkeypatch, capfd, caplog) -> tuple[int, str, str]:
+    """`python -m gputrain ARGV` with `case.env`, in `cwd`, as `gputrain.cli.main(ARGV)` in this process:
+    (exit status, stdout, stderr). What the child would print and this process would not is added to
+    stderr: a warning Python's default filters show, a log record of WARNING or above that reaches the
+    root logger (logging.lastResort prints it where no handler is set). Put back afterwards: the
+    environment and sys.argv (monkeypatch), and what `as_a_process_would` puts back; a thread left
+    running, or Ray imported here, fails the case."""
+    from gputrain.cli import main
+
+    for key in [k for k in os.environ if launcher_variable(k)]:
+        monkeypatch.delenv(key)  # as helpers.subprocess_env leaves them out of a child's environment
+    for key, value in (("COLUMNS", "200"), ("OMP_NUM_THREADS", "1"), ("GLOO_SOCKET_IFNAME", "lo"), *case.env):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [str(Path(main.__code__.co_filename).with_name("__main__.py")), *case.argv])
+    saved_modules = set(sys.modules)
+    threads = set(threading.enumerate())
+    capfd.readouterr()
+    caplog.clear()
+    with as_a_process_would(cwd), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        try:
+            code = main(list(case.argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)  # as the interpreter prints SystemExit("text")
+        out, err = capfd.readouterr()
+    extra = [f"{w.category.__name__}: {w.message}" for w in shown if not issubclass(w.category, _HIDDEN_WARNINGS)]
+    extra += [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "ray" in saved_modules or "ray" not in sys.modules, f"{case.id} imported Ray here: make it a process row"
+    left = [t for t in set(threading.enumerate()) - threads if t.is_alive()]
+    assert not left, f"{case.id} left threads running: {left}"
+    return int(code), out, err + "".join(f"{line}\n" for line in extra)
 
 
 # ---------------------------------------------------------------- beyond the table
 
 
+@pytest.mark.processes
 def test_a_refused_resume_leaves_the_run_usable(work: Path):
     """The issue's case: a wrong-workload resume, then eval / predict / export of the run still work."""
     before = snapshot(work / "digits")
@@ -511,6 +613,7 @@ def test_a_refused_resume_leaves_the_run_usable(work: Path):
     assert (work / "p.pt").is_file() and (work / "m.safetensors").is_file()
 
 
+@pytest.mark.processes
 def test_resume_without_a_workload_continues_the_runs_own(work: Path, tmp_path: Path):
     """`gputrain fit --resume RUN/checkpoints/step-N.pt` trains the run's workload (from its
     workload.json), not the default, and goes on in RUN (not in RUN/checkpoints)."""
@@ -524,6 +627,7 @@ def test_resume_without_a_workload_continues_the_runs_own(work: Path, tmp_path: 
     assert not (run / "checkpoints" / "checkpoints").exists()
 
 
+@pytest.mark.processes
 def test_the_users_model_failing_keeps_its_traceback_with_a_note(work: Path):
     """An error raised by the user's own model is not turned into one line: its traceback stays,
     with gputrain's note of what it was doing (and on what data)."""
@@ -635,7 +739,7 @@ _HELD = r"writing there would destroy what the run holds; give another path"
 CASES_HELD = [
     # ---------------------------------------------------------------- an output path is never what the run holds
     Case("export-out-onto-its-checkpoint", ("export", "digits", "--out", "digits/checkpoints/step-000004.pt"),
-         r"--out digits/checkpoints/step-000004.pt is in the checkpoints of the run digits: " + _HELD),
+         r"--out digits/checkpoints/step-000004.pt is in the checkpoints of the run digits: " + _HELD, process=True),
     Case("predict-out-onto-its-checkpoint",
          ("predict", "digits", "--data", "test", "--out", "digits/checkpoints/step-000004.pt"),
          r"is in the checkpoints of the run digits: " + _HELD + r", e.g. digits/predictions.pt"),
@@ -671,7 +775,8 @@ CASES_HELD = [
                                               "--steps", "6", "--device", "cpu"),
          r"trained on another frozen base: 2 tensor\(s\) frozen in this run's model"),
     # ---------------------------------------------------------------- a sweep's study
-    *[Case(f"sweep-resume-study-db-{name}", ("sweep", "--sweep-dir", f"sweep-{name}"), says, needs="optuna")
+    *[Case(f"sweep-resume-study-db-{name}", ("sweep", "--sweep-dir", f"sweep-{name}"), says, needs="optuna",
+           process=name == "truncated")
       for name, says in (
           ("nodb", r"sweep-nodb/study.db is missing; sweep-nodb/trials holds 1 trial\(s\) \(trial-0000\) that a new "
                    r"study would train over: put the sweep's study.db back"),
@@ -697,7 +802,7 @@ CASES_HELD += [
     Case("fit-nproc-missing-device", ("fit", "digits-cnn", *NPROC, "--device", "cuda:7", "--no-save"),
          r"^gputrain fit: error: cuda requested"),
     Case("fit-nproc-resume-another-workloads-run", ("fit", "iris-mlp", *NPROC, "--resume", "digits", "--run-dir", "digits"),
-         r"digits belongs to a run of digits-cnn"),
+         r"digits belongs to a run of digits-cnn", process=True),
     Case("fit-nproc-resume-a-dcp-with-a-missing-shard",
          ("fit", "digits-cnn", *NPROC, "--device", "cpu", "--resume", "dcp-missing-shard"),
          r"dcp-missing-shard.*step-000002.dcp.*__0_0.distcp"),
@@ -705,7 +810,8 @@ CASES_HELD += [
          ("fit", "frozenwl.py:frozen", *NPROC, "--device", "cpu", "--shard", "--resume", "frozen1"),
          r"holds only the trainable parameters .*which a sharded \(FSDP\) run cannot take: resume it without --shard"),
     # ---------------------------------------------------------------- a user's workload module that cannot be loaded
-    *[Case(f"{surface}-{module.replace('_', '-')}", argv, says)
+    *[Case(f"{surface}-{module.replace('_', '-')}", argv, says, process=(surface, module) == ("fit-module-function",
+                                                                                          "brk_syntax"))
       for module, says in (("brk_syntax", r"the workload module \S*brk_syntax.py does not compile: invalid syntax "
                                           r"\(\S*brk_syntax.py, line 1\); fix it"),
                            ("brk_import", r"importing '\S*brk_import.py' failed: it needs the module "
@@ -743,9 +849,49 @@ CASES_HELD += [
 ]
 
 
-@pytest.mark.parametrize("case", CASES_HELD, ids=[c.id for c in CASES_HELD])
-def test_what_a_run_holds_is_never_lost(case: Case, held: Path):
-    check_case(case, held)
+def failure_class(case: Case) -> str:
+    """Where a row's refusal comes from, as far as the row says: each class, and each subcommand, has at
+    least one row that runs as a real process."""
+    argv = case.argv
+    if argv[:1] == ("fit",) and "ray" in argv and "--launcher" in argv:
+        return "the Ray launcher"
+    if "--nproc" in argv and "--print-config" not in argv:
+        return "a refusal in the workers of fit --nproc"
+    if re.search(r"argument|invalid choice|unrecognized arguments|are required|not allowed with", case.says):
+        return "argparse's usage"
+    if any(a.startswith("brk_") for a in argv):
+        return "a user's workload module that cannot be loaded"
+    if case.env:
+        return "the environment"
+    if "--config" in argv:
+        return "a config file"
+    if "--data" in argv and not {"--out", "--output"} & set(argv):
+        return "a data file"
+    if {"--out", "--output"} & set(argv):
+        return "an output path"
+    if case.run or case.needs == "optuna" or "--resume" in argv or case in CASES_HELD:
+        return "a run or sweep directory"
+    return "a setting or name on the command line"
+
+
+def test_each_command_and_failure_class_has_a_process_row():
+    """The rows run through main() in this process stand for processes: a refusal of each subcommand, and
+    of each failure class, is still run as a `python -m gputrain` process."""
+    from gputrain.cli import COMMANDS
+
+    rows = CASES + CASES_HELD
+    as_process = [c for c in rows if c.process]
+    commands = {c.argv[0] for c in as_process}
+    assert set(COMMANDS) | {"train"} <= commands, f"no process row for {sorted(set(COMMANDS) - commands)}"
+    classes = {failure_class(c) for c in rows}
+    missing = classes - {failure_class(c) for c in as_process}
+    assert not missing and len(classes) >= 10, f"classes {sorted(classes)}: no process row for {sorted(missing)}"
+
+
+@pytest.mark.processes  # `held` trains with --checkpoint-format dcp and sweeps (a trial process)
+@pytest.mark.parametrize("case", rows(CASES_HELD))
+def test_what_a_run_holds_is_never_lost(case: Case, held: Path, tmp_path: Path, monkeypatch, capfd, caplog):
+    check_case(case, held, tmp_path, monkeypatch, capfd, caplog)
 
 
 def _fails_with_its_fix(step_fn, optimizer=None) -> BaseException:
@@ -795,6 +941,7 @@ def test_a_step_of_your_own_that_misuses_the_api_says_the_fix(step_fn, error, sa
     assert type(exc).__name__ == error and re.search(says, str(exc)), f"{type(exc).__name__}: {exc}"
 
 
+@pytest.mark.processes
 def test_a_workload_builder_that_raises_keeps_its_traceback_with_a_note(held: Path, tmp_path: Path):
     """An exception in the user's own builder is their code's: its traceback stays, with gputrain's note,
     on every surface that builds the workload; and the run it was named by is left as it was."""
@@ -815,6 +962,7 @@ def test_a_workload_builder_that_raises_keeps_its_traceback_with_a_note(held: Pa
     assert snapshot(run) == before and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_a_file_workloads_run_is_found_from_another_folder(held: Path):
     """workload.json keeps a file workload with its absolute path: eval from another folder finds it."""
     assert json.loads((held / "frozen1" / "workload.json").read_text())["workload"] == \
@@ -824,6 +972,7 @@ def test_a_file_workloads_run_is_found_from_another_folder(held: Path):
     assert json.loads(proc.stdout)["step"] == 4
 
 
+@pytest.mark.processes
 def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp_path: Path):
     """torch.save's failed write (a RuntimeError, not an OSError) on a full disk: here a file-size limit."""
     import resource
@@ -841,6 +990,7 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Path, tmp_path: Path):
     """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2; the
     same command with room goes on in the folder it left (no trial had run)."""

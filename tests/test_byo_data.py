@@ -171,6 +171,7 @@ def test_progress_bar_and_summary_without_a_known_length(capsys):
     assert h.summary["samples_per_s"] > 0 and h.summary["steps"] == 6
 
 
+@pytest.mark.processes
 def test_workers_and_ranks_each_read_their_own_part():
     class Numbers(IterableDataset):
         def __iter__(self):
@@ -271,6 +272,7 @@ class Breaks(Dataset):
         return self.x[i], self.y[i]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_sample_that_raises_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path, workers):
     # Without shuffling sample 50 is in batch 6 (batches of 8): steps 1-6 finish, loading step 7 fails.
@@ -299,6 +301,7 @@ class RaisesAt(nn.Module):
         return self.net(inputs)
 
 
+@pytest.mark.processes
 def test_a_worker_that_dies_names_the_batch_and_the_run_checkpoints_the_last_step(tmp_path):
     """torch reports the death as the SIGCHLD handler's RuntimeError, or, when the main process was
     reading the batch the worker had queued, as a reset connection (seen on a loaded machine; the

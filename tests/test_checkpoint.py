@@ -103,6 +103,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert file_names(tmp_path) == ["ck.pt"]  # no temp file left behind
 
 
+@pytest.mark.processes
 def test_a_killed_writer_keeps_the_previous_checkpoint(tmp_path):
     """SIGKILL a process half-way through writing a checkpoint: the old one still loads, and the
     next save removes the dead writer's temp file."""

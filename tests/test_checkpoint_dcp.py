@@ -238,6 +238,7 @@ def _writer(run_dir, progress, ready_fd):
             step += 1
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks writers to kill them")
 def test_a_writer_killed_at_any_moment_of_a_dcp_save_leaves_a_verifying_checkpoint(tmp_path):
     rng = random.Random(20261124)

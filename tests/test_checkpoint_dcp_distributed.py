@@ -23,6 +23,8 @@ from gputrain.checkpoint.store import CheckpointStore
 from helpers import (TORCHRUN, finish_process, free_port, process_descendants, run_python, start_process,
                      torchrun)
 
+pytestmark = pytest.mark.processes  # every test here starts processes: make test-fast leaves them out
+
 SCRIPT = str(Path(__file__).parent / "dist_scripts" / "train_dcp.py")
 
 
@@ -152,8 +154,11 @@ def _check_reshard(tmp_path, n, m, shard):
     assert max(diffs.values()) <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
 
 
-@pytest.mark.parametrize("n,m,shard", [(2, 1, False), (2, 4, True)], ids=["ddp-2to1", "fsdp2-2to4"])
+@pytest.mark.parametrize("n,m,shard", [pytest.param(2, 1, False, id="ddp-2to1"),
+                                       pytest.param(2, 4, True, id="fsdp2-2to4", marks=pytest.mark.slow)])
 def test_a_checkpoint_of_n_processes_resumes_in_m(tmp_path, n, m, shard):
+    """fsdp2-2to4 is slow: 83 s on this machine (the serial suite, 2026-11-28, load 5-14), as four
+    processes resume what two saved (six interpreters in all, with its one-file twin)."""
     _check_reshard(tmp_path, n, m, shard)
 
 

@@ -353,6 +353,7 @@ def _fork_writer(run_dir, progress, mode, arg, delay=None, timeout=30.0):
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks writers to kill them")
 def test_writers_killed_before_their_prune_do_not_pile_up_checkpoints(tmp_path, monkeypatch):
     """Each writer killed after its save but before the prune that follows it would leave one more
@@ -390,6 +391,7 @@ def _lines_per_save(tmp_path):
     return count[0]
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks writers to kill them")
 def test_a_writer_killed_at_any_moment_leaves_a_verifying_checkpoint(tmp_path, monkeypatch):
     rng = random.Random(SEED)
@@ -446,6 +448,7 @@ def test_a_writer_killed_at_any_moment_leaves_a_verifying_checkpoint(tmp_path, m
     assert len(store.list()) <= KEEP + 1
 
 
+@pytest.mark.processes
 def test_a_write_removes_only_the_temp_files_of_writers_that_are_gone(tmp_path):
     """Several processes may write one path at once (the ranks of a run filling one data cache): a
     writer that finishes first must not remove the others' temp files mid-write (their rename then
@@ -491,6 +494,7 @@ def test_two_files_of_one_step_count_once_the_canonical_name_or_the_one_latest_n
     assert store.list() == [folder]
 
 
+@pytest.mark.processes
 def test_a_save_removes_the_temp_files_of_latest_and_the_index_left_by_a_killed_writer(tmp_path):
     """A writer killed while rewriting `latest` or index.json leaves `.NAME.<host>-<pid>.<random>.tmp`;
     those files are rewritten only when they change, so the next save (one that is not the best)

@@ -83,12 +83,17 @@ def regional(tmp_path_factory):
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_regional_run_trains_as_eager_does(regional):
+    """Slow: 93 s on this machine (the serial suite, 2026-11-28, load 5-14), as the first of its file to use
+    `regional`: that fixture's cold inductor build (C++ kernels) is counted here."""
     eager, _ = _fit(False)
     for (name, a), (_, b) in zip(eager.named_parameters(), regional["model"].named_parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")  # 3 SGD steps
 
 
+@pytest.mark.processes
 def test_a_whole_model_compiled_run_trains_as_eager_does():
     eager, _ = _fit(False)
     whole, history = _fit(True)  # the OptimizedModule is put in train mode as the model is
@@ -98,6 +103,7 @@ def test_a_whole_model_compiled_run_trains_as_eager_does():
     assert reason == "requested (mode default); whole model"
 
 
+@pytest.mark.processes
 def test_regional_compiles_one_block_frame_for_three_blocks(regional):
     assert all(b._compiled_call_impl is not None for b in regional["model"].blocks)  # each block compiled in place
     assert regional["graphs"] == 1  # one graph, shared by the three blocks
@@ -141,6 +147,7 @@ def inductor_env(monkeypatch):
     monkeypatch.setattr(compile_cache, "_set_here", None)
 
 
+@pytest.mark.processes
 def test_the_second_run_loads_the_first_runs_compile_cache(regional, tmp_path, caplog, inductor_env):
     folder = regional["run_dir"] / "compile_cache"
     assert len(list(folder.glob("*.bin"))) == 1 and len(list(folder.glob("*.json"))) == 1
@@ -274,6 +281,7 @@ def _check_parts(startup: dict, *expected: str) -> None:
     assert startup["import_s"] == import_seconds() == import_seconds()
 
 
+@pytest.mark.processes
 def test_the_time_before_the_first_step_is_named_by_part(regional, tmp_path):
     startup = regional["history"].summary["startup"]
     _check_parts(startup, "device and precision", "model moves, wrapping and compile setup", "compile cache load",
@@ -298,6 +306,7 @@ NOT_AT_IMPORT = ("tomllib", "matplotlib", "rich", "torch.utils.tensorboard", "te
                  "pandas", "transformers", "peft", "mnist1d", "torch._dynamo", "torch._inductor")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("what", ["import gputrain", "gputrain --help"])
 def test_import_and_help_leave_the_optional_and_slow_modules_unimported(what):
     import subprocess

@@ -53,6 +53,7 @@ def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
     assert len(shards[0]) == len(shards[1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_path_matches_the_same_permutation_and_resumes(workers):
     x, y = torch.randn(37, 2), torch.arange(37)
@@ -214,6 +215,7 @@ def test_a_dataset_of_dicts_goes_through_the_dataloader_and_resumes():
     assert [b["label"].tolist() for b in loader.iter_epoch(1, 3)] == [b["label"].tolist() for b in batches[3:]]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_datasets_getitems_reads_each_batch_as_the_dataloader_would(workers):
     """A dataset with __getitems__ gets the batch's index list in one call, with or without workers

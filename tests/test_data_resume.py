@@ -72,6 +72,7 @@ def test_tensors(tmp_path):
     assert torch.equal(full, resumed)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("by", ["stop_at_step", "sigterm"])
 def test_a_map_style_dataset_with_two_workers(tmp_path, by):
     full, resumed, _ = stop_and_resume(tmp_path, Samples, steps=16, stop=5, cfg={"num_workers": 2}, by=by,

@@ -76,6 +76,7 @@ def _saved(out, name):
     return torch.load(out / name, weights_only=True)
 
 
+@pytest.mark.processes
 def test_collectives_and_rank_helpers_under_torchrun(primitives):
     checks, _ = primitives
     for rank, seen in enumerate(checks):
@@ -89,6 +90,7 @@ def test_collectives_and_rank_helpers_under_torchrun(primitives):
         assert seen["second_group"] == [True, 2.0]  # after cleanup, a new group works (fit called twice)
 
 
+@pytest.mark.processes
 def test_ddp_hand_loop_with_accumulation_matches_one_process(primitives):
     checks, out = primitives
     ref, _ = P.reference(P.STEPS)
@@ -100,6 +102,7 @@ def test_ddp_hand_loop_with_accumulation_matches_one_process(primitives):
     assert checks[1]["ddp"]["non_main_state_empty"] and not checks[0]["ddp"]["non_main_state_empty"]
 
 
+@pytest.mark.processes
 def test_fsdp2_hand_loop_matches_one_process_and_defers_the_reduce_scatter(primitives):
     checks, out = primitives
     ref, _ = P.reference(P.STEPS)
@@ -115,6 +118,7 @@ def test_fsdp2_hand_loop_matches_one_process_and_defers_the_reduce_scatter(primi
     assert checks[1]["fsdp"]["non_main_state_empty"]
 
 
+@pytest.mark.processes
 def test_fsdp2_full_state_continues_in_one_plain_process(primitives):
     _, out = primitives
     saved = _saved(out, "fsdp.pt")  # optimizer state keyed by parameter name
@@ -128,6 +132,7 @@ def test_fsdp2_full_state_continues_in_one_plain_process(primitives):
     assert_same_tensors(model.state_dict(), ref.state_dict(), atol=1e-5)
 
 
+@pytest.mark.processes
 def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
     checks, out = primitives
     ref, ref_opt = P.reference(P.STEPS + P.MORE)
@@ -142,6 +147,7 @@ def test_one_process_state_loads_under_ddp_and_fsdp2(primitives):
 # ---------------------------------------------------------------- through gputrain.fit
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate):
     steps = 8
@@ -160,6 +166,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, accumulate
     assert not torch.allclose(_params(tmp_path / "two")["net.0.weight"], _initial_first_weight(), atol=1e-3)
 
 
+@pytest.mark.processes
 def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     fsdp, one = tmp_path / "fsdp", tmp_path / "one"
     proc = torchrun([SCRIPT, str(fsdp), "16", "2", "1", "6"])  # accumulate 2: no_sync on FSDP2 too
@@ -181,6 +188,7 @@ def test_fsdp2_trains_and_its_checkpoint_resumes_in_one_process(tmp_path):
     assert_same_tensors(_params(one), _params(fsdp), atol=1e-5)
 
 
+@pytest.mark.processes
 def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     start = time.monotonic()
     proc = torchrun([SCRIPT, str(tmp_path / "fail"), "16", "1", "0", "8", "raise"], timeout=90)
@@ -190,6 +198,7 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert elapsed < 60, f"torchrun took {elapsed:.0f} s to stop after a rank failed"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 def test_a_hung_job_is_killed_whole_on_timeout(tmp_path):
     # The harness itself: a timeout must fail the test promptly and leave no worker behind.
@@ -212,6 +221,7 @@ def test_a_hung_job_is_killed_whole_on_timeout(tmp_path):
         assert state in ("Z", "X"), f"worker {pid} still running (state {state})"  # a zombie awaits init
 
 
+@pytest.mark.processes
 def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     run = tmp_path / "restart"
     proc = torchrun([SCRIPT, str(run), "16", "1", "0", "12", "kill-once"], extra=["--max-restarts=1"], timeout=240)
@@ -227,6 +237,7 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path):
     assert_same_tensors(_params(tmp_path / "one"), _params(run), atol=1e-5)
 
 
+@pytest.mark.processes
 def test_two_nodes_rendezvous_on_loopback(tmp_path):
     # Two launchers stand in for two machines. Both endpoints are this machine, so each would offer
     # to host the rendezvous store: is_host names the one that does (on real machines the one whose
@@ -249,7 +260,11 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["effective_batch"] == 32
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache_dir):
+    """Slow: 61 s on this machine (the serial suite, 2026-11-28, load 5-14): `gputrain fit` once in one process
+    and once under --nproc 2 (torchrun and two workers), mnist1d built first."""
     def gputrain_fit(*args, timeout=180):
         cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--steps", "20", "--json",
                *args]
@@ -496,9 +511,14 @@ def test_cli_main_passes_its_own_argv_to_the_launcher(monkeypatch):
     assert seen == {"nproc": 2, "argv": ["fit", "mnist1d-mlp", "--steps", "3"], "max_restarts": 1}
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 def test_sigterm_to_fit_nproc_checkpoints_every_rank_and_exits_143(tmp_path, cache_dir):
     """A scheduler's SIGTERM to `gputrain fit --nproc 2`: the ranks stop at an agreed step, save one
-    checkpoint, and the launcher exits 143; --resume then finishes the run."""
+    checkpoint, and the launcher exits 143; --resume then finishes the run.
+
+    Slow: 78 s on this machine (the serial suite, 2026-11-28, load 5-14): torchrun and two workers start twice
+    (stopped, then resumed), mnist1d built first."""
     cmd = [sys.executable, "-m", "gputrain", "fit", "mnist1d-mlp", "--device", "cpu", "--batch-size", "32",
            "--steps", "100000", "--log-every", "10", "--run-dir", "run", "--nproc", "2", "--no-tensorboard"]
     env = subprocess_env(GPUTRAIN_CACHE=str(cache_dir))

@@ -15,6 +15,8 @@ import pytest
 
 from benchmarks.faults import harness as fi
 
+pytestmark = pytest.mark.processes  # every test here starts processes: make test-fast leaves them out
+
 
 @pytest.fixture(scope="module")
 def h(tmp_path_factory):
@@ -79,12 +81,18 @@ def test_preflight_on_a_too_small_tmpfs_is_one_line_and_exit_2(h, tmpfs):
     assert trial.ok, trial.detail
 
 
+@pytest.mark.slow
 def test_torchrun_sigterm_to_one_rank_both_stop_at_one_step_one_checkpoint_resume_exact(h):
+    """Slow: 195 s on this machine (the serial suite, 2026-11-28, load 5-14): a 2-rank torchrun stopped by
+    SIGTERM, resumed, and its uninterrupted 2-rank reference, each three interpreters."""
     trial = fi.trial_torchrun(h, random.Random(10))
     assert trial.ok, trial.detail
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_of_a_dcp_checkpoint_falls_back_naming_the_file_and_ends_exact(h):
+    """Slow: 157 s on this machine (the serial suite, 2026-11-28, load 5-14): 2-rank torchrun runs writing DCP
+    checkpoints (the damaged one, its resume and the reference)."""
     from benchmarks.faults import dcp as fault_harness_dcp
 
     trial = fault_harness_dcp.trial_dcp_damaged(h, random.Random(11))

@@ -127,6 +127,7 @@ def test_user_workload_module_function(tmp_path, monkeypatch, capsys):
     assert summary["final_eval_accuracy"] > 0.9
 
 
+@pytest.mark.processes
 def test_console_script_runs_fit_quickly(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gputrain", "fit", "linear-regression", "--device", "cpu",
                            "--epochs", "2", "--no-save", "--json"], capture_output=True, text=True, timeout=120,

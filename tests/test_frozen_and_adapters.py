@@ -492,6 +492,7 @@ def test_the_readme_lora_example_runs_and_is_the_one_in_the_readme(tmp_path, mon
 # ---------------------------------------------------------------- several processes
 
 
+@pytest.mark.processes
 def test_a_frozen_base_under_two_processes(tmp_path):
     """DDP with one-file checkpoints: trainable-only, resumed bit-equal to the uninterrupted run; the
     sharded format keeps every weight; another base and FSDP are refused, each with its reason."""

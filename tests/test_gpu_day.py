@@ -26,6 +26,7 @@ def _day(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     return rc, json.loads((out / "gpu_day.json").read_text()), (out / "gpu_day.md").read_text()
 
 
+@pytest.mark.processes
 def test_a_missing_zoo_is_reported_not_present_and_the_day_passes(tmp_path):
     rc, day, md = _day(tmp_path, "--parts", "b", "--zoo-tests", "tests/no_such_zoo.py")
     assert rc == 0
@@ -34,6 +35,7 @@ def test_a_missing_zoo_is_reported_not_present_and_the_day_passes(tmp_path):
     assert day["environment"]["torch"] and day["command"].startswith("python -m benchmarks.gpu_day.day --device cpu")
 
 
+@pytest.mark.processes
 def test_the_zoo_runs_on_the_named_device_and_its_cases_come_from_the_junit_xml(tmp_path):
     zoo = tmp_path / "test_tiny_zoo.py"
     zoo.write_text("import os\n"
@@ -48,6 +50,7 @@ def test_the_zoo_runs_on_the_named_device_and_its_cases_come_from_the_junit_xml(
     assert "the loss differs" in md
 
 
+@pytest.mark.processes
 def test_a_part_that_crashes_or_overruns_fails_the_day_and_the_next_is_skipped(tmp_path, monkeypatch):
     def crashing(args, work, budget):
         return [sys.executable, "-c", "import no_such_module_of_the_day"], {}, work / "syncs.json"
@@ -141,6 +144,7 @@ def test_first_step_reports_medians_of_its_rounds_and_an_error_in_any_round():
     assert first_step.medians([killed])["timed_out"] is True
 
 
+@pytest.mark.processes
 def test_a_first_step_case_past_its_end_is_killed_and_reported_timed_out(tmp_path):
     spec = first_step.plan(["gpt-mini"], tmp_path, "cpu", first_step.sizes("cpu"))[1]  # the eager hand loop
     t0 = __import__("time").monotonic()
@@ -242,6 +246,7 @@ def test_the_day_names_the_next_device_call_from_what_failed_was_cut_short_or_ne
         in (tmp_path / "failed.md").read_text()
 
 
+@pytest.mark.processes
 def test_a_cuda_day_without_a_gpu_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
     import torch
 
@@ -268,6 +273,7 @@ def test_a_smoke_only_that_is_no_regular_expression_is_one_clear_line(capsys):
     assert "--smoke-only '^(profile|report$' is not a regular expression" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_the_output_and_the_summary_start_with_the_device_name_and_the_torch_version(tmp_path, capsys):
     import torch
 

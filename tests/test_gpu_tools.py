@@ -65,6 +65,7 @@ def test_smoke_filters_and_cpu_mode(tmp_path):
     assert all("--device cpu" in ln.command for ln in lines)
 
 
+@pytest.mark.processes
 def test_smoke_runs_lines_and_writes_one_summary_with_the_error_tail(tmp_path):
     """Two real subprocesses through the scheduler: one passes, one fails; the JSON counts them and
     the Markdown shows the failing command and the end of its output."""

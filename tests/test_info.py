@@ -110,6 +110,7 @@ def test_info_tables_render(capsys):
     assert f"PyTorch {torch.__version__}" in out and "cpu" in out
 
 
+@pytest.mark.processes
 def test_info_command_is_fast():
     exe = Path(sys.executable).with_name("gputrain")  # the installed console script, as a user runs it
     t0 = time.perf_counter()

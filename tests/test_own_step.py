@@ -236,13 +236,18 @@ def test_a_callback_changes_every_optimizers_learning_rate():
     assert history.records[-1]["lr_generator"] == history.records[-1]["lr_discriminator"] == 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
 def test_two_processes_average_each_optimizers_gradients_and_resume_exactly(sharding, tmp_path):
     """Two processes (gloo, torchrun) with a step of your own and two optimizers: the step context
     averages each optimizer's gradients (ddp), or FSDP2's hooks reduce-scatter them in backward and
     the context leaves them be (fsdp2: shard=True, the parameters sharded DTensors), so 2 x 32
     samples step like one process's 64; stopped at step 4 (sharded checkpoints, every optimizer by
-    name) and resumed, the run ends where the uninterrupted one does."""
+    name) and resumed, the run ends where the uninterrupted one does.
+
+    Slow: 85-88 s each on this machine (the serial suite, 2026-11-28, load 5-14): three torchrun starts
+    (uninterrupted, stopped, resumed), each three interpreters."""
     import json
 
 

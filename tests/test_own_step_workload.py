@@ -80,6 +80,7 @@ def test_optimizer_settings_on_a_built_in_step_are_refused(tmp_path, capsys, mon
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.processes
 def test_a_sweep_searches_a_named_optimizers_lr(tmp_path):
     optuna = pytest.importorskip("optuna")
     import gputrain

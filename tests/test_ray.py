@@ -20,8 +20,11 @@ from gputrain.checkpoint.read import read_checkpoint
 from gputrain.checkpoint.store import CheckpointStore
 from helpers import finish_process, start_process, subprocess_env
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="needs Ray (pip install 'gputrain[ray]')")
+# One worker runs this file's tests in a row: two local Ray clusters at once would each count the
+# machine's cores as their own.
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.processes,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="needs Ray (pip install 'gputrain[ray]')")]
 
 SCRIPT = str(Path(__file__).parent / "dist_scripts" / "ray_train_func.py")
 
@@ -101,7 +104,7 @@ def test_fit_on_a_ray_worker_takes_rays_process_group_as_it_is(api_run):
                         "initialized_after": True}, seen
 
 
-def test_ray_workers_shard_the_data_as_one_process_with_the_same_global_batch(api_run):
+def test_ray_workers_shard_the_data_as_one_process_with_the_same_global_batch(api_run, monkeypatch):
     """Each worker trained on its half of each global batch (DDP): one process with the global batch
     ends at the same weights (as under torchrun, tests/test_distributed.py)."""
     import importlib
@@ -110,6 +113,8 @@ def test_ray_workers_shard_the_data_as_one_process_with_the_same_global_batch(ap
 
     from gputrain import TrainConfig, fit
 
+    # the script reads its OUT from sys.argv when imported (a pytest-xdist worker's argv holds no more than -c)
+    monkeypatch.setattr(sys, "argv", [SCRIPT, str(api_run)])
     sys.path.insert(0, str(Path(SCRIPT).parent))
     try:
         data = importlib.import_module("ray_train_func").data
@@ -143,11 +148,16 @@ def test_rays_result_knows_the_latest_and_the_best_checkpoint_with_their_metrics
 # ---------------------------------------------------------------- gputrain fit --launcher ray
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_restarts_the_group_which_resumes_exactly_where_torchrun_ends(tmp_path):
     """`fit --launcher ray --nproc 2 --max-restarts 1 --ray-storage store`: rank 1 dies by SIGKILL inside
     step 7; Ray restarts the group, which resumes from the newest checkpoint Ray holds in the storage
     named (step 4) and ends bit-equal to an uninterrupted `fit --nproc 2` under torchrun, with the same
-    run directory."""
+    run directory.
+
+    Slow: 112 s on this machine (the serial suite, 2026-11-28, load 5-14): a local Ray cluster starts, a worker
+    sleeps 10 s before its SIGKILL so that Ray takes step 4's checkpoint, the group restarts; then the torchrun
+    twin."""
     (tmp_path / "killwl.py").write_text(KILLED_ONCE)
     common = ("fit", "killwl.py:make", "--nproc", "2", "--steps", "12", "--log-every", "2", "--checkpoint-every", "4",
               "--device", "cpu", "--no-tensorboard")  # the run log on (--json would quiet it)

@@ -8,6 +8,7 @@ records look the same there.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import mlp
 
@@ -68,6 +69,7 @@ def test_graph_break_is_reported():
     assert "1 graph break:" in report["summary"]
 
 
+@pytest.mark.processes
 def test_inductor_with_backward_reports_the_same():
     from torch._dynamo.utils import get_compilation_metrics
 

@@ -445,6 +445,7 @@ def browser(tmp_path_factory):
     b.close()
 
 
+@pytest.mark.processes
 def test_browser_renders_the_report(browser, run_copy, tmp_path):
     h = _with_summary(run_copy, **GPU_EXTRAS)
     (run_copy / "profile_summary.json").write_text(json.dumps(PROFILE))
@@ -475,6 +476,7 @@ def test_browser_renders_the_bench_index(browser, tmp_path):
     assert got["errors"] == [] and [u for u in got["requests"] if not u.startswith(("file:", "data:"))] == []
 
 
+@pytest.mark.processes
 def test_browser_check_catches_broken_pages(browser, tmp_path):
     """The checks above can fail: a broken image, a console error, an exception and a remote URL are seen."""
     _bench_results(tmp_path)  # writes memory.png, a real plot

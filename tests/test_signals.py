@@ -156,6 +156,7 @@ def test_one_process_agrees_with_itself():
     assert agree_to_stop(True, DistInfo(enabled=True, world_size=2)) is True
 
 
+@pytest.mark.processes
 def test_two_gloo_ranks_agree_when_only_rank_1_got_the_signal(tmp_path):
     script = Path(__file__).parent / "dist_scripts" / "agree_to_stop.py"
     src = str(Path(checkpoint.__file__).resolve().parents[2])

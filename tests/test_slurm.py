@@ -93,6 +93,7 @@ def _stub_scontrol(folder: Path, requeue: int) -> tuple[dict[str, str], Path]:
     return {"PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}, log
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("hangs", [True, False])
 def test_an_scontrol_that_hangs_or_fails_is_a_warning_within_a_bounded_wait(tmp_path, monkeypatch, caplog, hangs):
     """The stop's checkpoint is written by then: a slurmctld that does not answer (or an scontrol that
@@ -114,6 +115,7 @@ def test_an_scontrol_that_hangs_or_fails_is_a_warning_within_a_bounded_wait(tmp_
     assert ("no answer in 1 s" in caplog.text) is hangs
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("requeue,sig,called", [(1, signal.SIGUSR1, True), (0, signal.SIGUSR1, False),
                                                 (1, signal.SIGTERM, False), (1, None, False)])
 def test_requeue_only_after_slurms_sigusr1_and_only_when_requeuable(tmp_path, requeue, sig, called):
@@ -152,6 +154,7 @@ def _srun(tmp_path, job_id: int, extra_env: dict[str, str], *fit_args: str):
     return procs
 
 
+@pytest.mark.processes
 def test_sigusr1_under_slurm_checkpoints_requeues_and_the_next_start_resumes(tmp_path):
     path, log = _stub_scontrol(tmp_path / "bin", requeue=1)
     (tmp_path / "run").mkdir()  # the sbatch script's mkdir -p

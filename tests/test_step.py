@@ -355,6 +355,7 @@ def test_bf16_autocast_through_fit_on_the_cpu():
     assert h.summary["final_eval_accuracy"] > 0.7
 
 
+@pytest.mark.processes
 def test_compile_trains_on_the_cpu_and_reports_a_planted_recompilation():
     x, y = data(40)  # batches of 16, 16 and a last partial one of 8: dim 0 changes under compile
     torch._dynamo.reset()  # dynamo remembers shapes per code object across tests (automatic dynamic)

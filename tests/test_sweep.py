@@ -64,8 +64,12 @@ def _trials(sweep_dir: Path):
 # ---------------------------------------------------------------- the issue's test: 8 trials, 2 workers, killed, resumed
 
 
+@pytest.mark.slow
+@pytest.mark.processes
 @needs_optuna
 def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
+    """Slow: 89 s on this machine (the serial suite, 2026-11-28, load 5-14): a sweep of trial processes is
+    killed, then resumed to its budget."""
     import optuna
     from optuna.trial import TrialState
 
@@ -133,6 +137,7 @@ def test_a_killed_sweep_resumes_and_optuna_reads_the_study(tmp_path, capsys):
     assert json.loads(stdout)["summary"]["final_eval_loss"] == study.best_value
 
 
+@pytest.mark.processes
 @needs_optuna
 def test_sigterm_to_the_sweep_stops_its_workers_and_exits_143_leaving_the_trials_to_run_again(tmp_path):
     """A job scheduler's SIGTERM to the sweep (not to its process group): the sweep passes it on, each
@@ -186,6 +191,7 @@ def small_sweep(tmp_path_factory):
     return folder, result, events
 
 
+@pytest.mark.processes
 def test_sweep_from_python_returns_the_best_trial(small_sweep):
     folder, result, events = small_sweep
     assert [e["trial"] for e in sorted(events, key=lambda e: e["trial"])] == [0, 1]
@@ -197,6 +203,7 @@ def test_sweep_from_python_returns_the_best_trial(small_sweep):
     assert result.storage == f"sqlite:///{(folder / 's').resolve()}/study.db"
 
 
+@pytest.mark.processes
 def test_a_resumed_sweep_keeps_its_trials_and_runs_up_to_the_new_budget(small_sweep, tmp_path):
     import shutil
 
@@ -212,6 +219,7 @@ def test_a_resumed_sweep_keeps_its_trials_and_runs_up_to_the_new_budget(small_sw
     assert "trials = 3" in (copy / "sweep.toml").read_text()
 
 
+@pytest.mark.processes
 @needs_optuna
 def test_a_sweep_directory_of_another_study_is_refused_and_left_as_it_was(small_sweep, tmp_path, capsys):
     folder, _, _ = small_sweep
@@ -232,6 +240,7 @@ def test_a_sweep_directory_of_another_study_is_refused_and_left_as_it_was(small_
 # ---------------------------------------------------------------- a metric no trial reports
 
 
+@pytest.mark.processes
 @needs_optuna
 def test_a_metric_no_trial_reports_stops_the_sweep_in_one_line(tmp_path, capsys):
     from optuna.trial import TrialState
@@ -382,6 +391,7 @@ def test_the_default_folder_is_named_for_the_config_so_the_same_command_resumes(
     assert plan_sweep(tree).sweep_dir == Path("sweeps") / "iris-mlp"
 
 
+@pytest.mark.processes
 def test_optuna_is_imported_only_when_a_sweep_runs():
     code = "import sys, gputrain; gputrain.sweep; gputrain.SweepResult; print('optuna' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
@@ -523,6 +533,7 @@ def test_the_sweep_page_shows_every_trial_and_the_best_so_far():
 # ---------------------------------------------------------------- the README's example
 
 
+@pytest.mark.processes
 @needs_optuna
 def test_the_readmes_sweep_example_runs_and_is_the_one_in_the_readme(tmp_path, monkeypatch, capsys):
     import runpy

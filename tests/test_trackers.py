@@ -142,6 +142,7 @@ def _finished_records(path: Path, timeout_s: float = 60.0) -> list:
         time.sleep(0.2)
 
 
+@pytest.mark.processes
 def test_wandb_offline_run_read_back(tracker_env):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'gputrain[track]')")
     run_dir = tracker_env / "run"
@@ -206,6 +207,7 @@ def test_a_tracker_failing_mid_run_is_dropped_with_a_warning(tmp_path, monkeypat
     assert warning == "flaky tracking is off for this run: ConnectionError: server went away (training goes on)"
 
 
+@pytest.mark.processes
 def test_the_cli_takes_several_loggers(tracker_env, capsys):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'gputrain[track]')")
     from gputrain import cli
@@ -255,6 +257,7 @@ def test_a_failed_run_is_marked_failed_in_mlflow(tracker_env):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [4]  # the log point before
 
 
+@pytest.mark.processes
 def test_a_failed_run_exits_1_in_wandb(tracker_env):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'gputrain[track]')")
     run_dir = tracker_env / "run"

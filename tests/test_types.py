@@ -46,6 +46,7 @@ def _describe(d: dict) -> str:
     return f"{where}:{line}: [{d.get('rule', '?')}] {d['message']}"
 
 
+@pytest.mark.processes
 def test_the_package_has_no_type_errors():
     errors = [d for d in _check(cwd=REPO) if d["severity"] == "error"]
     assert not errors, f"basedpyright reports {len(errors)} error(s) in src/gputrain:\n" + "\n".join(
@@ -64,6 +65,7 @@ def _project_settings() -> dict:
     return settings
 
 
+@pytest.mark.processes
 def test_the_gate_fails_on_a_misspelled_torch_call(tmp_path):
     """The bug class the gate exists for: torch.cuda.getdevice_name (for get_device_name) crashed
     every CUDA run, and only on CUDA, so no CPU test saw it."""

@@ -279,6 +279,7 @@ def twin_runs(tmp_path_factory):
     return base
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("checkpoint", ["best", "last", "step-000003"])
 def test_eval_and_predict_of_a_sharded_run_match_its_one_file_twin(twin_runs, checkpoint, tmp_path, capsys):
     from gputrain import cli
