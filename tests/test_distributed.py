@@ -285,6 +285,7 @@ def test_fit_nproc_equals_one_process_with_the_same_global_batch(tmp_path, cache
     assert_same_tensors(_params(tmp_path / "one"), _params(tmp_path / "two"), atol=1e-5)
 
 
+@pytest.mark.processes
 def test_fit_config_with_nproc_trains_in_torchruns_processes_and_returns_the_history(tmp_path, monkeypatch, capfd):
     """gputrain.fit_config(..., nproc=2) from Python: the launch decision below the command line
     (runs/launch.py) starts torchrun's two processes (gloo on loopback), which train the spec
