@@ -10,9 +10,10 @@ setup:
 fit: setup
 	$(BIN)/gputrain fit
 
-# Also installs Debian's chromium (as root, when missing) for the browser test of report.html.
+# Also installs Debian's chromium and postgresql (as root, when missing) for the browser test of report.html
+# and the tests of a sweep's study on a database server.
 test:
-	@bash scripts/setup.sh --with-browser
+	@bash scripts/setup.sh --with-browser --with-postgres
 	$(BIN)/python -m pytest -q
 
 # The suite under another torch release, in a venv of its own (.venv-torch$(TORCH), git-ignored; made by

@@ -333,7 +333,7 @@ def test_the_sweep_flags_are_its_settings_fields_and_refuse_as_the_file_does():
     add_arguments(p)
     dests = {a.dest: a.option_strings for a in p._actions}
     flagged = [f for f in dataclasses.fields(SweepSettings) if flags_of(f)]
-    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir"}
+    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir", "storage", "study"}
     for f in flagged:
         assert dests[f.name] == list(flags_of(f)[0].names), f.name
     assert given(p.parse_args([]), SweepSettings) == {}
