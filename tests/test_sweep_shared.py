@@ -176,6 +176,8 @@ def test_two_sweeps_on_one_study_one_killed_with_minus_9_its_trial_retried_by_th
         assert postgres.password not in printed
         assert postgres.password not in _written(tmp_path / folder), f"the password is in a file under {folder}"
     assert "***@127.0.0.1" in a_err  # shown masked
+    recorded = json.dumps([study.user_attrs, [(t.user_attrs, t.system_attrs) for t in trials]], default=str)
+    assert postgres.password not in recorded and "gputrain_sweep" in recorded  # nor in what the study records
 
 
 # ---------------------------------------------------------------- the server restarted mid-sweep

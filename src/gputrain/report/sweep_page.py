@@ -90,12 +90,12 @@ def render_sweep_page(rows: list[dict[str, Any]], *, name: str, metric: str, dir
             "<div class='cards'>" + "".join(f"<div class='card'><div class='l'>{_e(k)}</div><div class='v'>{_e(v)}"
                                             "</div></div>" for k, v in cards) + "</div>"]
     if best_row:
-        best = next(r for r in rows if r["number"] == best_row["number"])
-        params = ", ".join(f"{k} = {short(v)}" for k, v in best["params"].items())
-        link = f" (<a href='{_e(best['run_dir'])}/{REPORT_FILE}'>its run</a>)" if best.get("run_dir") else \
-            f" (its run: {_e(_where(best))})" if best.get("machine") else ""
-        body.append(f"<section id='best'><h2>Best trial</h2><p>trial {best['number']}: {_e(metric)} "
-                    f"{_e(short(best['value']))} with {_e(params)}{link}</p></section>")
+        top = next(r for r in rows if r["number"] == best_row["number"])
+        params = ", ".join(f"{k} = {short(v)}" for k, v in top["params"].items())
+        link = f" (<a href='{_e(top['run_dir'])}/{REPORT_FILE}'>its run</a>)" if top.get("run_dir") else \
+            f" (its run: {_e(_where(top))})" if top.get("machine") else ""
+        body.append(f"<section id='best'><h2>Best trial</h2><p>trial {top['number']}: {_e(metric)} "
+                    f"{_e(short(top['value']))} with {_e(params)}{link}</p></section>")
     plot = sweep_plot(rows, metric, direction)
     body.append("<section id='trials-plot'><h2>The metric per trial</h2>" + (
         f"<figure class=wide><img src='{plot}' alt='{_e(metric)} per trial and the best so far'><figcaption>"

@@ -50,6 +50,7 @@ class Place:
     url: str
     name: str
     heartbeat: int = 30
+    folder: str = ""  # SQLite's: the sweep folder as given (its study.lock; named so in messages)
 
     @property
     def shared(self) -> bool:
@@ -72,7 +73,7 @@ class Place:
 
 
 def sqlite_place(sweep_dir: str | Path, name: str) -> Place:
-    return Place("sqlite", f"sqlite:///{Path(sweep_dir).resolve() / 'study.db'}", name)
+    return Place("sqlite", f"sqlite:///{Path(sweep_dir).resolve() / 'study.db'}", name, folder=str(sweep_dir))
 
 
 # ---------------------------------------------------------------- the URL, checked as written
@@ -232,7 +233,7 @@ def _why(exc: BaseException) -> str:
     e: BaseException = exc
     for _ in range(3):  # optuna's StorageInternalError -> SQLAlchemy's error -> the driver's (.orig)
         if getattr(e, "orig", None) is not None:
-            e = e.orig  # type: ignore[union-attr]
+            e = getattr(e, "orig")
             break
         if e.__cause__ is None:
             break

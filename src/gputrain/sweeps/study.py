@@ -73,7 +73,7 @@ def guard(place: Place):
     """The lock around a read or write of the study: SWEEP_DIR/study.lock for SQLite (its one process
     at a time); nothing for a server or a journal file, which order their writers themselves."""
     if place.kind == "sqlite":
-        return access(Path(place.url.removeprefix("sqlite:///")).parent)
+        return access(place.folder)
     return contextlib.nullcontext()
 
 
