@@ -28,8 +28,7 @@ from postgres_server import PostgresServer, find_binaries
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 HAS_PSYCOPG = __import__("importlib.util").util.find_spec("psycopg") is not None
-pytestmark = pytest.mark.skipif(not (HAS_OPTUNA and HAS_PSYCOPG),
-                                reason="needs Optuna and psycopg (pip install 'gputrain[sweep,postgres]')")
+pytestmark = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
 
 HEARTBEAT = 2
 STALE_WITHIN_S = 3 * HEARTBEAT + HEARTBEAT + 2  # grace (3 beats) + a live worker's look (1 beat) + slack
@@ -58,6 +57,8 @@ def postgres():
     binaries, why = find_binaries()
     if binaries is None:
         pytest.skip(why)
+    if not HAS_PSYCOPG:
+        pytest.skip("needs psycopg, PostgreSQL's driver (pip install 'gputrain[postgres]')")
     server = PostgresServer.start_new()
     try:
         yield server
@@ -324,3 +325,48 @@ def test_a_journal_file_is_a_study_that_two_folders_share(tmp_path):
     study = optuna.load_study(study_name="gputrain", storage=optuna.storages.JournalStorage(JournalFileBackend(str(journal))))
     assert [t.user_attrs["sweep_dir"] for t in study.get_trials()] == [str((tmp_path / d).resolve()) for d in "aab"]
     assert json.loads(proc.stdout)["best_trial"] == study.best_trial.number
+
+
+# ---------------------------------------------------------------- the budget when two machines ask at once
+
+
+def test_a_trial_asked_past_the_budget_by_two_machines_at_once_is_given_back_unrun():
+    """The race no lock covers on a shared study: two workers count 1 finished of a budget of 2, and
+    both ask. The one whose trial is numbered second gives it back unrun (failed, over_budget, not in
+    the report) and waits; the budget is never passed. And the rules around it: with finished +
+    running at the budget a worker on a server waits (a running trial may be a dead worker's), one on
+    SQLite stops; with the finished trials at the budget, every worker stops."""
+    import contextlib
+
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    from gputrain.sweeps import study as studies
+    from gputrain.sweeps.storage import Place
+    from gputrain.sweeps.trial import _claim
+
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study()
+    study.set_user_attr(studies.BUDGET_ATTR, 2)
+    study.add_trial(optuna.create_trial(params={"lr": 0.01}, distributions=space, value=1.0))
+
+    class OtherMachineAsksFirst:  # the study as a worker sees it, another machine's ask landing before its own
+        def __getattr__(self, name):
+            return getattr(study, name)
+
+        def ask(self, distributions):
+            study.ask(distributions)
+            return study.ask(distributions)
+
+    server, sqlite = Place("rdb", "postgresql+psycopg://u@h/db", "s", 1), Place("sqlite", "sqlite:///x", "s")
+    claim = (lambda who, place: _claim(who, place, 5, space, contextlib.nullcontext, lambda: None, TrialState))
+    assert claim(OtherMachineAsksFirst(), server) == "wait"
+    mine = study.trials[-1]
+    assert mine.state == TrialState.FAIL and mine.user_attrs == {"over_budget": True}
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.FAIL]
+    assert not studies.interrupted(mine)  # never queued again
+    assert [r["number"] for r in studies.trial_rows(server, study, "eval_loss")] == [0, 1]
+    assert claim(study, server) == "wait" and claim(study, sqlite) is None  # 1 finished + 1 running: the budget
+    study.tell(1, 0.5)
+    assert claim(study, server) is None and len(study.trials) == 3  # 2 finished: done, nothing asked
