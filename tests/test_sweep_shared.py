@@ -370,3 +370,39 @@ def test_a_trial_asked_past_the_budget_by_two_machines_at_once_is_given_back_unr
     assert claim(study, server) == "wait" and claim(study, sqlite) is None  # 1 finished + 1 running: the budget
     study.tell(1, 0.5)
     assert claim(study, server) is None and len(study.trials) == 3  # 2 finished: done, nothing asked
+
+
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_run_again_by_a_waiting_worker():
+    """A worker killed between its ask and its first heartbeat leaves a running trial that the
+    heartbeat never finds (it has none) and that never said where it runs: a worker waiting at the
+    budget fails it after 3 heartbeats of its own clock and queues it again, once."""
+    import contextlib
+
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    from gputrain.sweeps import study as studies
+    from gputrain.sweeps.storage import Place
+    from gputrain.sweeps.trial import _claim
+
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True)}
+    study = optuna.create_study()
+    study.set_user_attr(studies.BUDGET_ATTR, 3)
+    study.add_trial(optuna.create_trial(params={"lr": 0.01}, distributions=space, value=1.0))
+    orphan = study.ask(space)  # its worker died here: no heartbeat, no user attr machine
+    alive = study.ask(space)
+    alive.set_user_attr("machine", "b")  # a live worker's trial, said where it runs
+    server = Place("rdb", "postgresql+psycopg://u@h/db", "s", heartbeat=1)
+    unheard: dict[int, float] = {}
+    claim = (lambda: _claim(study, server, 3, space, contextlib.nullcontext, lambda: None, TrialState, unheard))
+    assert claim() == "wait" and study.trials[orphan.number].state == TrialState.RUNNING  # seen, not yet failed
+    assert claim() == "wait"  # a second look within the grace: still running
+    unheard[orphan.number] -= 3.5  # three heartbeats and a half later: failed and queued again...
+    assert claim() == "wait" and study.trials[orphan.number].state == TrialState.FAIL
+    again = claim()  # ... and run at the next look
+    assert again not in (None, "wait") and again.params == orphan.params
+    trials = study.trials
+    assert trials[orphan.number].state == TrialState.FAIL and trials[alive.number].state == TrialState.RUNNING
+    assert [t.number for t in trials if t.user_attrs.get("retry_of") == orphan.number] == [again.number]
+    assert trials[again.number].state == TrialState.RUNNING

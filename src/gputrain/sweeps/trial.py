@@ -14,7 +14,9 @@ its budget; on a shared study it then checks its trial's place in line (the tria
 it), so that two machines asking at once never run past the budget: the one over it gives its
 trial back unrun (failed, user attr over_budget, left out of the report). With finished + running
 at the budget, a worker on a database server waits (a running trial may be a dead worker's, failed
-by the heartbeat and queued again, sweeps/storage.py) and stops once the finished trials reach it.
+by the heartbeat and queued again, sweeps/storage.py) and stops once the finished trials reach it;
+a running trial that never said where it runs (its worker died before its first heartbeat) is
+failed and queued again by a waiting worker after 3 heartbeats.
 Each trial records where it ran: user attrs machine (the host's name), sweep_dir and run_dir.
 
 Prints one JSON line per finished trial on stdout (the coordinator's progress; {"note": ...} for a
@@ -154,10 +156,11 @@ def run_worker(sweep_dir: Path, index: int) -> int:
             with stores.quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
 
+    unheard: dict[int, float] = {}
     parent = os.getppid()
     while os.getppid() == parent:  # a coordinator that died leaves its workers to finish their trial only
         trial = call("asking for a trial", lambda: _claim(study, place, settings.trials, distributions, lock,
-                                                          fail_stale, state))
+                                                          fail_stale, state, unheard))
         if trial is None:
             return 0
         if trial == "wait":
@@ -172,9 +175,10 @@ def run_worker(sweep_dir: Path, index: int) -> int:
     return 0
 
 
-def _claim(study, place, trials: int, distributions, lock, fail_stale, state):
+def _claim(study, place, trials: int, distributions, lock, fail_stale, state, unheard: dict[int, float] | None = None):
     """The next trial to run; "wait" (running trials may be dead workers': look again in a
-    heartbeat); None when the budget is spent (see the module docstring)."""
+    heartbeat); None when the budget is spent (see the module docstring). unheard: {trial number:
+    when this worker first saw it running without a word of where it runs} (`_fail_unheard`)."""
     from gputrain.sweeps import study as studies
 
     with lock():
@@ -185,7 +189,10 @@ def _claim(study, place, trials: int, distributions, lock, fail_stale, state):
         if done >= goal:
             return None
         if done + sum(t.state == state.RUNNING for t in have) >= goal:
-            return "wait" if place.kind == "rdb" else None
+            if place.kind != "rdb":
+                return None
+            _fail_unheard(study, place, have, {} if unheard is None else unheard, state)
+            return "wait"
         trial = study.ask(distributions)
     if not place.shared:  # the lock made the count and the ask one step
         return trial
@@ -195,6 +202,28 @@ def _claim(study, place, trials: int, distributions, lock, fail_stale, state):
         study.tell(trial, state=state.FAIL)
         return "wait" if place.kind == "rdb" else None
     return trial
+
+
+def _fail_unheard(study, place, have, unheard: dict[int, float], state) -> None:
+    """Fail and queue again the running trials that never said where they run (no user attr machine)
+    for GRACE_BEATS heartbeats of this worker's clock: a worker killed between its ask and its first
+    heartbeat leaves one that the heartbeat never finds (it has no heartbeat at all)."""
+    from gputrain.sweeps.storage import GRACE_BEATS
+
+    now = time.monotonic()
+    for t in have:
+        if t.state != state.RUNNING or "machine" in t.user_attrs:
+            continue
+        if now - unheard.setdefault(t.number, now) <= GRACE_BEATS * place.heartbeat:
+            continue
+        try:  # only the worker whose tell fails it queues it again: another's raises (already finished)
+            study.tell(t.number, state=state.FAIL)
+        except Exception as exc:  # ValueError "Cannot tell a FAIL trial", optuna's UpdateFinishedTrialError
+            if isinstance(exc, ValueError) or type(exc).__name__ == "UpdateFinishedTrialError":
+                continue
+            raise
+        if t.params:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
 
 
 def _run_trial(sweep_dir, trial, study, rc, settings, direction, where, lock, call, state) -> int | None:
