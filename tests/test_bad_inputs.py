@@ -329,6 +329,8 @@ CASES = [
     # ---------------------------------------------------------------- report
     Case("report-no-such-run", ("report", "no-such-run"), r"no-such-run: no such run directory"),
     Case("report-not-a-run", ("report", "a-folder"), r"a-folder: not a run directory"),
+    Case("report-sweep-not-a-sweep", ("report", "--sweep", "a-folder"),
+         r"a-folder: not a sweep's folder \(no sweep.toml\): give the --sweep-dir of a sweep", needs="optuna"),
     Case("report-out-is-a-folder", ("report", "digits", "--out", "a-folder"), r"--out a-folder is a folder",
          run="digits"),
     Case("report-out-unwritable", ("report", "digits", "--out", "/proc/report.html"), r"cannot write in /proc",

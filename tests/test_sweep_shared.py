@@ -326,6 +326,15 @@ def test_a_journal_file_is_a_study_that_two_folders_share(tmp_path):
     assert [t.user_attrs["sweep_dir"] for t in study.get_trials()] == [str((tmp_path / d).resolve()) for d in "aab"]
     assert json.loads(proc.stdout)["best_trial"] == study.best_trial.number
 
+    # A's page was written before B joined: `gputrain report --sweep a` reads the study again
+    assert "2 of 2" in (tmp_path / "a" / "report.html").read_text()
+    proc = subprocess.run([sys.executable, "-m", "gputrain", "report", "--sweep", "a"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"report: a/report.html"), proc.stderr[-3000:]
+    page = (tmp_path / "a" / "report.html").read_text()
+    assert "<th>machine</th>" in page and "3 of 3" in page and "b/trials/trial-0002" in page
+    assert "<a href='trials/trial-0000/report.html'>" in page and "href='trials/trial-0002" not in page
+
 
 # ---------------------------------------------------------------- the budget when two machines ask at once
 

@@ -74,8 +74,8 @@ def render_sweep_page(rows: list[dict[str, Any]], *, name: str, metric: str, dir
         best_row = next((r for r in rows if r["number"] == best), None)
     else:
         best_row = (min if direction == "min" else max)(done, key=lambda r: r["value"]) if done else None
-    rows = [{**r, "run_dir": None} if here is not None and r.get("sweep_dir") not in (None, here) else r
-            for r in rows]  # another machine's run directory: named in the machine column, not linked
+    rows = [{**r, "elsewhere": here is not None and r.get("sweep_dir") not in (None, here)}
+            for r in rows]  # another machine's run directory: named (machine:path), not linked
     counts = {s: sum(1 for r in rows if r["state"] == s) for s in ("complete", "pruned", "fail", "running", "waiting")}
     cards = [("trials finished", f"{counts['complete'] + counts['pruned']} of {budget}"),
              ("complete", str(counts["complete"])), ("pruned", str(counts["pruned"]))]
@@ -92,8 +92,8 @@ def render_sweep_page(rows: list[dict[str, Any]], *, name: str, metric: str, dir
     if best_row:
         top = next(r for r in rows if r["number"] == best_row["number"])
         params = ", ".join(f"{k} = {short(v)}" for k, v in top["params"].items())
-        link = f" (<a href='{_e(top['run_dir'])}/{REPORT_FILE}'>its run</a>)" if top.get("run_dir") else \
-            f" (its run: {_e(_where(top))})" if top.get("machine") else ""
+        link = f" (its run: {_e(_where(top))})" if top["elsewhere"] else \
+            f" (<a href='{_e(top['run_dir'])}/{REPORT_FILE}'>its run</a>)" if top.get("run_dir") else ""
         body.append(f"<section id='best'><h2>Best trial</h2><p>trial {top['number']}: {_e(metric)} "
                     f"{_e(short(top['value']))} with {_e(params)}{link}</p></section>")
     plot = sweep_plot(rows, metric, direction)
@@ -129,8 +129,8 @@ def _trials_table(rows: list[dict[str, Any]], names: list[str], machines: bool =
         if r["state"] == "fail" and not r.get("error"):
             note = "interrupted (stopped, or its worker died): runs again" if machines else \
                 "interrupted: runs again on resume"
-        link = f"<a href='{_e(r['run_dir'])}/{REPORT_FILE}'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else \
-            _e(_where(r)) if machines and r.get("machine") else ""
+        link = _e(_where(r)) if r.get("elsewhere") else \
+            f"<a href='{_e(r['run_dir'])}/{REPORT_FILE}'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else ""
         cells = [str(r["number"]), r["state"], short(r.get("value")),
                  *[short(r["params"].get(n)) for n in names], short(r.get("last_step")),
                  f"{r['seconds']:.1f} s" if r.get("seconds") is not None else "",

@@ -35,7 +35,7 @@ from gputrain.io.run_layout import REPORT_FILE
 from gputrain.io.toml_file import TomlFile
 from gputrain.runs.stated import RunConfig, check_tree, load_run_config, option_text
 from gputrain.sweeps import storage as stores, study as studies
-from gputrain.sweeps.folder import check_folder, identity, safe_name, write_sweep_file
+from gputrain.sweeps.folder import check_folder, identity, load_sweep_file, safe_name, write_sweep_file
 from gputrain.sweeps.settings import MAX_SEED, SWEEP_FILE, SweepSettings, check_sweep
 
 log = logging.getLogger("gputrain")
@@ -395,6 +395,29 @@ def _drain(events: queue.Queue, on_trial: Callable[[dict[str, Any]], None] | Non
 # ---------------------------------------------------------------- results
 
 
+def report_sweep(sweep_dir: str | Path) -> Path:
+    """Rewrite SWEEP_DIR/report.html from the study as it is now (a shared study: every trial, of
+    every machine); ConfigError in one line for a folder that holds no sweep or a study that cannot
+    be read. Returns the page's path."""
+    folder = Path(sweep_dir)
+    if not (folder / SWEEP_FILE).is_file():
+        raise ConfigError(f"{folder}: not a sweep's folder (no {SWEEP_FILE}): give the --sweep-dir of a sweep")
+    rc, settings, direction = load_sweep_file(folder)
+    place = stores.resolve(settings.storage, settings.study, settings.heartbeat, folder)
+    studies.import_optuna()
+    if place.shared:
+        stores.check_reachable(place)
+    else:
+        studies.check_study(folder)
+    plan = SweepPlan(rc, settings, direction, "", folder, [], True, place)
+    try:
+        study = stores.patiently(place, "reading the study", lambda: studies.load(place))
+    except KeyError:  # "Record does not exist"
+        raise ConfigError(f"{folder}: its study {place.name!r} is not in {place.shown} (yet): run the sweep first") \
+            from None
+    return _write_report(plan, study)
+
+
 def _write_report(plan: SweepPlan, study) -> Path:
     from gputrain.io.atomic import write_text
     from gputrain.report.sweep_page import render_sweep_page
@@ -402,7 +425,8 @@ def _write_report(plan: SweepPlan, study) -> Path:
     rows = studies.trial_rows(plan.place, study, plan.settings.metric)
     best = studies.best_trial(study)
     page = render_sweep_page(rows, name=plan.rc.workload or "sweep", metric=plan.settings.metric,
-                             direction=plan.direction, budget=plan.settings.trials, sweep_dir=str(plan.sweep_dir),
+                             direction=plan.direction, budget=studies.budget(study, plan.settings.trials),
+                             sweep_dir=str(plan.sweep_dir),
                              space={p.name: p.spec() for p in plan.settings.space}, storage=plan.place.shown,
                              study_name=plan.place.name, best=best.number if best else None,
                              here=str(plan.sweep_dir.resolve()) if plan.place.shared else None)
