@@ -181,7 +181,7 @@ def run_plan(plan: SweepPlan, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run a checked plan: lock the directory, record sweep.toml, open the study, queue interrupted
     trials again, run the workers, write the report."""
     folder, settings, place = plan.sweep_dir, plan.settings, plan.place
-    lock = studies.open_sweep(folder, local=not place.shared)  # made, locked, its study checked: before any write
+    lock = studies.open_sweep(folder, local=not place.shared, name=place.name)  # made, locked, checked: before any write
     try:
         write_sweep_file(folder, plan.rc, settings, plan.direction)
         study = studies.create_or_load(place, plan.direction, settings.metric,
@@ -408,7 +408,7 @@ def report_sweep(sweep_dir: str | Path) -> Path:
     if place.shared:
         stores.check_reachable(place)
     else:
-        studies.check_study(folder)
+        studies.check_study(folder, place.name)
     plan = SweepPlan(rc, settings, direction, "", folder, [], True, place)
     try:
         study = stores.patiently(place, "reading the study", lambda: studies.load(place))

@@ -99,7 +99,10 @@ def check_storage(name: str, value: Any) -> None:
                           "mysql://USER@HOST/DB, or a journal file's path on a shared filesystem")
     try:
         from sqlalchemy.engine import make_url
-
+    except ImportError:
+        raise ConfigError(f"{name}: a database server needs Optuna (and SQLAlchemy, which comes with it): pip "
+                          "install 'gputrain[sweep]'") from None
+    try:
         url = make_url(value)
     except Exception as exc:  # sqlalchemy.exc.ArgumentError: "Could not parse SQLAlchemy URL"
         raise ConfigError(f"{name}: cannot read {_masked(value)!r} as a URL ({type(exc).__name__}): write it as "

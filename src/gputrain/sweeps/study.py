@@ -100,7 +100,7 @@ def _lock_file(path: Path) -> int:
                           "--sweep-dir") from None
 
 
-def open_sweep(sweep_dir: Path, local: bool = True) -> int:
+def open_sweep(sweep_dir: Path, local: bool = True, name: str = STUDY_NAME) -> int:
     """Make the sweep's folder, lock it (`hold_sweep`) and check what it holds (`check_study`, when
     the study is the folder's SQLite: `local`) before anything is written there; ConfigError in one
     line when any of it fails. Returns the lock's descriptor (closed by `release`)."""
@@ -115,14 +115,14 @@ def open_sweep(sweep_dir: Path, local: bool = True) -> int:
     fd = hold_sweep(sweep_dir)
     try:
         if local:
-            check_study(sweep_dir)
+            check_study(sweep_dir, name)
     except BaseException:
         release(fd)
         raise
     return fd
 
 
-def check_study(sweep_dir: Path) -> None:
+def check_study(sweep_dir: Path, name: str = STUDY_NAME) -> None:
     """Refuse (ConfigError, one line) a sweep folder whose study.db cannot carry on the sweep its trials/
     began: missing (deleted, renamed) while trials exist, emptied, not SQLite, damaged, or without
     the study's tables. A new study there would run its trials again over trials/trial-NNNN and lose
@@ -137,7 +137,7 @@ def check_study(sweep_dir: Path) -> None:
             raise ConfigError(f"{db} is missing{held}: put the sweep's {DB_FILE} back (was it renamed or moved?), or "
                               "start this sweep in another --sweep-dir")
         return
-    problem = _database_problem(db)
+    problem = _database_problem(db, name)
     # With no trial yet, a database without the study (a sweep stopped while creating it, a full disk)
     # is made whole by the next start; one that is not SQLite or is damaged is refused all the same.
     unfinished = problem is not None and problem.startswith(("empty", "missing the study's", "without the study"))
@@ -146,7 +146,7 @@ def check_study(sweep_dir: Path) -> None:
                           "--sweep-dir")
 
 
-def _database_problem(db: Path) -> str | None:
+def _database_problem(db: Path, name: str = STUDY_NAME) -> str | None:
     """What keeps `db` from being this sweep's Optuna study, or None when it is one."""
     import sqlite3
 
@@ -169,8 +169,8 @@ def _database_problem(db: Path) -> str | None:
         missing = [t for t in ("studies", "trials", "trial_params", "trial_values") if t not in tables]
         if missing:
             return f"missing the study's table(s) {', '.join(missing)}"
-        if con.execute("SELECT 1 FROM studies WHERE study_name = ?", (STUDY_NAME,)).fetchone() is None:
-            return f"without the study {STUDY_NAME!r}"
+        if con.execute("SELECT 1 FROM studies WHERE study_name = ?", (name,)).fetchone() is None:
+            return f"without the study {name!r}"
     except sqlite3.Error as exc:  # "database disk image is malformed", "file is not a database"
         return f"damaged ({exc})"
     finally:
