@@ -399,9 +399,10 @@ def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_run_
     study = optuna.create_study()
     study.set_user_attr(studies.BUDGET_ATTR, 3)
     study.add_trial(optuna.create_trial(params={"lr": 0.01}, distributions=space, value=1.0))
-    orphan = study.ask(space)  # its worker died here: no heartbeat, no user attr machine
+    orphan = study.ask(space)  # its worker died here: no heartbeat, no run_dir of its own
     alive = study.ask(space)
-    alive.set_user_attr("machine", "b")  # a live worker's trial, said where it runs
+    alive.set_user_attr("run_dir", f"trials/trial-{alive.number:04d}")  # a live worker's trial, said where it runs
+    orphan.set_user_attr("run_dir", "trials/trial-0000")  # a retry's, carried from the trial it runs again
     server = Place("rdb", "postgresql+psycopg://u@h/db", "s", heartbeat=1)
     unheard: dict[int, float] = {}
     claim = (lambda: _claim(study, server, 3, space, contextlib.nullcontext, lambda: None, TrialState, unheard))

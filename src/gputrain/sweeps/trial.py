@@ -20,8 +20,8 @@ failed and queued again by a waiting worker after 3 heartbeats.
 Each trial records where it ran: user attrs machine (the host's name), sweep_dir and run_dir.
 
 Prints one JSON line per finished trial on stdout (the coordinator's progress; {"note": ...} for a
-database that went away and came back). Exit status: 0 when the budget is spent; 2, with one line on stderr, when a trial reported no value of the metric (no
-trial will: the sweep stops); 130 or 143 after a stop signal (the trial is queued again on resume);
+database that went away and came back). Exit status: 0 when the budget is spent; 2, with one line
+on stderr, when a trial reported no value of the metric (no trial will: the sweep stops); 130 or 143 after a stop signal (the trial is queued again on resume);
 1 when training raised an error that is not gputrain's (the traceback is in the trial's error.txt);
 3, with one line, when the study's database was away for longer than a worker waits.
 """
@@ -205,14 +205,16 @@ def _claim(study, place, trials: int, distributions, lock, fail_stale, state, un
 
 
 def _fail_unheard(study, place, have, unheard: dict[int, float], state) -> None:
-    """Fail and queue again the running trials that never said where they run (no user attr machine)
-    for GRACE_BEATS heartbeats of this worker's clock: a worker killed between its ask and its first
-    heartbeat leaves one that the heartbeat never finds (it has no heartbeat at all)."""
+    """Fail and queue again the running trials that never said where they run (their own run_dir:
+    a retry carries its first run's user attrs) for GRACE_BEATS heartbeats of this worker's clock: a
+    worker killed between its ask and its first heartbeat leaves one that the heartbeat never finds
+    (it has no heartbeat at all)."""
     from gputrain.sweeps.storage import GRACE_BEATS
+    from gputrain.sweeps.study import TRIALS_DIR
 
     now = time.monotonic()
     for t in have:
-        if t.state != state.RUNNING or "machine" in t.user_attrs:
+        if t.state != state.RUNNING or t.user_attrs.get("run_dir") == f"{TRIALS_DIR}/trial-{t.number:04d}":
             continue
         if now - unheard.setdefault(t.number, now) <= GRACE_BEATS * place.heartbeat:
             continue
