@@ -181,7 +181,8 @@ def run_plan(plan: SweepPlan, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run a checked plan: lock the directory, record sweep.toml, open the study, queue interrupted
     trials again, run the workers, write the report."""
     folder, settings, place = plan.sweep_dir, plan.settings, plan.place
-    lock = studies.open_sweep(folder, local=not place.shared, name=place.name)  # made, locked, checked: before any write
+    # made, locked and its study checked before anything is written
+    lock = studies.open_sweep(folder, local=not place.shared, name=place.name)
     try:
         write_sweep_file(folder, plan.rc, settings, plan.direction)
         study = studies.create_or_load(place, plan.direction, settings.metric,

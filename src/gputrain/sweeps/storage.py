@@ -287,7 +287,8 @@ def lost_connection(exc: BaseException) -> bool:
     from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
     for e in (exc, exc.__cause__):
-        if isinstance(e, (OperationalError, InterfaceError)) or (isinstance(e, DBAPIError) and e.connection_invalidated):
+        if isinstance(e, (OperationalError, InterfaceError)) or \
+                (isinstance(e, DBAPIError) and e.connection_invalidated):
             return True
     return False
 

@@ -21,7 +21,8 @@ Each trial records where it ran: user attrs machine (the host's name), sweep_dir
 
 Prints one JSON line per finished trial on stdout (the coordinator's progress; {"note": ...} for a
 database that went away and came back). Exit status: 0 when the budget is spent; 2, with one line
-on stderr, when a trial reported no value of the metric (no trial will: the sweep stops); 130 or 143 after a stop signal (the trial is queued again on resume);
+on stderr, when a trial reported no value of the metric (no trial will: the sweep stops); 130 or
+143 after a stop signal (the trial is queued again);
 1 when training raised an error that is not gputrain's (the traceback is in the trial's error.txt);
 3, with one line, when the study's database was away for longer than a worker waits.
 """
