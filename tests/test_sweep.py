@@ -342,7 +342,7 @@ def test_the_sweep_flags_are_its_settings_fields_and_refuse_as_the_file_does():
     add_arguments(p)
     dests = {a.dest: a.option_strings for a in p._actions}
     flagged = [f for f in dataclasses.fields(SweepSettings) if flags_of(f)]
-    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir"}
+    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir", "storage", "study"}
     for f in flagged:
         assert dests[f.name] == list(flags_of(f)[0].names), f.name
     assert given(p.parse_args([]), SweepSettings) == {}
@@ -550,3 +550,20 @@ def test_the_readmes_sweep_example_runs_and_is_the_one_in_the_readme(tmp_path, m
     printed = capsys.readouterr().out
     assert re.search(r"best trial \d: eval_loss [0-9.]+ with \{'lr': [0-9.e-]+, 'weight_decay': [0-9.]+\}", printed)
     assert "4 trials in the study" in printed and (tmp_path / "sweeps" / "iris-lr" / "report.html").is_file()
+
+
+@needs_optuna
+def test_a_local_sweeps_study_may_be_named_and_resumes_under_its_name(tmp_path):
+    """--study NAME without --storage: the study in SWEEP_DIR/study.db is named so, and a resume
+    (the folder alone) finds it under that name."""
+    import optuna
+
+    import gputrain
+
+    (tmp_path / "sweep.toml").write_text(SWEEP.replace("trials = 8", "trials = 1").replace("workers = 2", "workers = 1"))
+    first = gputrain.sweep(tmp_path / "sweep.toml", sweep_dir=tmp_path / "s", study="lr-search")
+    assert first.study_name == "lr-search" and 'study = "lr-search"' in (tmp_path / "s" / "sweep.toml").read_text()
+    more = gputrain.sweep(sweep_dir=tmp_path / "s", trials=2)
+    assert [r["number"] for r in more.trials] == [0, 1]
+    study = optuna.load_study(study_name="lr-search", storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
+    assert len(study.trials) == 2 and more.best_trial == study.best_trial.number
