@@ -552,6 +552,7 @@ def test_the_readmes_sweep_example_runs_and_is_the_one_in_the_readme(tmp_path, m
     assert "4 trials in the study" in printed and (tmp_path / "sweeps" / "iris-lr" / "report.html").is_file()
 
 
+@pytest.mark.processes
 @needs_optuna
 def test_a_local_sweeps_study_may_be_named_and_resumes_under_its_name(tmp_path):
     """--study NAME without --storage: the study in SWEEP_DIR/study.db is named so, and a resume

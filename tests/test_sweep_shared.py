@@ -112,6 +112,7 @@ def _written(folder: Path) -> str:
 # ---------------------------------------------------------------- two machines, one killed with -9
 
 
+@pytest.mark.processes
 def test_two_sweeps_on_one_study_one_killed_with_minus_9_its_trial_retried_by_the_other(postgres, tmp_path):
     """Two sweep commands (two folders: two machines) join one study on PostgreSQL; A is killed with
     -9 while its trial runs. B's worker finds A's trial by the heartbeat (failed within 3 beats + 1),
@@ -188,6 +189,7 @@ def test_two_sweeps_on_one_study_one_killed_with_minus_9_its_trial_retried_by_th
 # ---------------------------------------------------------------- the server restarted mid-sweep
 
 
+@pytest.mark.processes
 def test_the_server_restarted_mid_sweep_the_workers_wait_and_nothing_finished_is_lost(postgres, tmp_path):
     """PostgreSQL stopped and started again while a sweep's two workers train: they wait, reconnect
     (one line each way), and the sweep ends with its budget; every trial finished before the restart
@@ -222,6 +224,7 @@ def test_the_server_restarted_mid_sweep_the_workers_wait_and_nothing_finished_is
     assert postgres.password not in out + err and postgres.password not in _written(tmp_path / "s")
 
 
+@pytest.mark.processes
 def test_a_server_that_stays_away_stops_the_sweep_in_one_line(postgres, tmp_path):
     """The server stopped for good mid-sweep: the worker waits 10 heartbeats, then the sweep stops
     with one line saying what to do (exit 2), and the study resumes once the server is back."""
@@ -252,6 +255,7 @@ def test_a_server_that_stays_away_stops_the_sweep_in_one_line(postgres, tmp_path
 # ---------------------------------------------------------------- refused before a trial runs
 
 
+@pytest.mark.processes
 def test_a_joiner_with_another_search_space_or_workload_is_refused_before_any_trial(postgres, tmp_path):
     from optuna.trial import TrialState
 
@@ -277,6 +281,7 @@ def test_a_joiner_with_another_search_space_or_workload_is_refused_before_any_tr
     assert [t.state for t in _study(url).get_trials()] == [TrialState.COMPLETE]  # no trial of theirs
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", ["wrong-password", "no-such-database"])
 def test_a_wrong_password_or_a_missing_database_is_one_line_and_writes_nothing(postgres, tmp_path, case):
     (tmp_path / "sweep.toml").write_text(SWEEP)
@@ -299,6 +304,7 @@ def test_a_wrong_password_or_a_missing_database_is_one_line_and_writes_nothing(p
 # ---------------------------------------------------------------- the password from a .pgpass; a journal file
 
 
+@pytest.mark.processes
 def test_the_password_from_a_pgpass_file_is_used_and_written_nowhere(postgres, tmp_path):
     db = postgres.new_database()
     pgpass = tmp_path / "pgpass"
@@ -316,6 +322,7 @@ def test_the_password_from_a_pgpass_file_is_used_and_written_nowhere(postgres, t
     assert len(_study(postgres.url(db)).get_trials()) == 1
 
 
+@pytest.mark.processes
 def test_a_journal_file_is_a_study_that_two_folders_share(tmp_path):
     """Optuna's JournalStorage (a file on a shared filesystem): a second folder joins the first's
     study and raises its budget; each trial runs in the folder of the command that ran it."""
