@@ -432,3 +432,30 @@ def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_run_
     assert trials[orphan.number].state == TrialState.FAIL and trials[alive.number].state == TrialState.RUNNING
     assert [t.number for t in trials if t.user_attrs.get("retry_of") == orphan.number] == [again.number]
     assert trials[again.number].state == TrialState.RUNNING
+
+
+def test_a_lost_connection_is_found_along_the_chain_of_causes_and_a_bad_request_is_not():
+    """A restart reaches the worker as Optuna's StorageInternalError whose cause is SQLAlchemy's error
+    (its .orig the driver's), or as an error raised while handling the cut commit (its context): either
+    way it is the database going away; a constraint error is not."""
+    import optuna
+    import sqlalchemy.exc as sa
+
+    from gputrain.sweeps.storage import lost_connection
+
+    class DriverOperationalError(Exception):
+        pass
+
+    DriverOperationalError.__module__ = "psycopg"
+    DriverOperationalError.__name__ = "OperationalError"
+
+    def chained(inner: BaseException, how: str) -> BaseException:
+        outer = optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+        setattr(outer, "__cause__" if how == "cause" else "__context__", inner)
+        return outer
+
+    driver = DriverOperationalError("server closed the connection unexpectedly")
+    assert lost_connection(chained(sa.DatabaseError("COMMIT", None, driver), "cause"))  # through .orig
+    assert lost_connection(chained(sa.OperationalError("COMMIT", None, Exception("gone")), "context"))
+    assert lost_connection(chained(chained(driver, "cause"), "context"))
+    assert not lost_connection(chained(sa.IntegrityError("INSERT", None, Exception("duplicate key")), "cause"))

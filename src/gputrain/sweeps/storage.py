@@ -283,13 +283,23 @@ def open_storage(place: Place):
 
 
 def lost_connection(exc: BaseException) -> bool:
-    """Whether `exc` is the database going away (a restart, a network cut), not a bad request."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+    """Whether `exc` is the database going away (a restart, a network cut), not a bad request: along
+    the chain of causes (Optuna's StorageInternalError wraps SQLAlchemy's error, which wraps the
+    driver's; a commit cut by a restart can arrive as the context of another error), a connection
+    error of SQLAlchemy's or of the driver's."""
+    from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
-    for e in (exc, exc.__cause__):
-        if isinstance(e, (OperationalError, InterfaceError)) or \
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(seen) < 8:
+        seen.add(id(e))
+        if isinstance(e, (OperationalError, InterfaceError, DisconnectionError)) or \
                 (isinstance(e, DBAPIError) and e.connection_invalidated):
             return True
+        if type(e).__module__.startswith(("psycopg", "psycopg2")) and type(e).__name__ in (
+                "OperationalError", "InterfaceError"):
+            return True
+        e = getattr(e, "orig", None) or e.__cause__ or e.__context__
     return False
 
 
