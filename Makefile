@@ -57,6 +57,7 @@ doctor: setup
 	$(BIN)/gputrain doctor
 
 # The documentation site (mkdocs.yml, docs/) into site/ (git-ignored), warnings as errors: a broken link or
-# anchor, a missing snippet file, a docstring the API reference cannot read. Open site/index.html.
+# anchor, a missing snippet file, a docstring the API reference cannot read. Serve it with
+# `.venv/bin/python -m http.server -d site 8000` (or open site/index.html, without search).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean

@@ -96,7 +96,7 @@ def cli_reference() -> str:
     """reference/cli.md: each command's usage, description and every flag with its help and default."""
     lines = ["# Command line", "",
              "Generated from `gputrain.cli.build_parser()`: every subcommand and every flag, as `gputrain COMMAND "
-             "--help` prints them. Flags that set a training setting are the config file's keys too "
+             "--help` prints them (`-h`, `--help` on every command prints its own). Flags that set a training setting are the config file's keys too "
              "([Config file](config.md)).", ""]
     for title, parser in cli_commands():
         lines += [f"## `{title}`", "", _cell(parser.description or ""), "", "```text",
