@@ -294,8 +294,10 @@ def test_the_config_reference_names_every_key_and_says_what_train_and_fit_keys_a
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in text, f"[{table}] {f.name}"
         if table in ("train", "fit"):
-            rows = [r for r in docs_site.fields_table(dotted).splitlines() if r.startswith("| `")]
-            unsaid = [r.split("|")[1].strip() for r in rows if not r.rstrip(" |").split("|")[-1].strip()]
+            cells = [re.split(r"(?<!\\)\|", r)[1:-1] for r in docs_site.fields_table(dotted).splitlines()
+                     if r.startswith("| `")]  # key, type, default, flag, what
+            assert len(cells) == len(dataclasses.fields(cls)) and all(len(c) == 5 for c in cells)
+            unsaid = [c[0].strip() for c in cells if not c[4].strip()]
             assert not unsaid, f"[{table}] keys with no help and no comment beside their field: {unsaid}"
 
 
