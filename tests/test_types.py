@@ -104,8 +104,14 @@ def test_the_wheel_carries_py_typed(tmp_path):
     (the package data of pyproject.toml); without it they would treat gputrain as untyped."""
     import zipfile
 
+    import shutil
+
+    tree = tmp_path / "tree"  # a copy: a build/ folder left in the repository would hand the wheel old files
+    shutil.copytree(REPO / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tree / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+                           "-w", str(tmp_path), str(tree)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("gputrain-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
