@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import cli as _cli, subprocess_env
+from helpers import cli as _cli, docs_page, subprocess_env
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 needs_optuna = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
@@ -530,20 +530,20 @@ def test_the_sweep_page_shows_every_trial_and_the_best_so_far():
     assert "<script" not in page
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the docs' example
 
 
 @pytest.mark.processes
 @needs_optuna
-def test_the_readmes_sweep_example_runs_and_is_the_one_in_the_readme(tmp_path, monkeypatch, capsys):
+def test_the_sweep_example_runs_and_is_the_one_the_docs_show(tmp_path, monkeypatch, capsys):
     import runpy
     import shutil
 
     root = Path(__file__).resolve().parents[1]
-    section = (root / "README.md").read_text().split("### Sweeps on Optuna", 1)[1].split("\n## ", 1)[0]
+    section = docs_page("how-to/sweeps.md")
     for name, lang in (("sweep.toml", "toml"), ("sweep_from_python.py", "python")):
         source = (root / "docs" / "examples" / name).read_text().strip()
-        assert f"```{lang}\n{source}\n```" in section, f"the README's {name} differs from docs/examples/{name}"
+        assert f"```{lang}\n{source}\n```" in section, f"docs/how-to/sweeps.md does not show docs/examples/{name}"
     shutil.copytree(root / "docs" / "examples", tmp_path / "docs" / "examples")
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(tmp_path / "docs" / "examples" / "sweep_from_python.py"), run_name="__main__")
