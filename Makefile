@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup fit test test-fast test-torch test-gpu gpu-day-cpu coverage info doctor
+.PHONY: setup fit test test-fast test-torch test-gpu gpu-day-cpu coverage info doctor docs
 
 setup:
 	@bash scripts/setup.sh
@@ -12,10 +12,11 @@ fit: setup
 
 # Every CPU test, on pytest-xdist workers, one per core (-n auto: tests/conftest.py); each run ends
 # with its 25 slowest tests. Also installs Debian's chromium (as root, when missing) for the browser
-# test of report.html. WORKERS=N sets the count (WORKERS=0: one process, no workers).
+# test of report.html, and postgresql for the tests of a sweep's study on a database server.
+# WORKERS=N sets the count (WORKERS=0: one process, no workers).
 WORKERS ?= auto
 test:
-	@bash scripts/setup.sh --with-browser
+	@bash scripts/setup.sh --with-browser --with-postgres
 	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 # The inner loop while changing the step, configs, data or checkpoints: the tests that are not slow
@@ -55,3 +56,9 @@ info: setup
 
 doctor: setup
 	$(BIN)/gputrain doctor
+
+# The documentation site (mkdocs.yml, docs/) into site/ (git-ignored), warnings as errors: a broken link or
+# anchor, a missing snippet file, a docstring the API reference cannot read. Serve it with
+# `.venv/bin/python -m http.server -d site 8000` (or open site/index.html, without search).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean

@@ -21,6 +21,15 @@ if ! [[ "$EXTRAS" =~ ^[a-z]+(,[a-z]+)*$ ]]; then
     echo "setup: GPUTRAIN_EXTRAS must be extras' names separated by commas, such as test,peers, not '$EXTRAS'" >&2
     exit 2
 fi
+WITH_BROWSER=0
+WITH_POSTGRES=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-browser) WITH_BROWSER=1 ;;
+        --with-postgres) WITH_POSTGRES=1 ;;
+        *) echo "setup: unknown option '$arg' (known: --with-browser, --with-postgres)" >&2; exit 2 ;;
+    esac
+done
 if [ -n "$TORCH" ] && ! [[ "$TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
     echo "setup: GPUTRAIN_TORCH must be an exact release such as 2.11.0, not '$TORCH'" >&2
     exit 2
@@ -78,27 +87,39 @@ PY
     touch "$stamp"
 fi
 
-# --with-browser (make test): Chromium for the browser test of report.html. Installed from Debian's
-# apt only when missing and we are root with apt-get; never fails the setup (the test then skips and
-# says why). Fast when Chromium is already there: one `command -v`.
-if [ "${1:-}" = "--with-browser" ]; then
-    if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
-            || command -v google-chrome >/dev/null 2>&1 || command -v google-chrome-stable >/dev/null 2>&1 \
-            || [ -n "${GPUTRAIN_CHROMIUM:-}" ]; then
-        :
-    elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "setup: installing Debian's chromium for the browser test of report.html (apt-get, about a minute)"
-        log=$(mktemp)
-        export DEBIAN_FRONTEND=noninteractive
-        if timeout 600 apt-get install -y -qq --no-install-recommends chromium >"$log" 2>&1 \
-                || { timeout 300 apt-get update -qq >>"$log" 2>&1 \
-                     && timeout 600 apt-get install -y -qq --no-install-recommends chromium >>"$log" 2>&1; }; then
-            echo "setup: chromium installed"
-        else
-            echo "setup: could not install chromium (see $log); the browser test will skip"
-        fi
-    else
-        echo "setup: no chromium: the browser test of report.html will skip (install it: sudo apt-get install chromium)"
+# apt_install PACKAGE WHAT: Debian's PACKAGE (as root with apt-get; a package list refreshed only when
+# the first try fails), for WHAT; never fails the setup: the tests that need it skip and say why.
+apt_install() {
+    local package=$1 what=$2 log
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup: no $package: $what will skip (install it: sudo apt-get install $package)"
+        return 0
     fi
+    echo "setup: installing Debian's $package for $what (apt-get, about a minute)"
+    log=$(mktemp)
+    export DEBIAN_FRONTEND=noninteractive
+    if timeout 600 apt-get install -y -qq --no-install-recommends "$package" >"$log" 2>&1 \
+            || { timeout 300 apt-get update -qq >>"$log" 2>&1 \
+                 && timeout 600 apt-get install -y -qq --no-install-recommends "$package" >>"$log" 2>&1; }; then
+        echo "setup: $package installed"
+    else
+        echo "setup: could not install $package (see $log); $what will skip"
+    fi
+}
+
+# --with-browser (make test): Chromium for the browser test of report.html, when missing. Fast when
+# Chromium is already there: one `command -v`.
+if [ "$WITH_BROWSER" = 1 ] && ! { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+        || command -v google-chrome >/dev/null 2>&1 || command -v google-chrome-stable >/dev/null 2>&1 \
+        || [ -n "${GPUTRAIN_CHROMIUM:-}" ]; }; then
+    apt_install chromium "the browser test of report.html"
+fi
+
+# --with-postgres (make test): Debian's PostgreSQL server, when its binaries are missing, for the tests
+# of a sweep's study on a database server (tests/test_sweep_shared.py starts a throwaway cluster of its own
+# with initdb and pg_ctl).
+if [ "$WITH_POSTGRES" = 1 ] && ! { command -v pg_ctl >/dev/null 2>&1 \
+        || compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null; }; then
+    apt_install postgresql "the tests of sweeps on a database server"
 fi
 "$VPY" -c "import torch, gputrain; print(f'setup: gputrain ready (torch {torch.__version__}) in $VENV')"

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
-from helpers import assert_same_tensors, sgd
+from helpers import assert_same_tensors, docs_page, sgd
 
 transformers = pytest.importorskip("transformers")
 torchmetrics = pytest.importorskip("torchmetrics")
@@ -519,18 +519,17 @@ def test_user_workload_with_compute_loss_and_metrics_through_gputrain_fit(tmp_pa
     assert summary["final_eval_acc"] > 0.9 and 0.5 < summary["final_eval_conf"] <= 1
 
 
-# ---------------------------------------------------------------- the README's "Bring your own model"
+# ---------------------------------------------------------------- the docs' "Bring your own model"
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name,floor", [("byo_pair", 0.9), ("byo_huggingface", 0.95), ("byo_two_inputs", 0.8)])
-def test_readme_examples_run_and_are_the_ones_in_the_readme(name, floor, capsys):
+def test_the_own_model_examples_run_and_are_the_ones_the_docs_show(name, floor, capsys):
     path = ROOT / "docs" / "examples" / f"{name}.py"
     source = path.read_text().strip()
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Bring your own model", 1)[1].split("\n## ", 1)[0]
-    assert f"```python\n{source}\n```" in section, f"README's Bring your own model section differs from {path}"
+    page = docs_page("how-to/own-model.md")
+    assert f"```python\n{source}\n```" in page, f"docs/how-to/own-model.md does not show {path}"
     runpy.run_path(str(path), run_name="__main__")
     printed = capsys.readouterr().out
     accuracy = float(re.search(r"eval accuracy ([0-9.]+)", printed).group(1))

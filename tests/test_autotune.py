@@ -180,3 +180,23 @@ def test_compile_is_tried_regionally_for_a_model_of_repeated_blocks(tmp_path, mo
     at.autotune(workload, config(), steps=2, cache_path=tmp_path / "c.json", include_compile=True)
     assert [c["compile"] for c in calls if c["compile"]] == ["regional"]
     assert at.compile_choice(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))) is True
+
+
+def test_a_resume_takes_the_choice_its_checkpoint_recorded_and_measures_nothing(tmp_path, monkeypatch):
+    """Timing picks once: the run autotuned to channels_last on, a resume with --autotune takes that
+    choice from its checkpoint, although a new measurement (and the cache) would now pick it off."""
+    from gputrain.train import fit_workload
+
+    calls: list = []
+    monkeypatch.setattr(at, "run_trial", fake_trial({("fp32", False): 100.0, ("fp32", True): 200.0,
+                                                     ("bf16", False): 50.0, ("bf16", True): 50.0}, calls))
+    run = str(tmp_path / "run")
+    first, _ = at.autotune(tiny_workload(), config(run_dir=run, steps=6), steps=2, cache_path=tmp_path / "c.json")
+    assert first.channels_last is True and len(calls) == 4
+    fit_workload(tiny_workload(), first.replace(stop_at_step=3))  # stopped after step 3, checkpointed
+    monkeypatch.setattr(at, "run_trial", fake_trial({("fp32", False): 900.0, ("fp32", True): 1.0,
+                                                     ("bf16", False): 1.0, ("bf16", True): 1.0}, calls))
+    resumed, report = at.autotune(tiny_workload(), config(run_dir=run, steps=6, resume=True), steps=2,
+                                  cache_path=tmp_path / "other.json", force=True)
+    assert resumed.channels_last is True and len(calls) == 4  # nothing measured again
+    assert report["from_checkpoint"].endswith("step-000003.pt") and report["choice"]["channels_last"] is True

@@ -40,6 +40,7 @@ from helpers import launcher_variable, process_state, put_back, subprocess_env, 
 
 HAS_PROC = Path("/proc/self").is_dir()  # a tree no one can create files in, not even root (Linux)
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
+HAS_PSYCOPG = __import__("importlib.util").util.find_spec("psycopg") is not None
 HAS_ONNX = all(__import__("importlib.util").util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 
 USER_WORKLOADS = '''
@@ -277,7 +278,7 @@ class Case:
     absent: str | None = None  # a path the command must not leave behind
     env: tuple[tuple[str, str], ...] = ()
     rc: int = 2
-    needs: str | None = None  # "proc" | "onnx" | "optuna": skipped (with the reason) where missing
+    needs: str | None = None  # "proc" | "onnx" | "optuna" | "psycopg": skipped (with the reason) where missing
     process: bool = False  # a real `python -m gputrain` process, not main() in this one (see the docstring)
 
 
@@ -427,6 +428,8 @@ CASES = [
     # ---------------------------------------------------------------- report
     Case("report-no-such-run", ("report", "no-such-run"), r"no-such-run: no such run directory"),
     Case("report-not-a-run", ("report", "a-folder"), r"a-folder: not a run directory", process=True),
+    Case("report-sweep-not-a-sweep", ("report", "--sweep", "a-folder"),
+         r"a-folder: not a sweep's folder \(no sweep.toml\): give the --sweep-dir of a sweep", needs="optuna"),
     Case("report-out-is-a-folder", ("report", "digits", "--out", "a-folder"), r"--out a-folder is a folder",
          run="digits"),
     Case("report-out-unwritable", ("report", "digits", "--out", "/proc/report.html"), r"cannot write in /proc",
@@ -467,6 +470,26 @@ CASES = [
          process=True),
     Case("sweep-direction-up", ("sweep", "--config", "sweep-negative-seed.toml", "--direction", "up"),
          r"argument --direction: invalid choice: 'up' \(choose from 'min', 'max'\)"),
+    # where the study lives (--storage): refused before anything is written, the password never shown
+    *[Case(f"sweep-storage-{name}", ("sweep", "--config", "sweep-storage.toml", "--sweep-dir", "s-refused", *flags), says,
+           absent="s-refused", needs=needs)
+      for name, flags, says, needs in (
+          ("unknown-scheme", ("--storage", "redis://u:secret@localhost/0"),
+           r"argument --storage: storage 'redis://u:\*\*\*@localhost/0': unknown scheme 'redis': give "
+           r"postgresql://USER@HOST/DB", None),
+          ("sqlite", ("--storage", "sqlite:///study.db"), r"SQLite is the default already \(SWEEP_DIR/study.db", None),
+          ("journal-below-a-file", ("--storage", "in-the-way/study.journal"),
+           r"--storage .*in-the-way/study.journal: .*in-the-way is a file, not a folder", None),
+          ("journal-in-a-missing-folder", ("--storage", "no-such-folder/study.journal"),
+           r"its folder .*no-such-folder does not exist: create it on the shared filesystem first", None),
+          ("server-unreachable", ("--storage", "postgresql://u:secret@127.0.0.1:1/sweeps"),
+           r"--storage postgresql\+psycopg://u:\*\*\*@127.0.0.1:1/sweeps: cannot connect \(.*\): check that the server "
+           r"runs", "psycopg"),
+          ("empty-study-name", ("--study", ""), r"argument --study: study must be a name of 1 to 512 printable characters", None),
+      )],
+    Case("sweep-storage-password-in-the-config", ("sweep", "--config", "sweep-storage-password.toml", "--sweep-dir",
+                                                  "s-refused"),
+         r"line 7: \[sweep\] storage holds a password: a config file is no place for it; .*PGPASSWORD", absent="s-refused"),
     # ---------------------------------------------------------------- values a field refuses, from a flag, a file
     # or a sweep's space: refused before anything runs (no run or sweep directory made)
     *[Case(f"fit-{name}", ("fit", workload, *flags, "--run-dir", "r-refused"), says, absent="r-refused")
@@ -717,6 +740,8 @@ CONFIG_FILES = {
         ("infinite-step", "", "weight_decay = {uniform = [0.0, 0.1], step = inf}"),
         ("more-workers-than-cores", "workers = 100000000000000000000\n", "lr = {loguniform = [1e-4, 1e-1]}"),
         ("accumulate-beyond-any-step", "", "lr = {loguniform = [1e-4, 1e-1]}"),
+        ("storage", "", "lr = {loguniform = [1e-4, 1e-1]}"),
+        ("storage-password", 'storage = "postgresql://u:secret@127.0.0.1:1/sweeps"\n', "lr = {loguniform = [1e-4, 1e-1]}"),
     )},
 }
 _PAIR55 = ('workload = "userwl.py:pair"\n[train]\nsteps = 2\ndevice = "cpu"\n[sweep]\ntrials = 1\n[sweep.space]\n'
@@ -767,8 +792,10 @@ def check_case(case: Case, work: Path, tmp_path: Path, monkeypatch, capfd, caplo
         pytest.skip("needs /proc (Linux) for a folder no one can write to")
     if case.needs == "onnx" and not HAS_ONNX:
         pytest.skip("needs onnx and onnxruntime (pip install 'gputrain[export]')")
-    if case.needs == "optuna" and not HAS_OPTUNA:
+    if case.needs in ("optuna", "psycopg") and not HAS_OPTUNA:
         pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
+    if case.needs == "psycopg" and not HAS_PSYCOPG:
+        pytest.skip("needs psycopg (pip install 'gputrain[postgres]')")
     folder = tmp_path / "w"
     shutil.copytree(work, folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     before = snapshot(folder)

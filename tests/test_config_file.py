@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, docs_page
 
 QUIET = ("--device", "cpu", "--no-tensorboard", "--progress", "off", "--json")
 
@@ -268,20 +268,19 @@ def test_dumps_reads_back_to_the_same_values():
     assert math.isnan(tomllib.loads(dumps({"x": math.nan}, {}))["x"])
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the docs' example
 
 
-def test_the_readmes_config_example_runs_and_repeats(tmp_path, capsys, monkeypatch):
-    """docs/examples/run.toml is the file the README shows, and the README's three commands do what
+def test_the_docs_config_example_runs_and_repeats(tmp_path, capsys, monkeypatch):
+    """docs/examples/run.toml is the file docs/how-to/configs.md shows, and the page's three commands do what
     their comments say: train, print a resolved config with one change, repeat to the same loss."""
     import shlex
     import shutil
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    section = readme.split("### A config file for every run", 1)[1].split("\n### ", 1)[0]
+    section = docs_page("how-to/configs.md")
     example = (root / "docs" / "examples" / "run.toml").read_text().strip()
-    assert f"```toml\n{example}\n```" in section, "the README's run.toml differs from docs/examples/run.toml"
+    assert f"```toml\n{example}\n```" in section, "docs/how-to/configs.md does not show docs/examples/run.toml"
     commands = [line.split("#")[0].strip() for line in section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()]
     assert len(commands) == 3 and all(c.startswith("gputrain fit ") for c in commands)
 

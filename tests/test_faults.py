@@ -1,7 +1,7 @@
 """Fault injection, the short version (issue 13): real `gputrain fit` processes on the CPU are killed,
 stopped, fed a non-finite step, denied disk, and resumed; each must end bit-equal to an uninterrupted
 run (or stop / skip as configured). The harness is benchmarks/faults/harness.py; benchmarks/fault_injection.py
-runs the same trials in full counts (>= 30 SIGKILLs) and prints the table in benchmarks/README.md.
+runs the same trials in full counts (>= 30 SIGKILLs) and prints the table in benchmarks/LOG.md.
 
 Faulted runs are processes; the runs that are not faulted (the uninterrupted references and the
 resumes) run in this process, which saves an interpreter start and torch's imports each.

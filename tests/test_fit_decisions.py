@@ -1,5 +1,6 @@
-"""The README's "What fit decides for you" rows whose choice changes numbers on the CPU: fit's own AdamW
-(fused kernel, weight-decay groups) against the hand loop a user would write, within the stated bound."""
+"""The "What fit decides for you" rows (docs/explanations/decisions.md) whose choice changes numbers on the
+CPU: fit's own AdamW (fused kernel, weight-decay groups) against the hand loop a user would write, within the
+stated bound."""
 
 import copy
 

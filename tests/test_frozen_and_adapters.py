@@ -24,7 +24,7 @@ from gputrain.errors import CheckpointError, ConfigError
 from gputrain.checkpoint.format import load_checkpoint
 from gputrain.checkpoint.frozen import CHUNK, FrozenBase, tensor_digests
 
-from helpers import DIST_SCRIPTS, data, mlp, params, torchrun
+from helpers import DIST_SCRIPTS, data, docs_page, mlp, params, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -472,15 +472,15 @@ def test_memory_counts_trainable_and_frozen_parameters(lora_workload, capsys, mo
     assert re.search(r"│ [\d,]+ parameters: 1,024 trainable, [\d,]+ frozen\s+│", capsys.readouterr().out)
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the docs' example
 
 
 @needs_peft
-def test_the_readme_lora_example_runs_and_is_the_one_in_the_readme(tmp_path, monkeypatch, capsys):
+def test_the_lora_example_runs_and_is_the_one_the_docs_show(tmp_path, monkeypatch, capsys):
     path = ROOT / "docs" / "examples" / "finetune_lora.py"
     source = path.read_text().strip()
-    section = (ROOT / "README.md").read_text().split("## Fine-tuning with frozen parts", 1)[1].split("\n## ", 1)[0]
-    assert f"```python\n{source}\n```" in section, f"README's fine-tuning section differs from {path}"
+    assert f"```python\n{source}\n```" in docs_page("how-to/frozen-and-lora.md"), \
+        f"docs/how-to/frozen-and-lora.md does not show {path}"
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(path), run_name="__main__")
     printed = capsys.readouterr().out

@@ -185,15 +185,17 @@ def test_a_streaming_dataset_is_split_across_ranks(tmp_path):
     assert sorted(seen[0] + seen[1]) == sorted(round(float(v), 5) for v in x[:, 0])
 
 
-def test_the_readmes_streaming_example_runs_and_is_the_one_in_the_readme(capsys):
+def test_the_streaming_example_runs_and_is_the_one_the_docs_show(capsys):
     import re
     import runpy
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     path = root / "docs" / "examples" / "byo_streaming.py"
-    section = (root / "README.md").read_text().split("## Bring your own data", 1)[1].split("\n## ", 1)[0]
-    assert f"```python\n{path.read_text().strip()}\n```" in section, f"README's Bring your own data differs from {path}"
+    from helpers import docs_page
+
+    assert f"```python\n{path.read_text().strip()}\n```" in docs_page("how-to/own-data.md"), \
+        f"docs/how-to/own-data.md does not show {path}"
     runpy.run_path(str(path), run_name="__main__")
     printed = capsys.readouterr().out
     assert "steps 60" in printed  # 25 steps, stopped, then resumed to 60

@@ -11,17 +11,12 @@ they skip and say how to install it (`make test` installs it as root on Debian).
 import base64
 import json
 import os
-import queue
 import shutil
-import subprocess
-import sys
-import threading
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from helpers import png_size
+from helpers import browser_session, png_size
 
 from gputrain import cli
 from gputrain.report.html import render_report, write_report
@@ -278,171 +273,9 @@ def test_bench_index_html_is_self_contained(tmp_path):
 
 # ---------------------------------------------------------------- in a real browser
 
-def _chromium() -> str | None:
-    for name in (os.environ.get("GPUTRAIN_CHROMIUM"), "chromium", "chromium-browser", "google-chrome",
-                 "google-chrome-stable"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-class Browser:
-    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4)."""
-
-    def __init__(self, binary: str, profile_dir: Path):
-        cmd_r, self._cmd_w = os.pipe()
-        self._resp_r, resp_w = os.pipe()
-        # Chromium's ends above fd 9, so that moving them to 3 and 4 cannot overwrite one another.
-        cmd_r, resp_w = (_high_fd(fd) for fd in (cmd_r, resp_w))
-        args = [binary, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
-                "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
-                "--disable-background-networking", "--disable-extensions", "--hide-scrollbars",
-                f"--user-data-dir={profile_dir}", "about:blank"]
-        # A small exec shim moves our pipe ends to the fds Chromium reads (3) and writes (4).
-        shim = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); os.execv(sys.argv[3], sys.argv[3:])"
-        self.proc = subprocess.Popen([sys.executable, "-c", shim, str(cmd_r), str(resp_w), *args],
-                                     pass_fds=(cmd_r, resp_w), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        os.close(cmd_r)
-        os.close(resp_w)
-        self._id = 0
-        self._replies: dict[int, dict] = {}
-        self.events: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        target = self.send("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            self.send(f"{domain}.enable", session=True)
-
-    def _read(self) -> None:
-        buf = b""
-        while True:
-            chunk = os.read(self._resp_r, 1 << 16)
-            if not chunk:
-                with self._cond:
-                    self._cond.notify_all()
-                return
-            buf += chunk
-            while b"\0" in buf:
-                raw, buf = buf.split(b"\0", 1)
-                msg = json.loads(raw)
-                if "id" in msg:
-                    with self._cond:
-                        self._replies[msg["id"]] = msg
-                        self._cond.notify_all()
-                else:
-                    self.events.put(msg)
-
-    def send(self, method: str, session: bool = False, timeout: float = 30, **params) -> dict:
-        self._id += 1
-        msg = {"id": self._id, "method": method, "params": params}
-        if session:
-            msg["sessionId"] = self.session
-        os.write(self._cmd_w, json.dumps(msg).encode() + b"\0")
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._id not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise RuntimeError(f"Chromium did not answer {method} (exit code {self.proc.poll()})")
-                self._cond.wait(left)
-            reply = self._replies.pop(self._id)
-        if "error" in reply:
-            raise RuntimeError(f"{method}: {reply['error']}")
-        return reply.get("result", {})
-
-    def evaluate(self, expression: str):
-        r = self.send("Runtime.evaluate", session=True, expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in r:
-            raise RuntimeError(f"evaluate failed: {r['exceptionDetails']}")
-        return r["result"].get("value")
-
-    def open(self, path: Path, screenshot: Path | None = None, width: int = 1200) -> dict:
-        """Load a file; return its text, images, console errors and network requests (and screenshot)."""
-        while not self.events.empty():
-            self.events.get_nowait()
-        self.send("Emulation.setDeviceMetricsOverride", session=True, width=width, height=900,
-                  deviceScaleFactor=1, mobile=False)
-        self.send("Page.navigate", session=True, url=path.resolve().as_uri())
-        events = self._until("Page.loadEventFired")
-        # decode() rejects an image the browser cannot fully decode (a truncated PNG still has a size)
-        decoded = self.evaluate("Promise.all(Array.from(document.images).map(i => i.decode().then(() => true, "
-                                "() => false)))")
-        time.sleep(0.2)  # late console messages
-        while not self.events.empty():
-            events.append(self.events.get_nowait())
-        images = self.evaluate("Array.from(document.images).map(i => ({alt: i.alt, complete: i.complete, "
-                               "width: i.naturalWidth, height: i.naturalHeight}))")
-        result = {
-            "text": self.evaluate("document.body.innerText"),
-            "images": [{**i, "decoded": ok} for i, ok in zip(images, decoded)],
-            "errors": _errors(events),
-            "requests": [e["params"]["request"]["url"] for e in events if e["method"] == "Network.requestWillBeSent"],
-        }
-        if screenshot is not None:
-            size = self.send("Page.getLayoutMetrics", session=True)["cssContentSize"]
-            shot = self.send("Page.captureScreenshot", session=True, format="png", captureBeyondViewport=True,
-                             clip={"x": 0, "y": 0, "width": width, "height": size["height"], "scale": 1})
-            screenshot.write_bytes(base64.b64decode(shot["data"]))
-        return result
-
-    def _until(self, method: str, timeout: float = 30) -> list[dict]:
-        seen, deadline = [], time.monotonic() + timeout
-        while True:
-            try:
-                e = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"Chromium sent no {method} within {timeout} s") from None
-            seen.append(e)
-            if e["method"] == method:
-                return seen
-
-    def close(self) -> None:
-        try:
-            self.send("Browser.close", timeout=5)
-        except RuntimeError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self._cmd_w)
-
-
-def _high_fd(fd: int) -> int:
-    import fcntl
-
-    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
-    os.close(fd)
-    return high
-
-
-def _errors(events: list[dict]) -> list[str]:
-    """Console errors, uncaught exceptions and browser log errors (failed loads, blocked content)."""
-    out = []
-    for e in events:
-        p = e.get("params", {})
-        if e["method"] == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-            out.append("console: " + " ".join(str(a.get("value", a.get("description"))) for a in p.get("args", [])))
-        elif e["method"] == "Runtime.exceptionThrown":
-            d = p.get("exceptionDetails", {})
-            out.append("exception: " + str(d.get("exception", {}).get("description") or d.get("text")))
-        elif e["method"] == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
-            out.append(f"log: {p['entry'].get('text')} {p['entry'].get('url', '')}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    binary = _chromium()
-    if binary is None:
-        pytest.skip("no Chromium on this machine: install Debian's `chromium` (apt-get install chromium; "
-                    "`make test` does it when run as root) or set GPUTRAIN_CHROMIUM to a Chromium binary")
-    b = Browser(binary, tmp_path_factory.mktemp("chromium-profile"))
-    yield b
-    b.close()
+    yield from browser_session(tmp_path_factory)
 
 
 @pytest.mark.processes

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import cli as _cli, subprocess_env
+from helpers import cli as _cli, docs_page, subprocess_env
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 needs_optuna = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
@@ -342,7 +342,7 @@ def test_the_sweep_flags_are_its_settings_fields_and_refuse_as_the_file_does():
     add_arguments(p)
     dests = {a.dest: a.option_strings for a in p._actions}
     flagged = [f for f in dataclasses.fields(SweepSettings) if flags_of(f)]
-    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir"}
+    assert {f.name for f in flagged} == {"trials", "workers", "metric", "direction", "sweep_dir", "storage", "study"}
     for f in flagged:
         assert dests[f.name] == list(flags_of(f)[0].names), f.name
     assert given(p.parse_args([]), SweepSettings) == {}
@@ -530,23 +530,41 @@ def test_the_sweep_page_shows_every_trial_and_the_best_so_far():
     assert "<script" not in page
 
 
-# ---------------------------------------------------------------- the README's example
+# ---------------------------------------------------------------- the docs' example
 
 
 @pytest.mark.processes
 @needs_optuna
-def test_the_readmes_sweep_example_runs_and_is_the_one_in_the_readme(tmp_path, monkeypatch, capsys):
+def test_the_sweep_example_runs_and_is_the_one_the_docs_show(tmp_path, monkeypatch, capsys):
     import runpy
     import shutil
 
     root = Path(__file__).resolve().parents[1]
-    section = (root / "README.md").read_text().split("### Sweeps on Optuna", 1)[1].split("\n## ", 1)[0]
+    section = docs_page("how-to/sweeps.md")
     for name, lang in (("sweep.toml", "toml"), ("sweep_from_python.py", "python")):
         source = (root / "docs" / "examples" / name).read_text().strip()
-        assert f"```{lang}\n{source}\n```" in section, f"the README's {name} differs from docs/examples/{name}"
+        assert f"```{lang}\n{source}\n```" in section, f"docs/how-to/sweeps.md does not show docs/examples/{name}"
     shutil.copytree(root / "docs" / "examples", tmp_path / "docs" / "examples")
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(tmp_path / "docs" / "examples" / "sweep_from_python.py"), run_name="__main__")
     printed = capsys.readouterr().out
     assert re.search(r"best trial \d: eval_loss [0-9.]+ with \{'lr': [0-9.e-]+, 'weight_decay': [0-9.]+\}", printed)
     assert "4 trials in the study" in printed and (tmp_path / "sweeps" / "iris-lr" / "report.html").is_file()
+
+
+@pytest.mark.processes
+@needs_optuna
+def test_a_local_sweeps_study_may_be_named_and_resumes_under_its_name(tmp_path):
+    """--study NAME without --storage: the study in SWEEP_DIR/study.db is named so, and a resume
+    (the folder alone) finds it under that name."""
+    import optuna
+
+    import gputrain
+
+    (tmp_path / "sweep.toml").write_text(SWEEP.replace("trials = 8", "trials = 1").replace("workers = 2", "workers = 1"))
+    first = gputrain.sweep(tmp_path / "sweep.toml", sweep_dir=tmp_path / "s", study="lr-search")
+    assert first.study_name == "lr-search" and 'study = "lr-search"' in (tmp_path / "s" / "sweep.toml").read_text()
+    more = gputrain.sweep(sweep_dir=tmp_path / "s", trials=2)
+    assert [r["number"] for r in more.trials] == [0, 1]
+    study = optuna.load_study(study_name="lr-search", storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
+    assert len(study.trials) == 2 and more.best_trial == study.best_trial.number

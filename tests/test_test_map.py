@@ -1,6 +1,6 @@
 """The maps stay true to the tree: tests/README.md lists every test file and names only paths that exist;
-every package's docstring names each of its modules; the README's layout section names every package
-and module of src/gputrain; helpers.py's docstring names each helper, and no test file copies one."""
+every package's docstring names each of its modules; the package map of docs/design.md names every
+package and module of src/gputrain; helpers.py's docstring names each helper, and no test file copies one."""
 
 import ast
 import re
@@ -34,11 +34,11 @@ def _names(name: str, text: str, *, prose: bool = False) -> bool:
 
 
 def _layout() -> str:
-    """The README's layout list (Development), from its "- Layout" item to the next top-level item."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("- Layout (")
-    end = readme.index("\n- ", start)
-    return readme[start:end]
+    """The package map of docs/design.md, from its "- Layout" item to the next top-level item."""
+    notes = (ROOT / "docs" / "design.md").read_text()
+    start = notes.index("- Layout (")
+    end = notes.index("\n- ", start)
+    return notes[start:end]
 
 
 def _item(layout: str, package: str) -> str:
@@ -81,7 +81,7 @@ def test_every_package_docstring_names_each_of_its_modules():
     assert not gaps, f"package docstrings that do not name these modules (one line each): {gaps}"
 
 
-def test_the_readme_layout_names_every_package_and_module():
+def test_the_design_notes_package_map_names_every_package_and_module():
     layout = _layout()
     gaps = {}
     top = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in layout]
@@ -97,7 +97,7 @@ def test_the_readme_layout_names_every_package_and_module():
         missing = [m for m in _module_names(package) if not _names(m, item, prose=True)]
         if missing:
             gaps[str(package.relative_to(SRC))] = missing
-    assert not gaps, f"README.md's layout section (Development) does not name: {gaps}"
+    assert not gaps, f"docs/design.md's package map does not name: {gaps}"
 
 
 def _shape(node: ast.FunctionDef | ast.ClassDef) -> str:

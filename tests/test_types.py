@@ -1,5 +1,6 @@
 """The type gate: basedpyright, in the standard mode of pyproject's [tool.basedpyright], reports no
-error over src/gputrain; the gate can fail; inline ignores stay few and each names its rule."""
+error over src/gputrain; the gate can fail; inline ignores stay few and each names its rule; the wheel
+carries py.typed, so that users' type checkers read those annotations."""
 
 import importlib.util
 import json
@@ -95,3 +96,23 @@ def test_inline_ignores_are_few_and_name_their_rule():
                               "(a bare or `type: ignore` hides every error on its line):\n" + "\n".join(without_rule))
     assert len(ignores) <= MAX_INLINE_IGNORES, (f"{len(ignores)} inline ignores (at most {MAX_INLINE_IGNORES}):\n"
                                                 + "\n".join(ignores))
+
+
+@pytest.mark.processes
+def test_the_wheel_carries_py_typed(tmp_path):
+    """PEP 561: the built wheel holds gputrain/py.typed, so users' type checkers read its annotations
+    (the package data of pyproject.toml); without it they would treat gputrain as untyped."""
+    import zipfile
+
+    import shutil
+
+    tree = tmp_path / "tree"  # a copy: a build/ folder left in the repository would hand the wheel old files
+    shutil.copytree(REPO / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tree / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-w", str(tmp_path), str(tree)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("gputrain-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gputrain/py.typed" in names and "gputrain/__init__.py" in names, sorted(names)[:20]

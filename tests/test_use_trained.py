@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from helpers import mlp
+from helpers import docs_page, mlp
 
 import gputrain
 from gputrain import TrainConfig, fit
@@ -343,17 +343,15 @@ def test_a_damaged_sharded_checkpoint_is_refused_by_its_manifest(twin_runs, tmp_
     assert "warning: checkpoint step-000006.dcp: __1_0.distcp: its content hash" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the README's examples
+# ---------------------------------------------------------------- the docs' examples
 
 
-@pytest.mark.parametrize("name, section", [("callbacks_and_tracking", "## Extend and track"),
-                                           ("use_the_trained_model", "## Use the trained model")])
-def test_readme_examples_run_and_are_the_ones_in_the_readme(name, section, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("name, page", [("callbacks_and_tracking", "how-to/callbacks-and-trackers.md"),
+                                        ("use_the_trained_model", "how-to/use-trained.md")])
+def test_the_examples_run_and_are_the_ones_the_docs_show(name, page, tmp_path, monkeypatch, capsys):
     path = ROOT / "docs" / "examples" / f"{name}.py"
     source = path.read_text().strip()
-    readme = (ROOT / "README.md").read_text()
-    text = readme.split(section, 1)[1].split("\n## ", 1)[0]
-    assert f"```python\n{source}\n```" in text, f"README's {section} section differs from {path}"
+    assert f"```python\n{source}\n```" in docs_page(page), f"docs/{page} does not show {path}"
     monkeypatch.chdir(tmp_path)  # the examples write into runs/ under the working directory
     monkeypatch.setenv("WANDB_MODE", "offline")
     runpy.run_path(str(path), run_name="__main__")

@@ -3,8 +3,8 @@
 
 Asserted for every case: no crash; after fit every module is in the mode the user gave it; the
 parameters and buffers equal the hand loop's: bit for bit where no numeric choice of fit applies (the
-CPU: fp32, the user's layout, the author's optimizer), within the README's bf16 tolerance where one
-does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs). fit runs first; the hand loop then runs
+CPU: fp32, the user's layout, the author's optimizer), within the bf16 tolerance (docs/explanations/
+decisions.md) where one does (CUDA: bf16 autocast, channels_last, TF32, CUDA graphs). fit runs first; the hand loop then runs
 in the precision fit reports it used (history.summary): its forward under the same `torch.autocast`
 (the AMP recipe) for bf16, without autocast where fit's first step found its automatic bf16 refused and
 trained in fp32 (DCGAN's and VAE's BCELoss on CUDA: train/step/autocast_decider.py), TF32 set as that
@@ -30,7 +30,7 @@ from gputrain.runtime.precision import matmul_settings, resolve_precision
 
 DEVICE = os.environ.get("GPUTRAIN_ZOO_DEVICE", "cpu")
 SEED = 0
-# bf16 autocast (README, "What fit decides for you"): per floating tensor, the update fit made
+# bf16 autocast (docs/explanations/decisions.md, "Tolerances"): per floating tensor, the update fit made
 # (final - initial) differs from the hand loop's by at most BF16_UPDATE_RTOL of the hand loop's update
 # (L2 norms) plus BF16_ATOL per element; BatchNorm statistics and other buffers within BF16_ATOL
 # relative. bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 0.4%), and each kernel choice

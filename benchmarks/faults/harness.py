@@ -14,7 +14,7 @@ steps lost):
   trial_torchrun, trial_torchrun_restart            2 processes (gloo), SIGTERM to one rank
 
 tests/test_faults.py runs a short version of the trials in the default suite;
-benchmarks/fault_injection.py runs them in full counts and prints the table in benchmarks/README.md.
+benchmarks/fault_injection.py runs them in full counts and prints the table in benchmarks/LOG.md.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _plain(device: str, steps: int, callbacks=None, **extra) -> dict[str, Any]:
 
 
 def _examples():
-    """docs/examples/own_step.py, the README's example of a step of your own, loaded from its file."""
+    """docs/examples/own_step.py, the docs' example of a step of your own (docs/how-to/own-step.md), loaded from its file."""
     spec = importlib.util.spec_from_file_location("own_step", ROOT / "docs" / "examples" / "own_step.py")
     assert spec is not None and spec.loader is not None
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as an import would (pickle finds it)

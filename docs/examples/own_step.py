@@ -35,6 +35,7 @@ class GAN(nn.Module):
         self.discriminator = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
 
 
+# --8<-- [start:gan_step]
 def gan_step(step, batch):
     """One discriminator step, then one generator step (non-saturating loss)."""
     real, _ = batch
@@ -50,6 +51,7 @@ def gan_step(step, batch):
     step.backward(g_loss)
     step.step("generator")
     return {"d_loss": d_loss, "g_loss": g_loss}
+# --8<-- [end:gan_step]
 
 
 def gan_optimizers(model: GAN):

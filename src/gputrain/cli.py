@@ -25,7 +25,8 @@ COMMANDS = {
     "eval": "evaluate a run's trained weights (best or last, EMA when kept) on its data",
     "predict": "apply a run's trained model to data and write the outputs to a file",
     "export": "write a run's trained weights as safetensors, a Hugging Face folder or ONNX",
-    "sweep": "search hyperparameters with Optuna: each trial a run directory, the study in SQLite (resumable)",
+    "sweep": "search hyperparameters with Optuna: each trial a run directory, the study in SQLite (resumable) or "
+             "a database that workers on several machines join (--storage)",
 }
 
 

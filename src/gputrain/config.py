@@ -162,6 +162,8 @@ class TrainConfig:
 
     # where and how precisely
     device: str = setting("auto", flag="--device", check=_device, help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    # "auto": bf16 autocast on CUDA GPUs that have it, fp16 with loss scaling on older ones, fp32 on the CPU
+    # and MPS (an automatic autocast the first step refuses becomes fp32) | "fp32" | "tf32" | "bf16" | "fp16"
     precision: str = setting("auto", flag="--precision", choices=PRECISIONS, check=_precision)
     # how much
     batch_size: int = setting(  # micro-batch per optimizer micro-step (per process under DDP)
@@ -174,7 +176,9 @@ class TrainConfig:
     accumulate: int = setting(  # micro-batches per optimizer step (effective batch = batch_size * accumulate)
         1, flag="--accumulate", parse=positive_int_arg, check=integer(1, MAX_ACCUMULATE, why=_ACCUMULATE_WHY),
         help="micro-batches per optimizer step")
+    # the peak learning rate (reached after warmup_steps; the schedule moves it from there)
     lr: float = setting(1e-3, flag="--lr", parse=positive_float_arg, check=number(above=0, message="lr must be > 0 and finite"))
+    # fit's AdamW's decoupled weight decay (0: none; torch's own AdamW defaults to 0.01)
     weight_decay: float = setting(0.0, flag="--weight-decay", parse=float, check=number(at_least=0))
     # no weight decay on biases and normalization weights (1-D); False: on all
     weight_decay_groups: bool = setting(True, check=boolean)
@@ -182,7 +186,7 @@ class TrainConfig:
                                           check=number(above=0, optional=True), help="clip the gradient norm to this")
     # "constant" | "cosine" | "linear" | "onecycle" (fit(scheduler=...) for your own)
     schedule: str = setting("constant", flag="--schedule", choices=SCHEDULES, check=_schedule)
-    warmup_steps: int = setting(0, check=integer(0))
+    warmup_steps: int = setting(0, check=integer(0))  # optimizer steps of linear warm-up from 0 to lr
     # when your scheduler (fit(scheduler=...)) steps: "step" (after every optimizer step) | "epoch" (after
     # each epoch, as the tutorials' `scheduler.step()` after each epoch; train/optim/intervals.py)
     scheduler_interval: str = setting(
@@ -204,6 +208,7 @@ class TrainConfig:
     metric_modes: dict[str, str] | None = setting(None, check=_metric_modes)
     progress: bool = setting(False, flag="--progress", parse=tri_arg, metavar="{auto,on,off}", check=boolean,
                              help="progress bar (auto: only on a terminal)")  # the CLI's "auto": on for terminals
+    # torch's generator is seeded with it at the run's start: the batch order, dropout, augmentation
     seed: int = setting(0, flag="--seed", parse=int, check=integer(0, MAX_SEED, why=" (torch.manual_seed's range)"))
     # files
     name: str | None = None  # the run's name in summaries and reports (fit_workload: the workload's)
@@ -248,10 +253,11 @@ class TrainConfig:
                                                           "copy each batch from pinned host memory")
     device_memory_fraction: float = setting(  # the share of free device memory device-resident data may take
         0.5, check=number(above=0, at_most=1, message="device_memory_fraction must be in (0, 1]"))
+    # NHWC for 2-D conv nets: "auto" probes the first batch and keeps it where it runs, agrees and pays
     channels_last: str | bool = setting("auto", flag="--channels-last", parse=tri_arg, metavar="{auto,on,off}",
                                         check=_tri)
-    cudnn_benchmark: str | bool = setting("auto", check=_tri)
-    fused_optimizer: str | bool = setting("auto", check=_tri)
+    cudnn_benchmark: str | bool = setting("auto", check=_tri)  # cuDNN's algorithm search: "auto" on CUDA conv nets
+    fused_optimizer: str | bool = setting("auto", check=_tri)  # fit's AdamW's fused kernel: "auto" where torch has it
     # True: the whole model; "regional": its repeated block once (runtime/compile_regions.py)
     compile: bool | str = setting(
         False, flag="--compile", action="store_true", check=_compile,

@@ -4,6 +4,8 @@ The config file is a run's (workload, [options], [train], [fit]) with a [sweep] 
 the metric and [sweep.space] (gputrain/sweeps/settings.py). Each trial is an ordinary run directory
 under SWEEP_DIR/trials; the study is SWEEP_DIR/study.db (SQLite), so a sweep that is stopped or
 killed resumes where it stopped when run again, or with `gputrain sweep --sweep-dir SWEEP_DIR`.
+With `--storage URL --study NAME` the study is in a database server or a journal file: the same
+command on another machine (its own --sweep-dir) joins it with more workers.
 SWEEP_DIR/report.html shows every trial, the metric per trial and the best so far.
 """
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from gputrain.fields import boolean, setting
 
 # The [sweep] keys the command line sets (gputrain/sweeps/settings.py declares them with their flags).
-SWEEP_FLAGS = ("sweep_dir", "trials", "workers", "metric", "direction")
+SWEEP_FLAGS = ("sweep_dir", "trials", "workers", "metric", "direction", "storage", "study")
 
 
 @dataclass
@@ -62,19 +64,23 @@ def run(args) -> int:
     from gputrain.report.sweep_page import short
 
     names = list(dict.fromkeys(k for r in result.trials for k in r["params"]))
+    machines = len({(r.get("machine"), r.get("sweep_dir")) for r in result.trials if r.get("machine")}) > 1
     table = Table(title=f"gputrain sweep: {result.metric} ({'lower' if result.direction == 'min' else 'higher'} "
                         "is better)")
-    for col in ("trial", "state", result.metric, *names, "last step", "time"):
+    for col in ("trial", "state", result.metric, *names, "last step", "time", *(["machine"] if machines else [])):
         table.add_column(col, justify="right")
     for r in sorted(result.trials, key=lambda r: r["number"]):
         table.add_row(str(r["number"]), r["state"], short(r["value"]), *[short(r["params"].get(n)) for n in names],
-                      short(r["last_step"]), f"{r['seconds']:.1f} s" if r["seconds"] is not None else "")
+                      short(r["last_step"]), f"{r['seconds']:.1f} s" if r["seconds"] is not None else "",
+                      *([r.get("machine") or ""] if machines else []))
     console = Console()
     console.print(table)
     if result.best_trial is not None:
         params = ", ".join(f"{k}={short(v)}" for k, v in result.best_params.items())
         console.print(f"best: trial {result.best_trial}, {result.metric} {short(result.best_value)} ({params}); "
-                      f"its run: {result.best_run_dir}", markup=False, highlight=False)
+                      f"its run: {result.best_run_dir}"
+                      f"{f' on {result.best_machine}' if machines and result.best_machine else ''}", markup=False,
+                      highlight=False)
     console.print(f"report: {result.report}   study: {result.storage} (study_name={result.study_name!r})",
                   markup=False, highlight=False)
     return _every_trial_failed(result)

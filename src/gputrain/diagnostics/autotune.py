@@ -201,6 +201,12 @@ def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Pat
     key, parts = cache_key(workload, config, device)
     report: dict[str, Any] = {"rows": [], "choice": None, "cached": False, "key": key, "cache_path": str(path),
                               "device": parts["device"], "batch": _batch_note(config), "steps": steps}
+    resumed = resumed_choice(config)
+    if resumed is not None:  # the choice the run was measured with, not a new measurement
+        choice, where = resumed
+        report.update(choice=choice, from_checkpoint=where)
+        log.info("autotune: the resumed run's choice %s (recorded in %s); nothing measured", _describe(choice), where)
+        return config.replace(**choice), report
     if not force:
         entry = _read_cache(path).get(key)
         if entry and isinstance(entry.get("choice"), dict):
@@ -243,6 +249,25 @@ def autotune(workload, config, steps: int = DEFAULT_STEPS, cache_path: str | Pat
     return config.replace(**choice), report
 
 
+def resumed_choice(config) -> tuple[dict, str] | None:
+    """A resumed run's autotuned switches, as its checkpoint recorded the config it trained with
+    (config.resume: a checkpoint, or True for the run directory's newest), and where; None when the run
+    is not resumed or no checkpoint is there yet. Timing picks once: a resume takes that pick again, so
+    the resumed run computes what the uninterrupted one would have."""
+    from gputrain.checkpoint import CheckpointStore, read_checkpoint
+
+    if not config.resume:
+        return None
+    path = Path(config.resume) if isinstance(config.resume, str) else None
+    if path is None and config.run_dir:
+        path = CheckpointStore(Path(config.run_dir)).latest_path()
+    if path is None or not path.exists():
+        return None
+    saved = read_checkpoint(path, weights=False).get("config") or {}
+    choice = {k: saved[k] for k in (*TRIED_FIELDS, "compile_mode") if k in saved}
+    return (choice, str(path)) if choice else None
+
+
 def _describe(overrides: dict) -> str:
     def v(x):
         return "on" if x is True else "off" if x is False else str(x)
@@ -263,7 +288,8 @@ def render_report(report: dict, console) -> None:
     """The trial table and the choice (rich)."""
     from rich.table import Table
 
-    title = "autotune" + (" (cached: " + report.get("cache_path", "") + ")" if report.get("cached") else "")
+    title = "autotune" + (" (cached: " + report.get("cache_path", "") + ")" if report.get("cached") else "") + (
+        " (the resumed run's choice: " + report["from_checkpoint"] + ")" if report.get("from_checkpoint") else "")
     table = Table(title=title)
     for col in ("graphs", "channels_last", "precision", "compile", "samples/s", "step ms", "memory",
                 "compile s", "status"):

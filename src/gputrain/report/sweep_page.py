@@ -4,6 +4,8 @@ What it shows: the best trial and its parameters, a plot of the metric per trial
 far, and a table of every trial (state, value, parameters, the step it reached, its time, a link
 to its own report.html, why it failed or which trial it ran again). It takes plain rows (one dict
 per trial, as gputrain/sweeps/study.py's `trial_rows` makes them) and needs nothing of Optuna.
+A study shared by several machines (--storage) adds a column of the machine and folder each trial
+ran in; a trial of another machine's folder has no link (its run directory is there).
 """
 
 from __future__ import annotations
@@ -62,57 +64,77 @@ def sweep_plot(rows: list[dict[str, Any]], metric: str, direction: str) -> str |
 
 
 def render_sweep_page(rows: list[dict[str, Any]], *, name: str, metric: str, direction: str, budget: int,
-                      sweep_dir: str, space: dict[str, Any], storage: str = "") -> str:
-    """The sweep's report as one HTML string (no external resources)."""
+                      sweep_dir: str, space: dict[str, Any], storage: str = "", study_name: str = "gputrain",
+                      best: int | None = None, here: str | None = None) -> str:
+    """The sweep's report as one HTML string (no external resources). best: the best trial's number
+    as Optuna names it (default: the complete trial with the best value); here: this machine's
+    sweep folder (resolved) when the study is shared, so that each trial shows where it ran."""
     done = [r for r in rows if r["state"] == "complete" and isinstance(r.get("value"), (int, float))]
-    best = (min if direction == "min" else max)(done, key=lambda r: r["value"]) if done else None
+    if best is not None:
+        best_row = next((r for r in rows if r["number"] == best), None)
+    else:
+        best_row = (min if direction == "min" else max)(done, key=lambda r: r["value"]) if done else None
+    rows = [{**r, "elsewhere": here is not None and r.get("sweep_dir") not in (None, here)}
+            for r in rows]  # another machine's run directory: named (machine:path), not linked
     counts = {s: sum(1 for r in rows if r["state"] == s) for s in ("complete", "pruned", "fail", "running", "waiting")}
     cards = [("trials finished", f"{counts['complete'] + counts['pruned']} of {budget}"),
              ("complete", str(counts["complete"])), ("pruned", str(counts["pruned"]))]
     if counts["fail"]:
         cards.append(("failed or interrupted", str(counts["fail"])))
-    if best:
-        cards.append((f"best {metric}", short(best["value"])))
-        cards.append(("best trial", str(best["number"])))
+    if best_row:
+        cards.append((f"best {metric}", short(best_row["value"])))
+        cards.append(("best trial", str(best_row["number"])))
     body = [f"<h1>gputrain sweep: {_e(name)}</h1>",
             f"<p class='sub'>{_e(metric)}, {'lower' if direction == 'min' else 'higher'} is better &middot; "
             f"{_e(sweep_dir)}</p>",
             "<div class='cards'>" + "".join(f"<div class='card'><div class='l'>{_e(k)}</div><div class='v'>{_e(v)}"
                                             "</div></div>" for k, v in cards) + "</div>"]
-    if best:
-        params = ", ".join(f"{k} = {short(v)}" for k, v in best["params"].items())
-        link = f" (<a href='{_e(best['run_dir'])}/{REPORT_FILE}'>its run</a>)" if best.get("run_dir") else ""
-        body.append(f"<section id='best'><h2>Best trial</h2><p>trial {best['number']}: {_e(metric)} "
-                    f"{_e(short(best['value']))} with {_e(params)}{link}</p></section>")
+    if best_row:
+        top = next(r for r in rows if r["number"] == best_row["number"])
+        params = ", ".join(f"{k} = {short(v)}" for k, v in top["params"].items())
+        link = f" (its run: {_e(_where(top))})" if top["elsewhere"] else \
+            f" (<a href='{_e(top['run_dir'])}/{REPORT_FILE}'>its run</a>)" if top.get("run_dir") else ""
+        body.append(f"<section id='best'><h2>Best trial</h2><p>trial {top['number']}: {_e(metric)} "
+                    f"{_e(short(top['value']))} with {_e(params)}{link}</p></section>")
     plot = sweep_plot(rows, metric, direction)
     body.append("<section id='trials-plot'><h2>The metric per trial</h2>" + (
         f"<figure class=wide><img src='{plot}' alt='{_e(metric)} per trial and the best so far'><figcaption>"
         f"each trial's {_e(metric)} (pruned trials: at their last evaluation) and the best so far</figcaption></figure>"
         if plot else "<p>No trial has a value yet.</p>") + "</section>")
-    body.append(f"<section id='trials'><h2>Trials</h2>{_trials_table(rows, list(space))}</section>")
+    body.append(f"<section id='trials'><h2>Trials</h2>{_trials_table(rows, list(space), here is not None)}</section>")
     body.append("<section id='space'><h2>Search space</h2><table>" + "".join(
         f"<tr><td class='k'>{_e(k)}</td><td>{_e(_spec(v))}</td></tr>" for k, v in space.items()) + "</table></section>")
     from gputrain.version import __version__
 
     body.append(f"<footer>written by gputrain {_e(__version__)} on {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}"
-                + (f" &middot; the study: optuna.load_study(study_name='gputrain', storage='{_e(storage)}')" if storage else "")
+                + (f" &middot; the study: optuna.load_study(study_name={_e(repr(study_name))}, storage='{_e(storage)}')"
+                   if storage else "")
                 + " &middot; this page is self-contained</footer>")
     return page(f"gputrain sweep: {name}", "\n".join(body))
 
 
-def _trials_table(rows: list[dict[str, Any]], names: list[str]) -> str:
+def _where(row: dict[str, Any]) -> str:
+    """machine:folder/run_dir of a trial (what a shared study records of where it ran)."""
+    folder = row.get("sweep_dir") or ""
+    return f"{row.get('machine') or '?'}:{folder}/{row.get('run_dir') or ''}".rstrip("/")
+
+
+def _trials_table(rows: list[dict[str, Any]], names: list[str], machines: bool = False) -> str:
     if not rows:
         return "<p>No trials yet.</p>"
-    head = ["trial", "state", "value", *names, "last step", "time", "run", "note"]
+    head = ["trial", "state", "value", *names, "last step", "time", *(["machine"] if machines else []), "run", "note"]
     out = ["<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
     for r in sorted(rows, key=lambda r: r["number"]):
         note = r.get("error") or (f"runs trial {r['retry_of']} again" if r.get("retry_of") is not None else "")
         if r["state"] == "fail" and not r.get("error"):
-            note = "interrupted: runs again on resume"
-        link = f"<a href='{_e(r['run_dir'])}/{REPORT_FILE}'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else ""
+            note = "interrupted (stopped, or its worker died): runs again" if machines else \
+                "interrupted: runs again on resume"
+        link = _e(_where(r)) if r.get("elsewhere") else \
+            f"<a href='{_e(r['run_dir'])}/{REPORT_FILE}'>{_e(r['run_dir'])}</a>" if r.get("run_dir") else ""
         cells = [str(r["number"]), r["state"], short(r.get("value")),
                  *[short(r["params"].get(n)) for n in names], short(r.get("last_step")),
-                 f"{r['seconds']:.1f} s" if r.get("seconds") is not None else ""]
+                 f"{r['seconds']:.1f} s" if r.get("seconds") is not None else "",
+                 *([r.get("machine") or ""] if machines else [])]
         out.append("<tr>" + "".join(f"<td class='n'>{_e(c)}</td>" for c in cells) + f"<td>{link}</td>"
                    f"<td>{_e(note)}</td></tr>")
     out.append("</table>")

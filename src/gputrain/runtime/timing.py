@@ -1,6 +1,6 @@
 """Timing a callable on a device, by the project's measuring protocol: warm up, then time with CUDA
 events on a CUDA device (the host clock plus a synchronize elsewhere, bound once per device), repeat,
-and report the median with min, max and n (benchmarks/README.md). The benchmarks, `gputrain doctor`
+and report the median with min, max and n (docs/how-to/measure.md). The benchmarks, `gputrain doctor`
 and the profile's step figures all time with these.
 """
 

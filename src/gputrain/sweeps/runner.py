@@ -3,13 +3,15 @@ writes the report.
 
     SWEEP_DIR/sweep.toml        the sweep's resolved config (run config + [sweep]); what a resume reads
     SWEEP_DIR/study.db          the Optuna study (SQLite): optuna.load_study(study_name="gputrain",
-                                storage="sqlite:///SWEEP_DIR/study.db")
+                                storage="sqlite:///SWEEP_DIR/study.db"); with --storage, the study is
+                                in that database (or journal file) and every machine's sweep joins it
     SWEEP_DIR/trials/trial-NNNN ordinary run directories, one per trial
     SWEEP_DIR/report.html       the trials' table and plots
 
 Workers are processes (sweeps/trial.py), one per GPU with CUDA_VISIBLE_DEVICES set to it (never two
 on one GPU), or on the CPU with an equal share of the cores' threads each. A refused sweep writes
 nothing; a killed one resumes where it stopped when run again (or with `--sweep-dir DIR` alone).
+With --storage, the same command on another machine (its own --sweep-dir) adds workers to the study.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from typing import Any, Callable
 
 from gputrain.errors import ConfigError, GputrainError, StopRequested
 from gputrain.io.run_layout import REPORT_FILE
-from gputrain.io.toml_file import TomlFile, dumps, read_toml
+from gputrain.io.toml_file import TomlFile
 from gputrain.runs.stated import RunConfig, check_tree, load_run_config, option_text
-from gputrain.sweeps import study as studies
+from gputrain.sweeps import storage as stores, study as studies
+from gputrain.sweeps.folder import check_folder, identity, load_sweep_file, safe_name, write_sweep_file
 from gputrain.sweeps.settings import MAX_SEED, SWEEP_FILE, SweepSettings, check_sweep
 
 log = logging.getLogger("gputrain")
@@ -52,6 +55,7 @@ class SweepPlan:
     sweep_dir: Path
     slots: list[dict[str, str]]  # one environment per worker
     resumed: bool
+    place: stores.Place  # where the study lives (its URL may hold a password: never written or shown)
 
 
 @dataclass
@@ -64,10 +68,11 @@ class SweepResult:
     best_trial: int | None
     best_value: float | None
     best_params: dict[str, Any]
-    best_run_dir: Path | None
+    best_run_dir: Path | None  # on the machine that ran it (best_machine)
     trials: list[dict[str, Any]] = field(default_factory=list)
     report: Path | None = None
-    storage: str = ""
+    best_machine: str | None = None
+    storage: str = ""  # the study's storage URL, its password masked
     study_name: str = studies.STUDY_NAME
 
 
@@ -105,12 +110,18 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
     direction = settings.direction or way.mode
     why = "stated" if settings.direction else way.why()
     # The default folder is named for the config file (sweeps/lr for lr.toml): the same command again resumes.
-    default = Path("sweeps") / _safe(Path(config).stem if isinstance(config, (str, Path)) else rc.workload)
+    default = Path("sweeps") / safe_name(Path(config).stem if isinstance(config, (str, Path)) else rc.workload)
     folder = Path(sweep_dir or settings.sweep_dir or default)
-    resumed = _check_folder(folder, rc, settings, direction)
+    place = stores.resolve(settings.storage, settings.study, settings.heartbeat, folder)
+    settings.storage = place.written if place.shared else None  # what sweep.toml keeps: no password
+    resumed = check_folder(folder, rc, settings, direction)
     slots = worker_slots(str(rc.train.get("device", w.defaults.get("device", "auto"))), settings.workers,
                          cuda_devices)
-    return SweepPlan(rc, settings, direction, why, folder, slots, resumed)
+    if place.shared:  # the server answers, and its study (if there is one) is this sweep: before anything is written
+        studies.import_optuna()
+        stores.check_reachable(place)
+        studies.check_joinable(place, identity(rc, settings, direction, where=False))
+    return SweepPlan(rc, settings, direction, why, folder, slots, resumed, place)
 
 
 def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any) -> None:
@@ -168,13 +179,16 @@ def _check_samples_resolve(rc: RunConfig, settings: SweepSettings, workload: Any
 
 def sweep(config: str | Path | dict | None = None, *, workload: str | None = None, sweep_dir: str | Path | None = None,
           trials: int | None = None, workers: int | None = None, metric: str | None = None,
-          direction: str | None = None, on_trial: Callable[[dict[str, Any]], None] | None = None) -> SweepResult:
+          direction: str | None = None, storage: str | None = None, study: str | None = None,
+          on_trial: Callable[[dict[str, Any]], None] | None = None) -> SweepResult:
     """Search hyperparameters with Optuna: each trial an ordinary run directory under the sweep's.
 
     config: a TOML file (or the same tree as a dict) with the run (workload, [train], ...) and
     [sweep] (trials, metric, [sweep.space]; see gputrain/sweeps/settings.py); None resumes the sweep
     in `sweep_dir`. trials, workers, metric, direction override [sweep]. A sweep run again on its
-    directory resumes: its finished trials stay, its interrupted ones run again. on_trial: called
+    directory resumes: its finished trials stay, its interrupted ones run again. storage, study: the
+    study in a database server (postgresql://USER@HOST/DB) or a journal file, under that name, which
+    the same call on other machines joins (sweeps/storage.py; default: SQLite in `sweep_dir`). on_trial: called
     with each finished trial's event ({"trial", "state", "value", "params"}).
 
     Returns a SweepResult (best trial, value and params, every trial). Raises ConfigError for bad
@@ -182,7 +196,8 @@ def sweep(config: str | Path | dict | None = None, *, workload: str | None = Non
     Needs Optuna (pip install 'gputrain[sweep]').
     """
     plan = plan_sweep(config, workload=workload, sweep_dir=sweep_dir,
-                      overrides={"trials": trials, "workers": workers, "metric": metric, "direction": direction})
+                      overrides={"trials": trials, "workers": workers, "metric": metric, "direction": direction,
+                                 "storage": storage, "study": study})
     studies.import_optuna()  # after the plan: a bad config is said first, with or without Optuna
     return run_plan(plan, on_trial)
 
@@ -190,41 +205,43 @@ def sweep(config: str | Path | dict | None = None, *, workload: str | None = Non
 def run_plan(plan: SweepPlan, on_trial: Callable[[dict[str, Any]], None] | None = None) -> SweepResult:
     """Run a checked plan: lock the directory, record sweep.toml, open the study, queue interrupted
     trials again, run the workers, write the report."""
-    folder, settings = plan.sweep_dir, plan.settings
+    folder, settings, place = plan.sweep_dir, plan.settings, plan.place
     made = next((f for f in (*reversed(folder.parents), folder) if not f.exists()), None)  # taken away if refused
-    lock = studies.open_sweep(folder)  # made, locked and its study checked before anything is written
+    # made, locked and its study checked before anything is written
+    lock = studies.open_sweep(folder, local=not place.shared, name=place.name)
     try:
         try:
-            _write_sweep_file(plan)
-            study = studies.create_or_load(folder, plan.direction, settings.metric)
+            write_sweep_file(folder, plan.rc, settings, plan.direction)
+            study = studies.create_or_load(place, plan.direction, settings.metric,
+                                           identity(plan.rc, settings, plan.direction, where=False), settings.trials,
+                                           say=log.warning)
         except GputrainError:  # the study cannot be written (a full disk, a file-size limit): no trial ran
             if made is not None:
                 shutil.rmtree(made, ignore_errors=True)  # the folders this call made, with what it wrote
             raise
-        again = studies.retry_interrupted(folder, study)
-        if again:
-            log.info("resuming: trials %s were interrupted and run again", ", ".join(map(str, again)))
-        with studies.access(folder):
-            left = settings.trials - sum(studies.counted(t) for t in study.get_trials(deepcopy=False))
+        if not place.shared:  # on a shared study another machine's trials may be running: the heartbeat finds dead ones
+            again = studies.retry_interrupted(place, study)
+            if again:
+                log.info("resuming: trials %s were interrupted and run again", ", ".join(map(str, again)))
+        with studies.guard(place):
+            trials = stores.patiently(place, "reading the trials", lambda: study.get_trials(deepcopy=False))
+        # A shared study's running trials may belong to dead workers: this machine's workers wait for them.
+        left = settings.trials - sum((studies.finished if place.shared else studies.counted)(t) for t in trials)
         if left > 0:
-            log.info("sweep of %s in %s: %d trial(s) to run on %d worker(s); %s (%s)", plan.rc.workload, folder,
-                     left, min(left, len(plan.slots)), f"{settings.metric}, {plan.direction}", plan.direction_why)
+            log.info("sweep of %s in %s: %d trial(s) to run on %d worker(s); %s (%s)%s", plan.rc.workload, folder,
+                     left, min(left, len(plan.slots)), f"{settings.metric}, {plan.direction}", plan.direction_why,
+                     f"; the study {place.name!r} in {place.shown}" if place.shared else "")
             try:
                 _run_workers(plan, plan.slots[:left], lock, on_trial)
-            finally:
+            except stores.StorageLost:  # the database is away: no report to read from it
+                raise
+            except BaseException:  # stopped, or a trial failed: the report of what there is
                 _write_report(plan, study)
-        else:
-            _write_report(plan, study)
+                raise
+        _write_report(plan, study)
         return _result(plan, study)
     finally:
         studies.release(lock)
-
-
-def load_sweep_file(sweep_dir: Path) -> tuple[RunConfig, SweepSettings, str]:
-    """(run config, settings, direction) of SWEEP_DIR/sweep.toml, for the workers."""
-    rc = load_run_config(sweep_dir / SWEEP_FILE, what="--sweep-dir")
-    settings = check_sweep(rc)
-    return rc, settings, settings.direction or "min"
 
 
 def make_sampler(settings: SweepSettings, index: int = 0, started: int = 0):
@@ -288,66 +305,6 @@ def visible_gpus() -> list[str]:
     return named[:count] if named else [str(i) for i in range(count)]
 
 
-# ---------------------------------------------------------------- the sweep directory
-
-
-def _check_folder(folder: Path, rc: RunConfig, settings: SweepSettings, direction: str) -> bool:
-    """True when `folder` holds this sweep (a resume), False when it is new or empty; ConfigError
-    when it is a file, holds another sweep, or holds something else."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--sweep-dir {folder} is a file: give a folder")
-    recorded = folder / SWEEP_FILE
-    if recorded.is_file():
-        old = load_run_config(recorded, what="--sweep-dir")
-        old_settings = check_sweep(old)
-        differs = _differences(_identity(old, old_settings, old_settings.direction or direction),
-                               _identity(rc, settings, direction))
-        if differs:
-            raise ConfigError(f"{folder} holds another study (its {SWEEP_FILE} differs in {', '.join(differs[:4])}"
-                              f"{' and more' if len(differs) > 4 else ''}): resume it with `gputrain sweep --sweep-dir "
-                              f"{folder}`, or start this sweep in another --sweep-dir")
-        return True
-    if (folder / studies.DB_FILE).exists():
-        raise ConfigError(f"{folder} holds a {studies.DB_FILE} that gputrain sweep did not make (no {SWEEP_FILE}): "
-                          "give another --sweep-dir")
-    if folder.is_dir() and any(folder.iterdir()):
-        raise ConfigError(f"--sweep-dir {folder} is not empty and holds no sweep (no {SWEEP_FILE}): give a new or "
-                          "empty folder")
-    return False
-
-
-def _identity(rc: RunConfig, settings: SweepSettings, direction: str) -> dict[str, Any]:
-    sweep = settings.identity()
-    sweep["direction"] = direction
-    return {"workload": rc.workload, "options": rc.options, **({"optimizers": rc.optimizers} if rc.optimizers else {}),
-            "train": rc.train, "fit": rc.fit, "sweep": sweep}
-
-
-def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in list(dict.fromkeys([*a, *b])):
-            out += _differences(a.get(key), b.get(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
-        return out
-    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
-    return [] if norm(a) == norm(b) else [prefix or "the config"]
-
-
-def _write_sweep_file(plan: SweepPlan) -> None:
-    from gputrain.io.atomic import write_text
-
-    rc, table = plan.rc, plan.settings.table()
-    table["direction"] = plan.direction
-    optimizers = {n: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-                  for n, values in rc.optimizers.items()}
-    tables = {"options": rc.options, **({"optimizers": optimizers} if optimizers else {}),
-              "train": {k: list(v) if isinstance(v, tuple) else v for k, v in rc.train.items()},
-              "fit": rc.fit, "sweep": table}
-    header = ["gputrain sweep: this sweep's config. Resume it: gputrain sweep --sweep-dir THIS_FOLDER",
-              "(trials and workers may change on a resume; the rest is the study's identity)."]
-    write_text(plan.sweep_dir / SWEEP_FILE, dumps({"workload": rc.workload}, tables, header=header))
-
-
 # ---------------------------------------------------------------- workers
 
 
@@ -362,6 +319,8 @@ def _run_workers(plan: SweepPlan, slots: list[dict[str, str]], lock_fd: int,
         env = {**os.environ, **slot, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
         env.setdefault("GPUTRAIN_COMPILE_CACHE", str(plan.sweep_dir / "compile_cache"))  # trials share compiled code
+        if plan.place.kind == "rdb":  # the URL, password included, in the environment: never on a command line
+            env[stores.ENV] = plan.place.url
         proc = subprocess.Popen([sys.executable, "-m", "gputrain.sweeps.trial", str(plan.sweep_dir), str(i)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(lock_fd,))
         tail: collections.deque = collections.deque(maxlen=40)
@@ -424,6 +383,8 @@ def _worker_error(rc: int, tail: collections.deque, sweep_dir: Path) -> Gputrain
     last = next((line for line in reversed(tail) if line.strip()), "")
     if rc == 2:
         return ConfigError(last or f"a worker of the sweep in {sweep_dir} refused to go on")
+    if rc == stores.LOST_STATUS:
+        return stores.StorageLost(last or f"a worker of the sweep in {sweep_dir} lost the study's database")
     if rc in (130, 143):
         return StopRequested(f"a worker was stopped by a signal; resume: gputrain sweep --sweep-dir {sweep_dir}",
                              exit_code=rc, step=0, checkpoint=None)
@@ -453,6 +414,9 @@ def _drain(events: queue.Queue, on_trial: Callable[[dict[str, Any]], None] | Non
             event = events.get_nowait()
         except queue.Empty:
             return
+        if "note" in event:  # a worker's word: its database went away, came back (progress: --quiet hides it)
+            log.info("worker %s: %s", event.get("worker"), event["note"])
+            continue
         params = ", ".join(f"{k}={_short(v)}" for k, v in (event.get("params") or {}).items())
         value = "" if event.get("value") is None else f" {_short(event['value'])}"
         log.info("trial %s %s%s (%s)", event.get("trial"), event.get("state"), value, params)
@@ -463,29 +427,54 @@ def _drain(events: queue.Queue, on_trial: Callable[[dict[str, Any]], None] | Non
 # ---------------------------------------------------------------- results
 
 
+def report_sweep(sweep_dir: str | Path) -> Path:
+    """Rewrite SWEEP_DIR/report.html from the study as it is now (a shared study: every trial, of
+    every machine); ConfigError in one line for a folder that holds no sweep or a study that cannot
+    be read. Returns the page's path."""
+    folder = Path(sweep_dir)
+    if not (folder / SWEEP_FILE).is_file():
+        raise ConfigError(f"{folder}: not a sweep's folder (no {SWEEP_FILE}): give the --sweep-dir of a sweep")
+    rc, settings, direction = load_sweep_file(folder)
+    place = stores.resolve(settings.storage, settings.study, settings.heartbeat, folder)
+    studies.import_optuna()
+    if place.shared:
+        stores.check_reachable(place)
+    else:
+        studies.check_study(folder, place.name)
+    plan = SweepPlan(rc, settings, direction, "", folder, [], True, place)
+    try:
+        study = stores.patiently(place, "reading the study", lambda: studies.load(place))
+    except KeyError:  # "Record does not exist"
+        raise ConfigError(f"{folder}: its study {place.name!r} is not in {place.shown} (yet): run the sweep first") \
+            from None
+    return _write_report(plan, study)
+
+
 def _write_report(plan: SweepPlan, study) -> Path:
     from gputrain.io.atomic import write_text
     from gputrain.report.sweep_page import render_sweep_page
 
-    rows = studies.trial_rows(plan.sweep_dir, study, plan.settings.metric)
+    rows = studies.trial_rows(plan.place, study, plan.settings.metric)
+    best = studies.best_trial(study)
     page = render_sweep_page(rows, name=plan.rc.workload or "sweep", metric=plan.settings.metric,
-                             direction=plan.direction, budget=plan.settings.trials, sweep_dir=str(plan.sweep_dir),
-                             space={p.name: p.spec() for p in plan.settings.space},
-                             storage=studies.storage_url(plan.sweep_dir))
+                             direction=plan.direction, budget=studies.budget(study, plan.settings.trials),
+                             sweep_dir=str(plan.sweep_dir),
+                             space={p.name: p.spec() for p in plan.settings.space}, storage=plan.place.shown,
+                             study_name=plan.place.name, best=best.number if best else None,
+                             here=str(plan.sweep_dir.resolve()) if plan.place.shared else None)
     return write_text(plan.sweep_dir / REPORT_FILE, page)
 
 
 def _result(plan: SweepPlan, study) -> SweepResult:
-    rows = studies.trial_rows(plan.sweep_dir, study, plan.settings.metric)
-    done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
-    pick = min if plan.direction == "min" else max
-    best = pick(done, key=lambda r: r["value"]) if done else None
+    rows = studies.trial_rows(plan.place, study, plan.settings.metric)
+    best_trial = studies.best_trial(study)  # Optuna's own pick: what optuna.load_study(...).best_trial names
+    best = next((r for r in rows if best_trial is not None and r["number"] == best_trial.number), None)
+    here = str(plan.sweep_dir.resolve())
+    where = Path(best["sweep_dir"]) if best and best.get("sweep_dir") not in (None, here) else plan.sweep_dir
     return SweepResult(sweep_dir=plan.sweep_dir, metric=plan.settings.metric, direction=plan.direction,
                        best_trial=best["number"] if best else None, best_value=best["value"] if best else None,
                        best_params=dict(best["params"]) if best else {},
-                       best_run_dir=plan.sweep_dir / best["run_dir"] if best and best["run_dir"] else None,
-                       trials=rows, report=plan.sweep_dir / REPORT_FILE, storage=studies.storage_url(plan.sweep_dir))
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+                       best_run_dir=where / best["run_dir"] if best and best["run_dir"] else None,
+                       best_machine=best.get("machine") if best else None,
+                       trials=rows, report=plan.sweep_dir / REPORT_FILE, storage=plan.place.shown,
+                       study_name=plan.place.name)

@@ -9,6 +9,10 @@
     pruner = "median"           # stop a trial whose evaluation is worse than the median of earlier trials' at
                                 # the same step ("none": never); only after `startup_trials` have finished
     sampler = "tpe"             # or "random"; `seed` seeds it (worker i: seed + i)
+    storage = "postgresql://USER@HOST/DB"  # optional: a study that workers on several machines join
+                                # (or a journal file's path); default SWEEP_DIR/study.db (SQLite)
+    study = "lr-search"         # the study's name in that storage (default "gputrain")
+    heartbeat = 30              # seconds between a running trial's heartbeats on a database server
 
     [sweep.space]               # TrainConfig fields, [fit] flags and options.NAME for the workload's
     lr = {loguniform = [1e-4, 1e-1]}
@@ -35,13 +39,15 @@ from gputrain.errors import ConfigError
 from gputrain.fields import positive_int_arg, setting
 from gputrain.io.toml_file import dumps
 from gputrain.runs.stated import RunConfig, check_value, field_types, merge, option_text
+from gputrain.sweeps.storage import check_storage, has_password, without_password
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
 SWEEP_FILE = "sweep.toml"  # SWEEP_DIR/sweep.toml: the sweep's resolved config
 KINDS = ("loguniform", "uniform", "int", "choices")
-IDENTITY_FREE = ("trials", "workers", "sweep_dir")  # what a resumed sweep may change
+IDENTITY_FREE = ("trials", "workers", "sweep_dir", "heartbeat")  # what a resumed sweep may change
+STUDY_FREE = ("storage", "study")  # where the study lives: not part of what the study records of itself
 MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState, which takes 0 to 2**32 - 1
 
 
@@ -82,6 +88,12 @@ def _seed(name: str, value: Any) -> None:
     _kind(int)(name, value)
     if not 0 <= value <= MAX_SEED:
         raise ConfigError(f"{name} must be an integer from 0 to {MAX_SEED} (what Optuna's samplers take), got {value}")
+
+
+def _study_name(name: str, value: Any) -> None:
+    _kind(str)(name, value)
+    if not value or not value.isprintable() or len(value) > 512:
+        raise ConfigError(f"{name} must be a name of 1 to 512 printable characters, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,14 @@ class SweepSettings:
     startup_trials: int = setting(5, check=_at_least(0, "0 or more"))
     sampler: str = setting("tpe", check=_choice("tpe", "random"))
     seed: int = setting(0, check=_seed)
+    storage: str | None = setting(None, flag="--storage", metavar="URL", check=check_storage,
+                                  help="where the study lives, for workers on several machines to join: "
+                                       "postgresql://USER@HOST/DB, mysql://USER@HOST/DB or a journal file on a shared "
+                                       "filesystem (default: SWEEP_DIR/study.db, this machine); the password from "
+                                       "PGPASSWORD, ~/.pgpass or GPUTRAIN_SWEEP_STORAGE, never written")
+    study: str = setting("gputrain", flag="--study", metavar="NAME", check=_study_name,
+                         help="the study's name in --storage (default gputrain): the same on every machine")
+    heartbeat: int = setting(30, check=_at_least(1, "at least 1 (seconds)"))
     sweep_dir: str | None = setting(None, flag="--sweep-dir", check=_kind(str),
                                     help="the sweep's folder (default sweeps/NAME for --config NAME.toml: the same "
                                          "command again resumes); alone, resumes the sweep in it")
@@ -151,12 +171,18 @@ class SweepSettings:
     def table(self) -> dict[str, Any]:
         """The settings as [sweep] writes them (sweep_dir left out: the directory is where it is)."""
         out = {k: getattr(self, k) for k in _KEYS if k != "sweep_dir"}
+        if self.storage is not None and "://" in self.storage:
+            out["storage"] = without_password(self.storage)  # the password is never written
         out["space"] = {p.name: p.spec() for p in self.space}
         return out
 
     def identity(self) -> dict[str, Any]:
         """What makes two sweeps one study: all but the budget and the workers."""
         return {k: v for k, v in self.table().items() if k not in IDENTITY_FREE}
+
+    def study_identity(self) -> dict[str, Any]:
+        """What the study records of itself (the identity, less where it lives)."""
+        return {k: v for k, v in self.identity().items() if k not in STUDY_FREE}
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(SweepSettings) if f.name != "space"}
@@ -178,6 +204,9 @@ def check_sweep(rc: RunConfig, overrides: dict[str, Any] | None = None) -> Sweep
             raise ConfigError(f"{where('sweep', key)}: unknown key {key!r} in [sweep]: the keys are "
                               f"{', '.join(_KEYS)} and the table [sweep.space]")
         _check_setting(key, value, where("sweep", key))
+        if key == "storage" and has_password(value):
+            raise ConfigError(f"{where('sweep', key)}: [sweep] storage holds a password: a config file is no place "
+                              "for it; remove it from the URL and set PGPASSWORD, ~/.pgpass or GPUTRAIN_SWEEP_STORAGE")
     defaults = {k: None if f.default is dataclasses.MISSING else f.default for k, f in _FIELDS.items()}
     values = {**defaults, **{k: v for k, v in table.items() if k != "space"}}
     for key, value in (overrides or {}).items():
