@@ -127,6 +127,79 @@ def listed_layers():
                     task=None, step_fn=_listed_step, defaults={"batch_size": 16},
                     optimizers=lambda m: {"first": torch.optim.SGD(m.layers[0].parameters(), lr=0.1),
                                           "second": torch.optim.SGD(m.layers[1].parameters(), lr=0.1)})
+
+
+class Pair(nn.Module):
+    """A GAN's two parts and no forward of its own: the step calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = nn.Linear(8, 4)
+        self.discriminator = nn.Linear(4, 2)
+
+
+def _train_only():  # no test split: a model without a forward of its own is not evaluated by a loss rule
+    return DataSplits(train=_data().train, test=None)
+
+
+def _pair_losses(step, batch):
+    x, y = batch
+    d = nn.functional.cross_entropy(step.model.discriminator(x), y)
+    step.backward(d)
+    step.step("discriminator")
+    g = nn.functional.cross_entropy(step.model.discriminator(step.model.generator(torch.randn(len(x), 8))), y)
+    step.backward(g)
+    step.step("generator")
+    return d, g
+
+
+# A step of your own that misuses the API, by name: what it does after its two losses d and g (the
+# --option misuse=NAME of the pair workload), or, for those that misuse it before (ONE_LOSS), with one.
+MISUSES = {
+    "returns-loss-beside-others": lambda step, d, g: {"loss": d, "g_loss": g},
+    "returns-a-learning-rates-name": lambda step, d, g: {"lr_generator": d},
+    "returns-an-evaluations-name": lambda step, d, g: {"eval_loss": g},
+    "returns-a-blank-name": lambda step, d, g: {"": d},
+    "returns-a-number-as-name": lambda step, d, g: {1: d},
+    "returns-a-1d-tensor": lambda step, d, g: d.reshape(1),
+    "returns-a-1d-named-loss": lambda step, d, g: {"d_loss": d.reshape(1)},
+    "returns-an-empty-dict": lambda step, d, g: {},
+    "returns-none": lambda step, d, g: None,
+    "returns-a-string": lambda step, d, g: "loss",
+    "returns-a-list": lambda step, d, g: [d, g],
+    "assigns-state": lambda step, d, g: setattr(step, "state", {"hidden": d.detach()}),
+    "assigns-micro-index": lambda step, d, g: setattr(step, "micro_index", 3),
+    "assigns-index": lambda step, d, g: setattr(step, "index", 7),
+    "state-named-by-a-number": lambda step, d, g: step.state.__setitem__(1, d.detach()),
+    "state-on-the-meta-device": lambda step, d, g: step.state.__setitem__("bank", torch.empty(3, device="meta")),
+    "state-a-function": lambda step, d, g: step.state.__setitem__("hook", print),
+    "steps-twice": lambda step, d, g: step.step("generator"),
+}
+ONE_LOSS = {
+    "no-backward": lambda step, d: step.step("discriminator"),
+    "no-step": lambda step, d: step.backward(d),
+    "backward-of-none": lambda step, d: step.backward(None),
+    "unknown-optimizer": lambda step, d: (step.backward(d), step.step("critic")),
+    "optimizer-unnamed": lambda step, d: (step.backward(d), step.step()),
+}
+
+
+def pair(misuse="", eval_part=None):
+    def step_fn(step, batch):
+        if misuse in ONE_LOSS:
+            d = nn.functional.cross_entropy(step.model.discriminator(batch[0]), batch[1])
+            ONE_LOSS[misuse](step, d)
+            return d
+        d, g = _pair_losses(step, batch)
+        if misuse in MISUSES:
+            out = MISUSES[misuse](step, d, g)
+            return d if misuse.startswith(("assigns", "state", "steps")) else out
+        return {"d_loss": d, "g_loss": g}
+
+    return Workload(name="pair", description="test", make_data=_train_only, make_model=Pair, loss_fn=None, task=None,
+                    step_fn=step_fn, eval_part=eval_part, defaults={"batch_size": 16},
+                    optimizers={"discriminator": lambda m: torch.optim.SGD(m.discriminator.parameters(), lr=0.1),
+                                "generator": lambda m: torch.optim.Adam(m.generator.parameters(), lr=1e-3)})
 '''
 
 
@@ -160,7 +233,7 @@ def work(tmp_path_factory) -> Path:
     from gputrain.cli import main
 
     for workload, run in (("digits-cnn", "digits"), ("userwl.py:unexportable", "unexportable"),
-                          ("userwl.py:fails_when_asked", "fails")):
+                          ("userwl.py:fails_when_asked", "fails"), ("userwl.py:pair", "pair")):
         with as_a_process_would(w):  # `gputrain fit`, in this process: no interpreter to start
             assert main(["fit", workload, "--run-dir", run, *common]) == 0
     shutil.copytree(w / "digits", w / "nowl")  # as a run of the Python API: no workload.json
@@ -172,6 +245,8 @@ def work(tmp_path_factory) -> Path:
     checkpoint.write_bytes(bytes(data))
     for name, text in CONFIG_FILES.items():  # the config files of the value-check rows below
         (w / name).write_text(text)
+    (w / "utf16.toml").write_text('workload = "iris-mlp"\n', encoding="utf-16")  # a Windows editor's "Unicode"
+    (w / "cache dir").mkdir()
     (w / "empty-run").mkdir()
     (w / "in-the-way").write_text("a file where a folder is expected\n")
     (w / "no-ray" / "ray").mkdir(parents=True)  # on PYTHONPATH: a Python where Ray is not installed
@@ -208,6 +283,7 @@ class Case:
 
 
 SRUN = (("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "localhost"))
+NPROC_55 = ("--nproc", "2", "--steps", "6")  # torchrun's processes, refused before they start
 TORCHRUN = (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"))
 
 CASES = [
@@ -469,6 +545,171 @@ CASES = [
           ("more-workers-than-cores", r"workers = 100000000000000000000, but this machine has \d+ CPU cores?"),
           ("accumulate-beyond-any-step", r"\[train\] accumulate: accumulate must be an integer from 1 to 65536"),
       )],
+    # ---------------------------------------------------------------- a step of your own that misuses the API: said at its
+    # first step, before anything is written (the run directory it would have made is not left behind)
+    *[Case(f"fit-own-step-{name}", ("fit", "userwl.py:pair", "--option", f"misuse={name}", "--run-dir", "r-misuse"),
+           says, absent="r-misuse", process=name == "steps-twice")
+      for name, says in (
+          ("returns-loss-beside-others", r"step_fn returned 'loss' beside 'g_loss': the run's loss is the sum of the "
+                                         r"losses returned, so name each loss for what it is"),
+          ("returns-a-learning-rates-name", r"step_fn returned a loss named 'lr_generator', a name the run's records "
+                                            r"give to a value of their own \(a learning rate\): name it otherwise"),
+          ("returns-an-evaluations-name", r"a loss named 'eval_loss', a name the run's records give to a value of "
+                                          r"their own \(an evaluation\)"),
+          ("returns-a-blank-name", r"step_fn returned a loss named '': name each loss \(it is logged under its name\)"),
+          ("returns-a-number-as-name", r"step_fn returned a dict with the key\(s\) \[1\]: name each loss with a string"),
+          ("returns-a-1d-tensor", r"step_fn returned a tensor of shape \(1,\): return the loss as a scalar tensor"),
+          ("returns-a-1d-named-loss", r"step_fn returned \{'d_loss': a tensor of shape \(1,\)\}: each loss must be a "
+                                      r"scalar tensor"),
+          ("returns-an-empty-dict", r"step_fn returned an empty dict: return the loss \(a scalar tensor\) or a dict of "
+                                    r"at least one named scalar loss"),
+          ("returns-none", r"step_fn returned None: return the loss \(a scalar tensor\) or a dict of named scalar "
+                           r"losses"),
+          ("returns-a-string", r"step_fn returned a str: return the loss"),
+          ("returns-a-list", r"step_fn returned a list: return the loss \(a scalar tensor\) or a dict"),
+          ("assigns-state", r"step.state = ... in your step_fn: the step's attributes are gputrain's and read-only; "
+                            r"assign its entries instead, step.state\['hidden'\] = h"),
+          ("assigns-micro-index", r"step.micro_index = ... in your step_fn: the step's attributes are gputrain's and "
+                                  r"read-only"),
+          ("assigns-index", r"step.index = ... in your step_fn: the step's attributes are gputrain's and read-only"),
+          ("state-named-by-a-number", r"step.state names must be non-empty strings \(they name checkpoint entries\), "
+                                      r"got 1"),
+          ("state-on-the-meta-device", r"step.state\['bank'\] is a tensor on the meta device \(a shape without data\), "
+                                       r"which a checkpoint cannot save"),
+          ("state-a-function", r"cannot checkpoint step.state\['hook'\]: it is a builtins.builtin_function_or_method; "
+                               r".*or objects with state_dict\(\) and load_state_dict\(\)"),
+          ("steps-twice", r"step.step\('generator'\) was called twice in one call of step_fn"),
+          ("no-backward", r"step_fn returned without calling step.backward\(loss\): nothing would train"),
+          ("no-step", r"step_fn never called step.step\(name\): no optimizer of \['discriminator', 'generator'\] "
+                      r"would update"),
+          ("backward-of-none", r"step.backward\(loss\) takes the loss tensor your step_fn computed \(a scalar\), "
+                               r"got NoneType"),
+          ("unknown-optimizer", r"no optimizer named 'critic': this run has \['discriminator', 'generator'\]"),
+          ("optimizer-unnamed", r"this run has optimizers \['discriminator', 'generator'\]: say which, "
+                                r"step.step\(name\)"),
+      )],
+    Case("fit-eval-part-the-model-lacks", ("fit", "userwl.py:pair", "--option", "eval_part=critic", "--run-dir",
+                                           "r-refused"),
+         r"pair's eval_part 'critic': the model of pair has no such part; its parts are generator, discriminator",
+         absent="r-refused"),
+    # ---------------------------------------------------------------- a part of the model (--part)
+    Case("export-onnx-of-a-part-its-inputs-do-not-fit", ("export", "pair", "--part", "generator", "--format", "onnx",
+                                                         "--out", "g.onnx"),
+         r"--format onnx --part generator: the part does not run on its workload's inputs \(\(4, 4\) float32: "
+         r"RuntimeError: mat1 and mat2 shapes cannot be multiplied.*\), and an ONNX export needs inputs it takes; "
+         r"export its weights with --format safetensors", run="pair", absent="g.onnx", needs="onnx"),
+    *[Case(f"{command}-blank-part", (command, "pair", "--part", part, *extra),
+           rf"--part '{part}' is blank: name a part of the model \(its parts are generator, discriminator\), or leave "
+           r"it out for the whole model", run="pair")
+      for command, part, extra in (("export", "", ("--out", "m55.safetensors")), ("eval", " ", ()),
+                                   ("predict", "", ("--data", "test", "--out", "p55.pt")))],
+    # ---------------------------------------------------------------- settings found wrong only at a run's end, or never
+    Case("fit-config-early-stop-not-reported", ("fit", "--config", "early-stop-not-reported.toml", "--run-dir",
+                                                "r-refused"),
+         r"early_stop 'nosuch_metric' is not reported by iris-mlp's runs: they report loss and eval_accuracy, "
+         r"eval_loss", absent="r-refused"),
+    Case("fit-early-stop-not-reported", ("fit", "iris-mlp", "--early-stop", "eval_f1", "--run-dir", "r-refused"),
+         r"early_stop 'eval_f1' is not reported by iris-mlp's runs", absent="r-refused"),
+    Case("fit-config-batch-size-beyond-torch", ("fit", "--config", "batch-size-beyond-torch.toml", "--run-dir",
+                                                "r-refused"),
+         r"line 4: \[train\] batch_size: batch_size must be at most 9223372036854775807 \(torch's sizes are 64-bit "
+         r"integers", absent="r-refused"),
+    Case("fit-print-config-batch-size-beyond-torch", ("fit", "--config", "batch-size-beyond-torch.toml",
+                                                      "--print-config"), r"batch_size must be at most 9223372036854775807"),
+    Case("fit-batch-size-beyond-torch", ("fit", "iris-mlp", "--batch-size", "99999999999999999999", "--run-dir",
+                                         "r-refused"),
+         r"argument --batch-size: batch_size must be at most 9223372036854775807", absent="r-refused"),
+    Case("fit-config-utf16", ("fit", "--config", "utf16.toml", "--run-dir", "r-refused"),
+         r"--config utf16.toml: not a UTF-8 text file; a config is a TOML file", absent="r-refused"),
+    # ---------------------------------------------------------------- compile caches: before anything is compiled or written
+    *[Case(f"fit-compile-cache-{name}", ("fit", "iris-mlp", "--compile", "--device", "cpu", "--run-dir", "r-refused"),
+           says, env=env, absent="r-refused", needs="proc" if "/proc" in str(env) else None,
+           process=name == "env-with-a-space")
+      for name, env, says in (
+          ("env-a-file", (("GPUTRAIN_COMPILE_CACHE", "in-the-way"),),
+           r"GPUTRAIN_COMPILE_CACHE in-the-way is a file, but a folder is needed there"),
+          ("env-below-a-file", (("GPUTRAIN_COMPILE_CACHE", "in-the-way/cache"),),
+           r"GPUTRAIN_COMPILE_CACHE in-the-way/cache: in-the-way is a file, not a folder"),
+          ("env-unwritable", (("GPUTRAIN_COMPILE_CACHE", "/proc/gputrain-cache"),),
+           r"GPUTRAIN_COMPILE_CACHE /proc/gputrain-cache: cannot write in /proc"),
+          ("inductor-env-a-file", (("TORCHINDUCTOR_CACHE_DIR", "in-the-way"),),
+           r"TORCHINDUCTOR_CACHE_DIR \S*in-the-way is a file, but a folder is needed there"),
+          ("inductor-env-below-a-file", (("TORCHINDUCTOR_CACHE_DIR", "in-the-way/inductor"),),
+           r"TORCHINDUCTOR_CACHE_DIR \S*in-the-way/inductor: \S*in-the-way is a file, not a folder"),
+          # a folder that exists (torch's own import makes the folder TORCHINDUCTOR_CACHE_DIR names)
+          ("env-with-a-space", (("TORCHINDUCTOR_CACHE_DIR", "cache dir"),),
+           r"TORCHINDUCTOR_CACHE_DIR='\S*cache dir' holds a space, which inductor's C\+\+ build on the CPU cannot "
+           r"take"),
+      )],
+    *[Case(f"fit-config-compile-cache-{name}", ("fit", "--config", f"compile-cache-{name}.toml", "--run-dir",
+                                                 "r-refused"), says, absent="r-refused")
+      for name, says in (
+          ("a-file", r"\[train\] compile_cache in-the-way is a file, but a folder is needed there"),
+          ("blank", r"line 5: \[train\] compile_cache: compile_cache is blank: give a folder \(made if missing\), or "
+                    r"False"),
+      )],
+    # ---------------------------------------------------------------- the Ray launcher: what its workers refused after Ray
+    # started is refused before (in this process: Ray is never imported)
+    *[Case(f"fit-ray-{name}", ("fit", workload, "--launcher", "ray", *flags), says, run=run,
+           absent=None if run else "r-ray", needs="proc" if "/proc" in str(flags) else None)
+      for name, workload, flags, run, says in (
+          ("storage-below-a-file", "iris-mlp", ("--ray-storage", "in-the-way/store", "--run-dir", "r-ray"), None,
+           r"--ray-storage in-the-way/store: in-the-way is a file, not a folder"),
+          ("storage-unwritable", "iris-mlp", ("--ray-storage", "/proc/store", "--run-dir", "r-ray"), None,
+           r"--ray-storage /proc/store: cannot write in /proc"),
+          ("storage-file-uri-unwritable", "iris-mlp", ("--ray-storage", "file:///proc/store", "--run-dir", "r-ray"),
+           None, r"--ray-storage /proc/store: cannot write in /proc"),
+          ("storage-unknown-scheme", "iris-mlp", ("--ray-storage", "bogus://x/y", "--run-dir", "r-ray"), None,
+           r"--ray-storage bogus://x/y: Ray Train stores through pyarrow's file systems, which know no bogus://: give "
+           r"s3://, gs://"),
+          ("storage-s3-without-a-bucket", "iris-mlp", ("--ray-storage", "s3://", "--run-dir", "r-ray"), None,
+           r"--ray-storage s3:// names no bucket: give s3://BUCKET/PATH"),
+          ("storage-gs-without-a-bucket", "iris-mlp", ("--ray-storage", "gs:///runs", "--run-dir", "r-ray"), None,
+           r"--ray-storage gs:///runs names no bucket: give gs://BUCKET/PATH"),
+          ("run-dir-a-file", "iris-mlp", ("--run-dir", "in-the-way"), None,
+           r"cannot create run directory in-the-way: a file of that name \(or of a parent's name\) is in the way"),
+          ("resume-a-one-process-run", "digits-cnn", ("--nproc", "2", "--resume", "digits", "--steps", "6"), "digits",
+           r"digits/checkpoints/step-000004.pt: the checkpoint was trained with a global batch of 64 \(batch_size x "
+           r"accumulate x processes\) but this run has 128"),
+          ("resume-another-workloads-run", "iris-mlp", ("--resume", "digits", "--run-dir", "digits"), "digits",
+           r"digits belongs to a run of digits-cnn"),
+          ("optimizer-the-workload-lacks", "userwl.py:pair", ("--optimizer", "gen.lr=0.1", "--run-dir", "r-ray"), None,
+           r"\[optimizers\] names gen, which this workload has not: its optimizers are discriminator, generator"),
+          ("optimizer-setting-its-optimizer-lacks", "userwl.py:pair",
+           ("--optimizer", "generator.momentum=0.9", "--run-dir", "r-ray"), None,
+           r"\[optimizers.generator\] momentum: Adam takes no momentum"),
+      )],
+    # ---------------------------------------------------------------- torchrun's processes: the same, before they start
+    *[Case(f"fit-nproc-{name}", ("fit", workload, *NPROC_55, *flags), says, run=run, absent=None if run else "r-refused")
+      for name, workload, flags, run, says in (
+          ("resume-a-one-process-run", "digits-cnn", ("--resume", "digits"), "digits",
+           r"the checkpoint was trained with a global batch of 64 .* but this run has 128"),
+          ("run-dir-below-a-file", "iris-mlp", ("--run-dir", "in-the-way/run"), None,
+           r"cannot create run directory in-the-way/run: a file of that name"),
+          ("optimizer-the-workload-lacks", "userwl.py:pair", ("--optimizer", "gen.lr=0.1", "--run-dir", "r-refused"),
+           None, r"\[optimizers\] names gen, which this workload has not"),
+      )],
+    # ---------------------------------------------------------------- the environment, seen before a library's warnings
+    Case("fit-home-a-file", ("fit", "mnist1d-cnn", "--no-save", "--steps", "1"),
+         r"cannot write gputrain's cache file in-the-way/.cache/gputrain/mnist1d-\S+ \(in-the-way is a file, not a "
+         r"folder\): set GPUTRAIN_CACHE", env=(("HOME", "in-the-way"), ("XDG_CACHE_HOME", ""), ("GPUTRAIN_CACHE", ""),
+                                              ("MPLCONFIGDIR", "")), process=True),
+    # ---------------------------------------------------------------- a sweep every trial of which would fail: refused before
+    # the first trial
+    *[Case(f"sweep-{name}", ("sweep", "--config", f"sweep-{name}.toml", "--sweep-dir", "s-refused"), says,
+           absent="s-refused", needs="optuna")
+      for name, says in (
+          ("optimizer-the-workload-lacks", r"\[sweep.space\] optimizers.gen.lr: can sample 0.0001, which the run "
+                                           r"refuses: \[optimizers\] names gen, which this workload has not"),
+          ("optimizer-setting-its-optimizer-lacks", r"\[sweep.space\] optimizers.generator.momentum: can sample 0.1, "
+                                                    r"which the run refuses: .*Adam takes no momentum"),
+          ("compile-with-own-step", r"\[sweep.space\] compile: can sample 'regional', which the run refuses: "
+                                    r"compile='regional' compiles the model gputrain calls, but your step_fn calls it"),
+          ("skip-nonfinite-with-own-step", r"\[sweep.space\] on_nan: can sample 'skip', which the run refuses: "
+                                           r"on_nan='skip' .* a step of your own does not support yet"),
+          ("early-stop-not-reported", r"\[sweep.space\] early_stop: can sample 'eval_f1', which the run refuses: "
+                                      r"early_stop 'eval_f1' is not reported by iris-mlp's runs"),
+      )],
     # ---------------------------------------------------------------- info, doctor
     Case("info-unknown-flag", ("info", "--gpus"), r"unrecognized arguments: --gpus", process=True),
     Case("doctor-unknown-flag", ("doctor", "--fast"), r"unrecognized arguments: --fast", process=True),
@@ -503,6 +744,22 @@ CONFIG_FILES = {
         ("storage-password", 'storage = "postgresql://u:secret@127.0.0.1:1/sweeps"\n', "lr = {loguniform = [1e-4, 1e-1]}"),
     )},
 }
+_PAIR55 = ('workload = "userwl.py:pair"\n[train]\nsteps = 2\ndevice = "cpu"\n[sweep]\ntrials = 1\n[sweep.space]\n'
+           '{space}\n')
+CONFIG_FILES.update({
+    "early-stop-not-reported.toml": _RUN46 + '[fit]\nearly_stop = "nosuch_metric"\n',
+    "batch-size-beyond-torch.toml": _RUN46 + "batch_size = 99999999999999999999\n",
+    "compile-cache-a-file.toml": _RUN46 + 'compile = true\ncompile_cache = "in-the-way"\ndevice = "cpu"\n',
+    "compile-cache-blank.toml": _RUN46 + 'compile = true\ncompile_cache = " "\n',
+    **{f"sweep-{name}.toml": _PAIR55.format(space=space) for name, space in (
+        ("optimizer-the-workload-lacks", "optimizers.gen.lr = {loguniform = [1e-4, 1e-1]}"),
+        ("optimizer-setting-its-optimizer-lacks", "optimizers.generator.momentum = {uniform = [0.1, 0.9]}"),
+        ("compile-with-own-step", 'compile = {choices = [false, "regional"]}'),
+        ("skip-nonfinite-with-own-step", 'on_nan = {choices = ["stop", "skip"]}'),
+    )},
+    "sweep-early-stop-not-reported.toml": _SWEEP46.format(sweep="", space='early_stop = {choices = ["eval_loss", '
+                                                                           '"eval_f1"]}'),
+})
 CONFIG_FILES["sweep-accumulate-beyond-any-step.toml"] = CONFIG_FILES["sweep-accumulate-beyond-any-step.toml"].replace(
     "steps = 2\n", "steps = 2\naccumulate = 100000000000000000000\n")
 
@@ -833,8 +1090,9 @@ CASES_HELD += [
     Case("fit-nproc-resume-a-dcp-with-a-missing-shard",
          ("fit", "digits-cnn", *NPROC, "--device", "cpu", "--resume", "dcp-missing-shard"),
          r"dcp-missing-shard.*step-000002.dcp.*__0_0.distcp"),
+    # the global batch kept (16): the launcher's check passes, and the workers refuse what only the model shows
     Case("fit-nproc-fsdp-on-a-trainable-only-checkpoint",
-         ("fit", "frozenwl.py:frozen", *NPROC, "--device", "cpu", "--shard", "--resume", "frozen1"),
+         ("fit", "frozenwl.py:frozen", *NPROC, "--device", "cpu", "--shard", "--resume", "frozen1", "--batch-size", "8"),
          r"holds only the trainable parameters .*which a sharded \(FSDP\) run cannot take: resume it without --shard"),
     # ---------------------------------------------------------------- a user's workload module that cannot be loaded
     *[Case(f"{surface}-{module.replace('_', '-')}", argv, says, process=(surface, module) == ("fit-module-function",
@@ -958,7 +1216,7 @@ def _step_twice(step, batch):
 
 @pytest.mark.parametrize("step_fn, error, says", [
     (_dict_with_an_int_key, "DataError", r"step_fn returned a dict with the key\(s\) \[1\]: name each loss with a string"),
-    (_backward_of_none, "TypeError", r"step.backward\(loss\) takes the loss tensor your step_fn computed \(a scalar\), "
+    (_backward_of_none, "DataError", r"step.backward\(loss\) takes the loss tensor your step_fn computed \(a scalar\), "
                                      r"got NoneType"),
     (3, "DataError", r"step_fn must be a function fn\(step, batch\) .*, got int 3: pass the function itself"),
     (_step_twice, "ConfigError", r"step.step\('a'\) was called twice in one call of step_fn: each optimizer steps once"),
@@ -966,6 +1224,83 @@ def _step_twice(step, batch):
 def test_a_step_of_your_own_that_misuses_the_api_says_the_fix(step_fn, error, says):
     exc = _fails_with_its_fix(step_fn)
     assert type(exc).__name__ == error and re.search(says, str(exc)), f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("state, says", [
+    ({"bank": object()}, r"cannot checkpoint state=\{'bank': \.\.\.\}: it is a builtins.object; .*or objects with "
+                         r"state_dict\(\) and load_state_dict\(\)"),
+    ({"bank": torch.empty(3, device="meta")}, r"state=\{'bank': \.\.\.\} is a tensor on the meta device"),
+    ({"": torch.zeros(1)}, r"state= names must be non-empty strings \(they name checkpoint entries\), got ''"),
+], ids=["an-object-without-state-dict", "a-meta-tensor", "a-blank-name"])
+def test_carried_state_a_checkpoint_cannot_hold_is_refused_before_the_first_step(state, says, tmp_path):
+    """fit(state=...) is known at the start: what its first checkpoint could not save is refused then,
+    before a step (the step_fn never runs) and before the run directory is made."""
+    from torch import nn
+
+    from gputrain import TrainConfig, fit
+    from gputrain.errors import ConfigError
+
+    called = []
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=says):
+        fit(nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), step_fn=lambda step, batch: called.append(1), state=state,
+            config=TrainConfig(device="cpu", steps=2, batch_size=16, run_dir=str(tmp_path / "run")))
+    assert called == [] and list(tmp_path.iterdir()) == []
+
+
+def test_what_a_user_means_is_honoured(work: Path, tmp_path: Path, monkeypatch, capfd, caplog):
+    """Accepted, not refused: a config with a UTF-8 byte-order mark (Windows editors write one) reads as
+    the same file without it."""
+    folder = tmp_path / "w"
+    folder.mkdir()
+    text = 'workload = "iris-mlp"\n[train]\nsteps = 2\nlr = 0.01\n'
+    (folder / "plain.toml").write_text(text)
+    (folder / "bom.toml").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    printed = {}
+    for name in ("plain", "bom"):
+        code, out, err = run_in_process(Case(name, ("fit", "--config", f"{name}.toml", "--print-config"), ""), folder,
+                                        monkeypatch, capfd, caplog)
+        assert code == 0 and err == "", err
+        printed[name] = out
+    assert printed["bom"] == printed["plain"] and "lr = 0.01" in printed["bom"]
+
+
+def test_ray_is_given_its_address_once_a_blank_one_as_unset(monkeypatch):
+    """RAY_ADDRESS=' ' starts a local cluster (as unset: Ray itself refuses a blank address), and
+    RAY_ADDRESS=auto is passed to ray.init as its address: in neither does ray.init find the
+    variable (it would print a line of its own for "auto"); the variable is put back afterwards."""
+    import types
+
+    from gputrain.runtime import ray_train
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append((kwargs.get("address"), kwargs.get("num_cpus"), os.environ.get("RAY_ADDRESS")))
+
+    fake = types.SimpleNamespace(init=init, shutdown=lambda: None, cluster_resources=lambda: {"CPU": 64.0})
+    monkeypatch.setattr(ray_train, "import_ray", lambda: fake)
+    for address in (" ", "auto"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        where, gpus = ray_train.connect(1, "cpu")
+        assert os.environ["RAY_ADDRESS"] == address and not gpus
+        assert where == ("a local Ray cluster" if address == " " else "the Ray cluster at auto")
+    assert calls == [(None, os.cpu_count() or 1, None), ("auto", None, None)]
+
+
+@pytest.mark.processes
+def test_a_sweep_whose_every_trial_fails_exits_1(tmp_path: Path):
+    """Trials that each fail (here: a learning rate that makes every loss non-finite, which no check can
+    know before training) leave a sweep that found nothing: its table, then one line and exit 1."""
+    if not HAS_OPTUNA:
+        pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
+    (tmp_path / "diverges.toml").write_text('workload = "linear-regression"\n[train]\nsteps = 3\ndevice = "cpu"\n'
+                                            '[sweep]\ntrials = 2\n[sweep.space]\nlr = {loguniform = [1e30, 1e35]}\n')
+    proc = gputrain(tmp_path, "sweep", "--config", "diverges.toml", "--sweep-dir", "s", timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"^gputrain sweep: error: every trial failed \(2 of 2; trial 0: \S+: .*\); the report says more: "
+                     r"s/report.html$", lines[-1]), lines[-1]
 
 
 @pytest.mark.processes
@@ -1019,8 +1354,9 @@ def test_predict_onto_a_full_disk_is_one_line_and_writes_nothing(work: Path, tmp
 
 @pytest.mark.processes
 def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Path, tmp_path: Path):
-    """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2; the
-    same command with room goes on in the folder it left (no trial had run)."""
+    """The study cannot be written (a file-size limit stands for the full disk): one line, exit 2, and
+    the sweep's folder it made taken away again (its sweep.toml, study.db and locks: no trial had run);
+    the same command with room runs."""
     if not HAS_OPTUNA:
         pytest.skip("needs Optuna (pip install 'gputrain[sweep]')")
     import resource
@@ -1036,6 +1372,7 @@ def test_a_sweep_on_a_full_disk_is_one_line_and_runs_once_there_is_room(held: Pa
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert re.search(r"cannot write the sweep's study \S+/study.db \(.*\): free disk space \(or raise the file-size "
                      r"limit\) and run the sweep again", lines[0]), lines[0]
+    assert list(tmp_path.iterdir()) == []
     again = subprocess.run(argv, cwd=held, env=subprocess_env(COLUMNS="200"), capture_output=True, text=True,
                            timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -266,6 +266,23 @@ def test_cache_folder_rule(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUTRAIN_COMPILE_CACHE", str(tmp_path / "env"))
     assert cache_folder(None, str(tmp_path)) == tmp_path / "env"
     assert cache_folder(str(tmp_path / "mine"), str(tmp_path)) == tmp_path / "mine"
+    monkeypatch.setenv("GPUTRAIN_COMPILE_CACHE", " ")  # blank: as unset (it names no folder)
+    assert cache_folder(None, str(tmp_path)) == tmp_path / "compile_cache" and not named_folder(None)
+
+
+@pytest.mark.processes
+def test_a_named_folder_with_a_space_keeps_the_runs_cache_and_inductors_kernels_stay_out(tmp_path, caplog,
+                                                                                         inductor_env):
+    """GPUTRAIN_COMPILE_CACHE='my cache' is a legal folder: the run compiles and keeps its artifacts there;
+    inductor's C++ build splits its compiler's command line at spaces, so its kernels stay in its own folder."""
+    folder = tmp_path / "my cache"
+    with caplog.at_level(logging.INFO, logger="gputrain"):
+        _, history = _fit(True, compile_cache=str(folder))
+    assert history.summary["steps"] == 3
+    assert len(list(folder.glob("*.bin"))) == 1 and not (folder / compile_cache.INDUCTOR_FOLDER).exists()
+    assert str(folder) not in os.environ.get(compile_cache.INDUCTOR_ENV, "")  # inductor's own (it writes it there)
+    assert f"compile cache: inductor's kernels stay in its default folder, not in {folder} (a path with a space, " \
+           "which its C++ build cannot take)" in caplog.messages
 
 
 def _check_parts(startup: dict, *expected: str) -> None:
@@ -285,7 +302,7 @@ def _check_parts(startup: dict, *expected: str) -> None:
 def test_the_time_before_the_first_step_is_named_by_part(regional, tmp_path):
     startup = regional["history"].summary["startup"]
     _check_parts(startup, "device and precision", "model moves, wrapping and compile setup", "compile cache load",
-                 "data preparation", "optimizer, step and run directory", "announce, outputs and loggers",
+                 "data preparation", "optimizer, step and run directory", "callbacks' start, progress and stop signals",
                  "compile (first step: dynamo and inductor)", "first step (besides compiling)")
     compiling = next(p["s"] for p in startup["parts"] if p["name"].startswith("compile (first step"))
     assert compiling > 0  # dynamo's own record of the first step's compile

@@ -19,6 +19,9 @@ DEFAULT_LOGGERS = ("csv", "tensorboard")
 SCHEDULES = ("constant", "cosine", "linear", "onecycle")
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # what runtime/devices.pick_device validates
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit integer
+# Samples per micro-batch: torch's sizes and indices are 64-bit integers (a batch beyond the data set's
+# size takes the whole set, so no larger value means anything).
+MAX_BATCH_SIZE = 2**63 - 1
 # Micro-batches in one optimizer step: each is held until the step ends, so a count beyond any data
 # set's batches grows memory without end instead of training (a larger effective batch is batch_size).
 MAX_ACCUMULATE = 2**16
@@ -89,6 +92,8 @@ def _compile_scope(value: str) -> bool | str:
 def _compile_cache(name: str, value: Any) -> None:
     if not isinstance(value, (str, bool, type(None))):
         raise ConfigError(f"{name} must be a folder (a string), True or False, got {value!r}")
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{name} is blank: give a folder (made if missing), or False for no compile cache")
 
 
 def _metric_modes(name: str, value: Any) -> None:
@@ -133,6 +138,13 @@ def _batch_size(value: str) -> int | str:
     return "auto" if value.strip().lower() == "auto" else positive_int_arg(value)
 
 
+def _batch_size_check(name: str, value: Any) -> None:
+    positive_int()(name, value)
+    if value > MAX_BATCH_SIZE:
+        raise ConfigError(f"{name} must be at most {MAX_BATCH_SIZE} (torch's sizes are 64-bit integers; a batch "
+                          f"larger than the data set takes the whole set), got {value!r}")
+
+
 def _logger_names(value: str) -> list[str]:
     """--logger csv,tensorboard: the names (one flag may give several; the flag repeats)."""
     return [n for n in value.split(",") if n.strip()]
@@ -155,7 +167,7 @@ class TrainConfig:
     precision: str = setting("auto", flag="--precision", choices=PRECISIONS, check=_precision)
     # how much
     batch_size: int = setting(  # micro-batch per optimizer micro-step (per process under DDP)
-        64, flag="--batch-size", parse=_batch_size, check=positive_int(),
+        64, flag="--batch-size", parse=_batch_size, check=_batch_size_check,
         help="samples per micro-batch (per process); 'auto' = the largest that fits on the GPU")
     epochs: int | None = setting(None, flag="--epochs", parse=positive_int_arg, group="length",
                                  check=positive_int(optional=True))  # one of epochs / steps; steps wins

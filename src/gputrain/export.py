@@ -172,14 +172,16 @@ def _output_tensors(outputs: Any) -> list[torch.Tensor]:
     return tensor_leaves(logits_of(outputs) if not isinstance(outputs, (tuple, list)) else outputs)
 
 
-def export_onnx(model: nn.Module, example: Any, path: str | os.PathLike, *, opset: int | None = None
-                ) -> dict[str, Any]:
+def export_onnx(model: nn.Module, example: Any, path: str | os.PathLike, *, opset: int | None = None,
+                part: str | None = None) -> dict[str, Any]:
     """Export `model` called with `example` (inputs as the model takes them, on the CPU) to `path`.
 
     Returns {"path", "exporter", "check", "max_abs_diff"}. The file is exported and checked in a
     temporary folder and copied to `path` only when it passed. Raises ExportError when the exporter
     cannot convert the model, or onnxruntime cannot run the file or its outputs differ from
     PyTorch's by more than ONNX_TOLERANCE; the model's own forward raising keeps its traceback.
+    part: the name of the part of a model that `model` is (--part): its inputs are not what the
+    workload's data hold, so its raising on them is a ConfigError (one line) saying so.
     """
     _require("onnx", "--format onnx")
     path = Path(path)
@@ -189,6 +191,10 @@ def export_onnx(model: nn.Module, example: Any, path: str | os.PathLike, *, opse
         with torch.no_grad():
             expected = _output_tensors(model(*args, **kwargs))
     except Exception as exc:
+        if part is not None:  # the inputs are the whole model's: the part's own are not known here
+            raise ConfigError(f"--format onnx --part {part}: the part does not run on its workload's inputs "
+                              f"({_describe_inputs(args, kwargs)}: {_first_line(exc)}), and an "
+                              "ONNX export needs inputs it takes; export its weights with --format safetensors") from None
         exc.add_note(f"gputrain export: the model raised on example inputs from its workload's data "
                      f"({_describe_inputs(args, kwargs)}), before the ONNX export: the error above is the model's")
         raise

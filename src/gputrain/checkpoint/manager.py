@@ -179,7 +179,7 @@ class CheckpointManager:
         in_shares = is_dcp(path)
         check_model_state(sharded.saved_model_shapes(path) if in_shares else self._model_state(rules, state, path),
                           rules.module, path=str(path))
-        check_resumable(rules, state, path, self.dist.world_size)
+        check_resumable(rules.config, rules.batch_size, state, path, self.dist.world_size)
         optimizer = self.optimizer_part.optimizer
         if in_shares:  # each rank reads its share, resharded to this job's process count
             self.writer.load_weights(path, distributed.unwrap(self.model_part.model), torch_optimizers(optimizer))
@@ -238,16 +238,17 @@ def _check_decay_groups(rules: ResumeRules, state: dict[str, Any], path: Path, o
            "written with no weight decay on biases and normalization weights; resume with weight_decay_groups=True"))
 
 
-def check_resumable(rules: ResumeRules, state: Mapping[str, Any], path: Path, world_size: int) -> None:
+def check_resumable(config: TrainConfig, batch_size: int | None, state: Mapping[str, Any], path: Path,
+                    world_size: int) -> None:
     """The data order depends on the seed and the global batch (per-process batch x accumulation x
-    processes), so a run may resume with another process count if the global batch is kept."""
-    config = rules.config
+    processes), so a run may resume with another process count if the global batch is kept.
+    batch_size: the data's own per-process batch size (a user DataLoader's; None: an iterable's own)."""
     saved_cfg = state.get("config", {})
     saved_global = (saved_cfg.get("batch_size", 0) * saved_cfg.get("accumulate", 1)
                     * int(state.get("world_size", 1)))
     run_global = config.batch_size * config.accumulate * world_size
     if "global_batch" in state:  # the data's own batch size (a user DataLoader's), saved since it exists
-        saved_global, run_global = state["global_batch"], global_batch(config, rules.batch_size, world_size)
+        saved_global, run_global = state["global_batch"], global_batch(config, batch_size, world_size)
     if saved_cfg and saved_global != run_global:
         raise CheckpointError(
             f"{path}: the checkpoint was trained with a global batch of {saved_global} "
@@ -274,6 +275,31 @@ def open_run_store(run_dir: Path, config: TrainConfig, best_mode: str, *, is_mai
         preflight_run_dir(run_dir, checkpoint_bytes, config.keep_last, store.bytes_held())
         store.check_writable()
     return store
+
+
+def check_resume_before_start(config: TrainConfig, world_size: int) -> None:
+    """From the process that starts a run's processes (torchrun's, Ray's) and trains in none of them:
+    refuse, before they start, the resume each would refuse at its start: a checkpoint of another
+    global batch (with `world_size` processes) or seed. A run directory without a checkpoint is left
+    to the processes (`check_resume_target`: the first start of a job its launcher may start again
+    begins there), as is a checkpoint whose data made their own batches (a DataLoader of the user's:
+    the processes know its batch size)."""
+    if not config.resume or not config.run_dir:
+        return
+    if config.resume is True:
+        store = CheckpointStore(Path(config.run_dir))
+        if not store.candidates():
+            return
+        path = store.find_latest(warn=False)  # the one the processes will take
+        if path is None:
+            return
+    else:
+        path = Path(config.resume)
+    state = read_checkpoint(path, weights=False)
+    saved = state.get("config") or {}
+    by_config = saved.get("batch_size", 0) * saved.get("accumulate", 1) * int(state.get("world_size", 1))
+    if state.get("global_batch", by_config) == by_config:
+        check_resumable(config, config.batch_size, state, path, world_size)
 
 
 def check_resume_target(store: CheckpointStore, env: Mapping[str, str] = os.environ) -> None:

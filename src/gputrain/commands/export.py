@@ -41,7 +41,7 @@ def run(args) -> int:
     elif args.format == "hf":
         export.export_hf(r.model, out)
     else:
-        info.update(export.export_onnx(r.model, _example_inputs(r), out))
+        info.update(export.export_onnx(r.model, _example_inputs(r), out, part=r.part))
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -55,7 +55,8 @@ def run(args) -> int:
 
 def _example_inputs(r):
     """A few test (else train) samples as the model takes them (normalized), on the CPU: the inputs
-    of a pair, a dict batch without its labels, or the batch."""
+    of a pair (for a loss_fn, and for a part of the model: a step of your own's pair is not the
+    part's call), a dict batch without its labels, or the batch."""
     import torch
 
     from gputrain.data import BatchTransform, make_loader
@@ -66,7 +67,7 @@ def _example_inputs(r):
     loader, _ = make_loader(data, 4, device=torch.device("cpu"), train=False,
                             transform=BatchTransform(splits.mean, splits.std, key=splits.transform_key).for_eval())
     batch = next(iter(loader.iter_epoch(0, 0)))
-    if is_pair(batch) and r.workload.loss_fn is not None:
+    if is_pair(batch) and (r.workload.loss_fn is not None or r.part is not None):
         return batch[0]
     if isinstance(batch, dict):
         return {k: v for k, v in batch.items() if k != "labels"}

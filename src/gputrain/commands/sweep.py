@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from dataclasses import dataclass
 
 from gputrain.fields import boolean, setting
@@ -56,7 +57,7 @@ def run(args) -> int:
                "report": str(result.report) if result.report else None, "storage": result.storage,
                "study_name": result.study_name, "trials": result.trials}
         print(json.dumps(out, indent=2, default=str))
-        return 0
+        return _every_trial_failed(result)
     from rich.console import Console
     from rich.table import Table
 
@@ -82,7 +83,20 @@ def run(args) -> int:
                       highlight=False)
     console.print(f"report: {result.report}   study: {result.storage} (study_name={result.study_name!r})",
                   markup=False, highlight=False)
-    return 0
+    return _every_trial_failed(result)
+
+
+def _every_trial_failed(result) -> int:
+    """1, with one line on stderr, when trials ran and none completed (every one failed): a sweep that
+    found nothing is not a success; else 0."""
+    states = [r["state"] for r in result.trials]
+    if not states or "complete" in states or "fail" not in states:
+        return 0
+    first = next((r for r in sorted(result.trials, key=lambda r: r["number"]) if r.get("error")), None)
+    why = f"; trial {first['number']}: {str(first['error']).splitlines()[0]}" if first else ""
+    print(f"gputrain sweep: error: every trial failed ({len(states)} of {len(states)}{why}); the report says more: "
+          f"{result.report}", file=sys.stderr)
+    return 1
 
 
 def _setup_logging(quiet: bool) -> None:

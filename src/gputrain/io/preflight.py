@@ -7,6 +7,7 @@ wrong and what to do.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -84,6 +85,21 @@ def preflight_run_dir(run_dir: str | os.PathLike, needed_bytes: int, keep_last: 
             "checkpoints")
 
 
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """`preflight_run_dir`'s refusals that need nothing created: a file in the way of `run_dir` (its
+    name, or a parent's), or a folder where it cannot be made or written; for a launcher, before the
+    processes that would make it start (the first of them preflights it)."""
+    run_dir = Path(run_dir)
+    existing = _nearest_existing(run_dir)
+    if not existing.is_dir():
+        raise ConfigError(f"cannot create run directory {run_dir}: a file of that name (or of a parent's "
+                          "name) is in the way: choose another --run-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write in run directory" if existing == run_dir else "create run directory"
+        raise ConfigError(f"cannot {what} {run_dir}: {os.strerror(errno.EACCES)} ({existing}): fix its permissions "
+                          "or choose another --run-dir")
+
+
 def file_size_limit() -> int | None:
     """The largest file this process may write, in bytes (RLIMIT_FSIZE, `ulimit -f`); None: no limit."""
     try:
@@ -147,10 +163,15 @@ def _refuse_run_held(path: Path, flag: str, run_dir: str | os.PathLike | None, e
                           f"path, e.g. {Path(run_dir or '.') / example}")
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists (a file or a folder)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _probe_folder(folder: Path, flag: str, target: Path) -> None:
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(folder)
     if not existing.is_dir():
         raise ConfigError(f"{flag} {target}: {existing} is a file, not a folder, so nothing can be written below "
                           "it: choose another path")

@@ -50,15 +50,16 @@ class TomlFile:
 
 
 def read_toml(path: str | Path, what: str = "--config") -> TomlFile:
-    """Parse the TOML file at `path`; raises ConfigError (one line, naming `what` and the file) when
-    it is missing, not a file, not UTF-8 or not valid TOML (tomllib's message gives line and column)."""
+    """Parse the TOML file at `path` (UTF-8, with or without a byte-order mark); raises ConfigError (one
+    line, naming `what` and the file) when it is missing, not a file, not UTF-8 or not valid TOML
+    (tomllib's message gives line and column)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{what} {path}: no such file")
     if p.is_dir():
         raise ConfigError(f"{what} {path} is a folder: give a TOML file (a run's config is RUN_DIR/config.toml)")
-    try:
-        text = p.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is read past, as the file means
+        text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {path}: not a UTF-8 text file; a config is a TOML file") from None
     except OSError as exc:

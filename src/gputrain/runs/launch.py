@@ -3,8 +3,9 @@ Ray Train's workers. `launch` is the one function that decides it (`launcher_of`
 [fit] settings) and trains there; `gputrain fit` and `gputrain.fit_config` call it.
 
     stated (RunConfig) -> launch -> here:     resolve -> train_spec
-                                    torchrun: resolve (every check, once) -> N x `gputrain fit` -> the run directory
-                                    ray:      runs/ray_run.train_on_ray -> the run directory
+                                    torchrun: resolve, check_before_launch (every check, once) -> N x `gputrain
+                                              fit` -> the run directory
+                                    ray:      runs/ray_run.train_on_ray (the same checks first) -> the run directory
 
 A process that torchrun started (LOCAL_RANK in its environment) is one of the N: it trains here.
 The processes torchrun starts get the command line's own arguments from `gputrain fit` (without
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 from gputrain.errors import ConfigError
 from gputrain.runs.spec import RunSettings, RunSpec, spec_text
 from gputrain.runs.stated import RunConfig
-from gputrain.runs.train import RunResult, read_result, train_spec
+from gputrain.runs.train import RunResult, check_run_dir_owner, named_optimizers, read_result, train_spec
 
 HERE, TORCHRUN, RAY = "here", "torchrun", "ray"
 
@@ -62,8 +63,29 @@ def launch(stated: RunConfig, *, argv: Sequence[str] | None = None, callbacks: S
 
     spec, workload = resolve(stated)  # every check here, once, before any process starts
     if where == TORCHRUN:
+        check_before_launch(spec, workload)  # what the processes would refuse at their start
         return _on_torchrun(spec, settings, argv)
     return train_spec(spec, workload, callbacks)
+
+
+def check_before_launch(spec: RunSpec, workload: Any) -> None:
+    """Raise GputrainError (one line), in the launcher, for what the processes of `spec` (torchrun's,
+    Ray's workers) would refuse at their start, before they start, a cluster is joined or a file is
+    written. `resolve` checked every field; these need the disk or the workload: the run directory
+    (another workload's run, a file in its way, a folder that cannot be written), the resume (a
+    checkpoint of the run's global batch and seed with `nproc` processes), and the settings of a step
+    of your own's named optimizers ([optimizers.NAME], --optimizer)."""
+    from gputrain.checkpoint.manager import check_resume_before_start
+    from gputrain.io.preflight import check_run_dir
+
+    if spec.train.run_dir:
+        run_dir = Path(spec.train.run_dir)
+        check_run_dir_owner(run_dir, spec.workload.name, workload.name)
+        check_run_dir(run_dir)
+        check_resume_before_start(spec.train, spec.fit.nproc or 1)
+    named = named_optimizers(spec, workload)
+    if named is not None:
+        named.check(workload.make_model)
 
 
 def _on_torchrun(spec: RunSpec, settings: RunSettings, argv: Sequence[str] | None) -> RunResult:

@@ -29,15 +29,18 @@ log = logging.getLogger("gputrain")
 
 def train_on_ray(stated: RunConfig) -> RunResult:
     """Train what `stated` says on Ray Train workers (fit.nproc of them); returns rank 0's result as
-    the run directory holds it. ConfigError (one line) for a refusal before Ray starts: --no-save,
+    the run directory holds it. ConfigError (one line) for a refusal before Ray starts: --no-save, a
+    --ray-storage Ray cannot store in, what the workers would refuse at their start (runs/launch.py),
     Ray not installed, a cluster that cannot be reached or has no room."""
+    from gputrain.runs.launch import check_before_launch
     from gputrain.runs.resolve import resolve
 
-    spec, _workload = resolve(stated)  # every check, once, before Ray starts
+    spec, workload = resolve(stated)  # every check, once, before Ray starts
     if spec.fit.no_save or not spec.train.run_dir:
         raise ConfigError("--launcher ray keeps the run's checkpoints (a restarted worker group resumes from them): "
                           "drop --no-save")
     storage = ray_storage(spec.fit.ray_storage)  # refused here, before Ray starts
+    check_before_launch(spec, workload)  # what the workers would refuse at their start
     _fit_trainer(stated, spec, storage)
     return read_result(spec)
 
@@ -84,19 +87,41 @@ def _fit_trainer(stated: RunConfig, spec: Any, storage: str | None) -> Any:
         ray.shutdown()
 
 
+# The URI schemes Ray Train stores through (pyarrow.fs.FileSystem.from_uri's), and those that name a
+# bucket (or container) first: s3://BUCKET/PATH.
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
+BUCKET_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss")
+
+
 def ray_storage(stated: str | None) -> str | None:
     """Ray Train's storage_path for --ray-storage: a URI (s3://, gs://, ...) as given, a folder made
     absolute (Ray's workers run in folders of their own); None: Ray's default, ~/ray_results.
-    ConfigError for a local path that is a file (Ray would fail only after its workers started)."""
+    ConfigError, before Ray starts (Ray would fail only after its workers started, behind its
+    tracebacks): a local folder that is a file, below a file or cannot be written (nothing is made to
+    find out); a URI of a scheme Ray does not store through, or without its bucket."""
+    from urllib.parse import urlsplit
+
+    from gputrain.io.preflight import check_output_dir
+
     if stated is None:
         return None
     if "://" in stated:
-        return stated
-    folder = Path(stated).expanduser().resolve()
-    if folder.exists() and not folder.is_dir():
+        uri = urlsplit(stated)
+        scheme = uri.scheme.lower()
+        if scheme not in STORAGE_SCHEMES:
+            raise ConfigError(f"--ray-storage {stated}: Ray Train stores through pyarrow's file systems, which know no "
+                              f"{uri.scheme}://: give {', '.join(f'{s}://' for s in STORAGE_SCHEMES[:-1])} or a "
+                              "folder")
+        if scheme in BUCKET_SCHEMES and not uri.netloc:
+            raise ConfigError(f"--ray-storage {stated} names no bucket: give {scheme}://BUCKET/PATH")
+        if scheme != "file":
+            return stated
+    local = Path(urlsplit(stated).path if "://" in stated else stated).expanduser()
+    if local.exists() and not local.is_dir():
         raise ConfigError(f"--ray-storage {stated}: a file, not a folder: give a folder (made if missing) or a URI "
                           "(s3://bucket/path)")
-    return str(folder)
+    check_output_dir(local, "--ray-storage")  # below a file, or not writable (the local path a file:// names)
+    return str(local.resolve())
 
 
 def _refusal_in(exc: BaseException) -> GputrainError | None:

@@ -23,8 +23,9 @@ def resolve(stated: RunConfig, workload: Any = None) -> tuple[RunSpec, Any]:
     """(RunSpec, Workload) of what `stated` says; `workload`: the Workload when the caller built it.
 
     Each setting from the first of: `stated`, the workload's defaults, the fields' defaults.
-    Raises ConfigError (one line) for a value a field refuses, a resume with nothing to resume, or a
-    best_metric the workload's runs never report.
+    Raises ConfigError (one line) for a value a field refuses, a resume with nothing to resume, a
+    best_metric or early_stop the workload's runs never report, or a compile cache folder that cannot
+    be one (runtime/compile_cache.py).
     """
     fit = RunSettings(**stated.fit)
     train = dict(stated.train)
@@ -47,6 +48,16 @@ def resolve(stated: RunConfig, workload: Any = None) -> tuple[RunSpec, Any]:
     # a batch size stated as "auto" is stated: a full-batch workload's is searched too
     config = workload_config(workload, given, full_batch=workload.full_batch and "batch_size" not in train)
     check_reported(config.best_metric, workload, fit.ema, "best_metric")
+    check_reported(fit.early_stop, workload, fit.ema, "early_stop")  # else the run trains without stopping early
+    if config.compile:  # before torch's compiler is imported (it makes TORCHINDUCTOR_CACHE_DIR's folder then)
+        from gputrain.runtime.compile_cache import check_folders
+        from gputrain.runtime.distributed import process_device
+
+        check_folders(config.compile_cache, process_device(config.device))
+    if workload.step_fn is not None:
+        from gputrain.train.step.own_step import refuse_unsupported
+
+        refuse_unsupported(config)
     if stated.optimizers and workload.step_fn is None:
         raise ConfigError(f"[optimizers] sets {', '.join(stated.optimizers)}, but {workload.name} trains with the "
                           "built-in step (one optimizer: set [train] lr and weight_decay instead)")

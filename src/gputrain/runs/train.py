@@ -58,13 +58,13 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
 
     Before anything is written: the run directory is checked (another workload's run refuses), the
     batch size searched (batch_size "auto" on CUDA) and the switches autotuned (fit.autotune). Once
-    the trainer is set up and every check passed, RUN_DIR/workload.json and RUN_DIR/config.toml (the
-    spec written out) are recorded; a refused run leaves no folder it made. callbacks: added to the
-    spec's own (fit.early_stop, fit.ema): a sweep's trial reports through one.
+    the trainer is set up, every check passed and the first step done, RUN_DIR/workload.json and
+    RUN_DIR/config.toml (the spec written out) are recorded; a refused run (at its first step too)
+    leaves no folder it made. callbacks: added to the spec's own (fit.early_stop, fit.ema): a sweep's
+    trial reports through one.
     """
     from gputrain.runtime.distributed import is_main_process
     from gputrain.train import fit_workload
-    from gputrain.train.optim.by_name import NamedOptimizers
 
     if workload is None:
         from gputrain.workloads import resolve_workload
@@ -73,8 +73,7 @@ def train_spec(spec: RunSpec, workload: Any = None, callbacks: Sequence[Any] = (
     if spec.train.run_dir:
         check_run_dir_owner(Path(spec.train.run_dir), spec.workload.name, workload.name)
     config, report = decided(spec, workload)
-    named = (NamedOptimizers(workload.optimizers, spec.workload.optimizers)
-             if workload.step_fn is not None and workload.optimizers is not None else None)
+    named = named_optimizers(spec, workload)
     is_main = is_main_process()
     spec = RunSpec(spec.workload, config, spec.fit, tuple(k for k in spec.auto if k != "batch_size"),
                    spec.run_dir_stated)
@@ -106,6 +105,16 @@ def read_result(spec: RunSpec) -> RunResult:
     summary["workload"] = spec.workload.name
     summary["run_dir"] = spec.train.run_dir
     return RunResult(spec, history, summary, None, True)
+
+
+def named_optimizers(spec: RunSpec, workload: Any) -> Any:
+    """The workload's named optimizers with the spec's settings ([optimizers.NAME]): a NamedOptimizers,
+    None for a workload without a step of its own (or without optimizers by name)."""
+    if workload.step_fn is None or workload.optimizers is None:
+        return None
+    from gputrain.train.optim.by_name import NamedOptimizers
+
+    return NamedOptimizers(workload.optimizers, spec.workload.optimizers)
 
 
 def spec_callbacks(spec: RunSpec) -> list:

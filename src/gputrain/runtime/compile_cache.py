@@ -22,7 +22,14 @@ unless the environment names one (then that choice stands, and the run log says 
 RUN_DIR/compile_cache does not: inductor's own default folder (shared by every run on the machine,
 where a new run of the same model finds its kernels) stays, and the mega-cache alone is kept with
 the run (complete on a GPU, where inductor bundles the Triton kernels into it; on a CPU the C++
-kernels are built again on a resume that has not the machine's folder).
+kernels are built again on a resume that has not the machine's folder). Nor does a named folder
+whose path holds a space: inductor's C++ build splits its compiler's command line at spaces, so its
+kernels stay in its default folder and the mega-cache alone goes into the named one.
+
+Before anything is compiled or written (`check_folders`), a folder that cannot be one is refused in
+one line: the named folder or the TORCHINDUCTOR_CACHE_DIR the user set when it is a file, below a
+file or not writable, and that TORCHINDUCTOR_CACHE_DIR when its path holds a space (on the CPU).
+A blank $GPUTRAIN_COMPILE_CACHE or TORCHINDUCTOR_CACHE_DIR is taken as unset.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from gputrain.errors import ConfigError
 
 log = logging.getLogger("gputrain")
 
@@ -49,6 +58,38 @@ INDUCTOR_FOLDER = "inductor"
 _set_here: str | None = None
 
 
+def _env(name: str, env: Mapping[str, str] = os.environ) -> str | None:
+    """The variable's value, None when unset or blank (a blank value names no folder)."""
+    value = env.get(name)
+    return value if value is not None and value.strip() else None
+
+
+def check_folders(setting: str | bool | None, device: torch.device | None,
+                  env: Mapping[str, str] = os.environ) -> None:
+    """Refuse (ConfigError, one line), before anything is compiled or written, a folder the compile
+    cache would write in that cannot take it: the named folder (`setting`, else $GPUTRAIN_COMPILE_CACHE)
+    or the user's TORCHINDUCTOR_CACHE_DIR when it is a file, below a file or not writable (nothing is
+    created to find out); on a CPU `device`, a TORCHINDUCTOR_CACHE_DIR whose path holds a space."""
+    from gputrain.io.preflight import check_output_dir
+
+    if isinstance(setting, str) and setting:
+        check_output_dir(setting, "[train] compile_cache")
+    elif setting is not False and _env(ENV, env) is not None:
+        check_output_dir(env[ENV], ENV)
+    inductor = _env(INDUCTOR_ENV, env)
+    if inductor is None or inductor == _set_here:
+        return
+    check_output_dir(inductor, INDUCTOR_ENV)
+    if device is not None and device.type == "cpu" and _has_space(inductor):
+        raise ConfigError(f"{INDUCTOR_ENV}={inductor!r} holds a space, which inductor's C++ build on the CPU cannot "
+                          "take (it splits its compiler's command line at spaces): set it to a folder without "
+                          "spaces, or unset it")
+
+
+def _has_space(path: str) -> bool:
+    return any(c.isspace() for c in os.path.abspath(path))
+
+
 def use_for_inductor(folder: Path) -> Path | None:
     """Point inductor's on-disk cache at `folder`/inductor for this process (before its first
     compile: torch reads the variable on each use), unless the environment names another. Returns
@@ -56,7 +97,7 @@ def use_for_inductor(folder: Path) -> Path | None:
     from gputrain.torch_compat import inductor_default_cache_dir
 
     global _set_here
-    current = os.environ.get(INDUCTOR_ENV)
+    current = _env(INDUCTOR_ENV)
     # inductor's first use writes its default folder into the variable: that one is not the user's
     if current and current != _set_here and os.path.abspath(current) != inductor_default_cache_dir():
         return None
@@ -68,7 +109,13 @@ def use_for_inductor(folder: Path) -> Path | None:
 def named_folder(setting: str | bool | None) -> bool:
     """Whether the cache folder is one the user named (a folder in `setting`, or
     $GPUTRAIN_COMPILE_CACHE) rather than the run's own RUN_DIR/compile_cache."""
-    return setting is not False and (bool(isinstance(setting, str) and setting) or bool(os.environ.get(ENV)))
+    return setting is not False and (bool(isinstance(setting, str) and setting) or _env(ENV) is not None)
+
+
+def keeps_kernels(setting: str | bool | None, folder: Path) -> bool:
+    """Whether inductor's on-disk cache goes into `folder` too: a named folder whose path holds no
+    space (inductor's C++ build splits its command line at spaces)."""
+    return named_folder(setting) and not _has_space(str(folder))
 
 
 def cache_folder(setting: str | bool | None, run_dir: str | None) -> Path | None:
@@ -78,8 +125,8 @@ def cache_folder(setting: str | bool | None, run_dir: str | None) -> Path | None
         return None
     if isinstance(setting, str) and setting:
         return Path(setting)
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV])
+    if (named := _env(ENV)) is not None:
+        return Path(named)
     return Path(run_dir) / RUN_DIR_FOLDER if run_dir else None
 
 
@@ -125,6 +172,9 @@ class CompileCache:
         t0 = time.perf_counter()
         # first: the artifacts loaded below are written into inductor's cache
         self.inductor = use_for_inductor(self.folder) if self.keep_kernels else None
+        if not self.keep_kernels and _has_space(str(self.folder)):
+            log.info("compile cache: inductor's kernels stay in its default folder, not in %s (a path with a space, "
+                     "which its C++ build cannot take)", self.folder)
         if self.keep_kernels and self.inductor is None:
             log.info("compile cache: inductor's kernels stay in %s=%s (set in the environment), not in %s",
                      INDUCTOR_ENV, os.environ.get(INDUCTOR_ENV), self.folder)

@@ -126,9 +126,22 @@ def check_room(nproc: int, resources: Mapping[str, float], gpus: bool, where: st
                           f"{have}: use --nproc {max(1, have)} or fewer, or a larger cluster (RAY_ADDRESS)")
 
 
+@contextlib.contextmanager
+def _address_given_once() -> Iterator[None]:
+    """RAY_ADDRESS left out of this process's environment while ray.init runs: `connect` gives the
+    address itself (a blank one is unset: a local cluster), and ray.init would read the variable
+    again (refusing a blank one, printing a line of its own for "auto"). Put back afterwards."""
+    saved = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["RAY_ADDRESS"] = saved
+
+
 def connect(nproc: int, device_spec: str, env: Mapping[str, str] = os.environ) -> tuple[str, bool]:
-    """Join the Ray cluster RAY_ADDRESS names, or start one on this machine, and check that it has room
-    for `nproc` workers: one CPU each, and one GPU each when the device asks for CUDA ("auto": when
+    """Join the Ray cluster RAY_ADDRESS names (a blank one is unset), or start one on this machine, and
+    check that it has room for `nproc` workers: one CPU each, and one GPU each when the device asks for CUDA ("auto": when
     the cluster has GPUs). Returns (where, whether the workers get GPUs). A local cluster's room is
     this machine's, checked before Ray starts."""
     spec = str(device_spec).strip().lower()
@@ -141,10 +154,11 @@ def connect(nproc: int, device_spec: str, env: Mapping[str, str] = os.environ) -
         check_reachable(address)
     ray = import_ray()
     try:
-        if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        else:
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
+        with _address_given_once():
+            if address:
+                ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            else:
+                ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True)
     except ConnectionError as exc:
         raise ConfigError(f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r} "
                           f"({str(exc).splitlines()[0]}): start it (`ray start --head`) or unset RAY_ADDRESS") from None

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,30 @@ def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any)
         check_reported(rc.train.get("best_metric"), workload, rc.fit.get("ema"), "best_metric")
     except ConfigError as exc:
         raise ConfigError(f"{rc.where('train', 'best_metric')}: [train] {exc}") from None
+    _check_samples_resolve(rc, settings, workload)
+
+
+def _check_samples_resolve(rc: RunConfig, settings: SweepSettings, workload: Any) -> None:
+    """Each sampled value's trial resolved as it will be (runs/resolve.py: compile with a step of your
+    own...), and each named optimizer's setting taken by the workload's optimizers: refused before the
+    first trial, not by every trial."""
+    from gputrain.runs.resolve import resolve
+    from gputrain.sweeps.settings import trial_config
+    from gputrain.train.optim.by_name import NamedOptimizers
+
+    for p in (p for p in settings.space if p.section != "options"):  # options: resolved above
+        where = f"{rc.where('sweep', 'space', *p.name.split('.'))}: [sweep.space] {p.name}"
+        for value in p.choices or (p.low, p.high):
+            try:
+                if p.section != "optimizers":
+                    resolve(trial_config(rc, settings, {p.name: value}), workload)
+                elif workload.optimizers is not None:
+                    name, key = p.key.split(".")
+                    NamedOptimizers(workload.optimizers, {name: {key: value}}).check(workload.make_model)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: can sample {value!r}, which the run refuses: {exc}") from None
+    if workload.step_fn is not None and workload.optimizers is not None:
+        NamedOptimizers(workload.optimizers, rc.optimizers).check(workload.make_model)
 
 
 def sweep(config: str | Path | dict | None = None, *, workload: str | None = None, sweep_dir: str | Path | None = None,
@@ -181,13 +206,19 @@ def run_plan(plan: SweepPlan, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run a checked plan: lock the directory, record sweep.toml, open the study, queue interrupted
     trials again, run the workers, write the report."""
     folder, settings, place = plan.sweep_dir, plan.settings, plan.place
+    made = next((f for f in (*reversed(folder.parents), folder) if not f.exists()), None)  # taken away if refused
     # made, locked and its study checked before anything is written
     lock = studies.open_sweep(folder, local=not place.shared, name=place.name)
     try:
-        write_sweep_file(folder, plan.rc, settings, plan.direction)
-        study = studies.create_or_load(place, plan.direction, settings.metric,
-                                       identity(plan.rc, settings, plan.direction, where=False), settings.trials,
-                                       say=log.warning)
+        try:
+            write_sweep_file(folder, plan.rc, settings, plan.direction)
+            study = studies.create_or_load(place, plan.direction, settings.metric,
+                                           identity(plan.rc, settings, plan.direction, where=False), settings.trials,
+                                           say=log.warning)
+        except GputrainError:  # the study cannot be written (a full disk, a file-size limit): no trial ran
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)  # the folders this call made, with what it wrote
+            raise
         if not place.shared:  # on a shared study another machine's trials may be running: the heartbeat finds dead ones
             again = studies.retry_interrupted(place, study)
             if again:

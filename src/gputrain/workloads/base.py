@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gputrain.data.splits import DataSplits  # noqa: F401  (re-exported: workloads build DataSplits)
+from gputrain.errors import ConfigError
 
 TASKS = ("classification", "binary", "regression")
 
@@ -47,3 +48,22 @@ class Workload:
         """What fit needs besides data and config: loss_fn, compute_loss, metrics, num_items."""
         return {"loss_fn": self.loss_fn, "compute_loss": self.compute_loss, "metrics": self.metrics,
                 "num_items": self.num_items}
+
+    def part(self, model: nn.Module, name: str | None = None) -> tuple[nn.Module, str | None]:
+        """(the part of `model` that eval / predict / export use, its name): `name` (--part), else the
+        workload's eval_part; (model, None) when neither names one. ConfigError for a blank name (it
+        would name the whole model) or one the model has not, naming its parts. `fit` checks
+        eval_part before training, so that a run is not found wrong only at its first eval."""
+        chosen = name if name is not None else self.eval_part
+        if chosen is None:
+            return model, None
+        said = f"--part {chosen}" if name is not None else f"{self.name}'s eval_part {chosen!r}"
+        parts = ", ".join(n for n, _ in model.named_children()) or "none"
+        if not chosen.strip():
+            said = f"--part {chosen!r}" if name is not None else said
+            raise ConfigError(f"{said} is blank: name a part of the model (its parts are {parts}), or leave it out "
+                              "for the whole model")
+        try:
+            return model.get_submodule(chosen), chosen
+        except AttributeError:
+            raise ConfigError(f"{said}: the model of {self.name} has no such part; its parts are {parts}") from None

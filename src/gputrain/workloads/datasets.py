@@ -12,6 +12,7 @@ saying where to put which files and where to get them.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import logging
 import os
@@ -61,6 +62,16 @@ def cache_error(path: Path, exc: OSError) -> ConfigError:
     return ConfigError(f"cannot write gputrain's cache file {path} ({why}): set "
                        "GPUTRAIN_CACHE to a folder you can write (the cache is $GPUTRAIN_CACHE, else "
                        "$XDG_CACHE_HOME/gputrain, else ~/.cache/gputrain)")
+
+
+def _check_cache_folder(path: Path) -> None:
+    """The folder of the cache file `path` made (if missing) and writable, else `cache_error`'s one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise cache_error(path, exc) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise cache_error(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -155,6 +166,7 @@ def load_mnist1d(num_samples: int = MNIST1D_SAMPLES, seed: int = MNIST1D_SEED) -
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             log.warning("MNIST-1D cache %s is unreadable (%s): regenerating it", path, exc)
     if arrays is None:
+        _check_cache_folder(path)  # before generating: mnist1d imports matplotlib, which warns of a bad HOME first
         generated = _generate_mnist1d(num_samples, seed)
         arrays = {k: np.asarray(generated[k], np.int64 if k.startswith("y") else np.float32)
                   for k in ("x", "y", "x_test", "y_test")}

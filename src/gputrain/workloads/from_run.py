@@ -48,19 +48,13 @@ def choose_part(run: TrainedRun, name: str | None) -> TrainedRun:
     else the workload's eval_part. A workload with a step of its own and no default part keeps the whole
     model only when the model has a forward of its own (a GAN has none: its step calls the parts); else,
     and for a name the model has not, ConfigError naming the parts."""
-    parts = [n for n, _ in run.model.named_children()]
-    shown = ", ".join(parts) or "none"
-    chosen = name if name is not None else run.workload.eval_part
+    module, chosen = run.workload.part(run.model, name)
     if chosen is None:
         if run.workload.step_fn is not None and type(run.model).forward is nn.Module.forward:
+            shown = ", ".join(n for n, _ in run.model.named_children()) or "none"
             raise ConfigError(f"{run.workload.name} trains with a step of its own and its model has no forward: "
                               f"choose the part to use with --part (its parts: {shown})")
         return run
-    try:
-        module = run.model.get_submodule(chosen)
-    except AttributeError:
-        said = f"--part {chosen}" if name is not None else f"{run.workload.name}'s eval_part {chosen!r}"
-        raise ConfigError(f"{said}: the model of {run.workload.name} has no such part; its parts are {shown}") from None
     return dataclasses.replace(run, model=module, part=chosen)
 
 

@@ -58,16 +58,18 @@ def compile_for_run(config: TrainConfig, module: nn.Module, model: nn.Module, de
     """`model` compiled as TrainConfig.compile says (True: whole; "regional"), after loading the
     compile cache that applies (keyed by the plain `module`); the decision's reason goes into the
     speed decisions (`speed.reasons["compile"]`, kept up to date by `RunCompile.describe`)."""
-    from gputrain.runtime.compile_cache import CompileCache, cache_folder, key_parts, named_folder
+    from gputrain.runtime.compile_cache import CompileCache, cache_folder, check_folders, keeps_kernels, key_parts
     from gputrain.runtime.compile_regions import compile_model
     from gputrain.runtime.recompiles import RecompileWatcher
 
+    check_folders(config.compile_cache, device)  # before anything is compiled or written
     regional = config.compile == "regional"
     folder = cache_folder(config.compile_cache, config.run_dir)
     cache = None
     if folder is not None:
         how = f"{'regional' if regional else 'whole'} {config.compile_mode or 'default'}"
-        cache = CompileCache(folder, key_parts(module, device, how), keep_kernels=named_folder(config.compile_cache))
+        cache = CompileCache(folder, key_parts(module, device, how), keep_kernels=keeps_kernels(config.compile_cache,
+                                                                                                folder))
         cache.load()
         startup.mark("compile cache load")
     done = compile_model(model, regional=regional, mode=config.compile_mode)

@@ -59,14 +59,13 @@ def fit(model: nn.Module, train_data, *, loss_fn: Callable | None = None, comput
 
 
 def _train(make_trainer: Callable[[], Trainer], on_ready: Callable[[], None] | None = None) -> History:
-    """Set up a trainer, call `on_ready`, run it, and release it and its process group, also on an
-    error. The trainer is made here so that this frame holds its only reference (see the `del`)."""
+    """Set up a trainer, run it (`on_ready` once its first step is done), and release it and its
+    process group, also on an error. The trainer is made here so that this frame holds its only
+    reference (see the `del`)."""
     trainer = make_trainer()
     info = trainer.parts.dist
     try:
-        if on_ready is not None:
-            on_ready()
-        return trainer.run()
+        return trainer.run(on_ready)
     finally:
         trainer.close()
         del trainer  # cleanup() frees the DDP wrapper before the process group goes (see there)
@@ -82,14 +81,15 @@ def fit_workload(workload, config: TrainConfig | None = None, full_batch: bool |
     A workload with a step of its own (step_fn) trains with its named optimizers and schedulers;
     `optimizers`: those optimizers with the run's settings ([optimizers.NAME]), else as it makes them.
 
-    on_ready: called once the run is set up and every check passed (a resume's checkpoint loaded
-    and found to fit), before the first step: where a caller writes what belongs to a run that goes
-    ahead (the CLI's RUN_DIR/workload.json), so that a refused run leaves nothing behind.
+    on_ready: called once the run goes ahead (every check passed, a resume's checkpoint loaded and
+    found to fit, and the first step done): where a caller writes what belongs to a run that trains
+    (the CLI's RUN_DIR/workload.json), so that a refused run leaves nothing behind.
     """
     config = workload_config(workload, config, full_batch)
     torch.manual_seed(config.seed)  # the same initial weights on every rank and every rerun
     data = workload.make_data()
     model = workload.make_model()
+    workload.part(model)  # its eval_part names a part of the model: refused now, not at the first eval
     own: dict[str, Any] = {}
     if workload.step_fn is not None:
         own = {"step_fn": workload.step_fn, "scheduler": scheduler if scheduler is not None else workload.schedulers,

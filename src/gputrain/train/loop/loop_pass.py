@@ -1,7 +1,9 @@
 """What one pass of the training loop holds besides the trainer (train/loop/trainer.py): its output files,
 progress bar and stop signals, the log interval's clock and samples, the peak memory seen at log
-points. `Trainer.run` opens a pass with the run's outputs (`LoopPass.open`); `Trainer.run_steps`,
-what `gputrain profile` times, a bare one (`LoopPass.bare`: no files, bar or signal handlers).
+points. `Trainer.run` opens a pass (`LoopPass.open`: the progress bar and stop signals) and its outputs
+once the run goes ahead (`open_outputs`, after the first step: a run refused there writes no file);
+`Trainer.run_steps`, what `gputrain profile` times, a bare one (`LoopPass.bare`: no files, bar or
+signal handlers).
 """
 
 from __future__ import annotations
@@ -35,18 +37,27 @@ class LoopPass:
         self.start_step = state.step  # a resumed run's history also holds the stopped run's records
         self.faults = StepFaults()  # the steps' own page faults, counted from here (Trainer._log_point)
         self.peak = 0
+        self.opened = False  # open_outputs was called: the run went ahead
+
+    def open_outputs(self, run_dir: Path | None, config: TrainConfig, *, main: bool) -> None:
+        """The run's outputs (metrics files, TensorBoard, MLflow, W&B; written by the main process),
+        opened once the run goes ahead."""
+        from gputrain.report.run_outputs import RunOutputs
+
+        self.outputs = RunOutputs(run_dir, config, enabled=main, start_step=self.start_step)
+        self.opened = True
 
     @classmethod
-    def open(cls, run_dir: Path | None, config: TrainConfig, *, main: bool, total_steps: int, description: str,
+    def open(cls, config: TrainConfig, *, main: bool, total_steps: int, description: str,
              callbacks: CallbackList, world: int, state: RunState) -> LoopPass:
-        """A pass with the run's outputs (written by the main process) and progress bar, catching the
-        configured stop signals."""
+        """A pass with the progress bar (on the main process), catching the configured stop signals;
+        no outputs until `open_outputs`."""
         import signal
 
         from gputrain.report.progress import TrainProgress
         from gputrain.report.run_outputs import RunOutputs
 
-        return cls(RunOutputs(run_dir, config, enabled=main, start_step=state.step),
+        return cls(RunOutputs(None, config, enabled=False),
                    TrainProgress(enabled=bool(config.progress and main), total_steps=total_steps,
                                  description=description),
                    StopSignals(tuple(getattr(signal, name) for name in config.stop_signals)), callbacks, world, state)

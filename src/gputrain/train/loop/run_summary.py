@@ -69,15 +69,13 @@ def _frozen(t: RunParts):
 
 
 def announce(t: RunParts) -> None:
+    """The run's decisions in the run log (the main process), once its first step is done."""
     if not t.is_main:
         return
     log.info("device: %s", device_label(t.device))
     log.info("precision: %s", t.precision.reason)
     log.info("data: %s", t.data.placement.reason)
-    if t.step.loss.compute_loss is None and t.step.loss.loss_fn is None and t.step.loss.made is None:
-        t.step.loss.log_first_call = True  # the model's own loss: the call depends on the batch, named at the first step
-    else:
-        log.info("loss: %s", t.step.loss.how)
+    log.info("loss: %s", t.step.loss.how)  # the model's own loss: the call its first step made
     if t.data.eval is not None:
         log.info("evaluation: %s (%s)", *t.data.eval_points.describe())
     batch = t.data.batch_size  # the data's own (a user DataLoader's), None: the iterable's

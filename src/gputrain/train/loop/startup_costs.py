@@ -2,7 +2,7 @@
 
 The trainer marks the end of each setup part (device and precision, model moves and wrapping, the
 compile cache's load, data preparation, optimizer and run directory, checkpoint load, the loop's
-outputs); the first step is timed to its end with one device sync, and the seconds torch.compile
+progress bar and stop signals; its outputs open after the first step); the first step is timed to its end with one device sync, and the seconds torch.compile
 spent inside it (dynamo's own records, runtime/recompiles.py) are named apart from the rest of the
 step. `import gputrain` is timed by gputrain/import_clock.py and shown beside the sum, not in it: it
 happens once per process, before `fit`.
@@ -10,11 +10,8 @@ happens once per process, before `fit`.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
-
-log = logging.getLogger("gputrain")
 
 
 class StartupClock:
@@ -54,7 +51,6 @@ class StartupClock:
             self.add("compile (first step: dynamo and inductor)", compiling)
         self.add("first step (besides compiling)", took - compiling)
         self.wall_s, self.ended_at = self._last - self.t0, time.time()
-        log.info("time to the first step: %s", self.describe())
 
     def report(self) -> dict[str, Any]:
         """{"wall_s", "parts": [{"name", "s"}], "import_s", "notes"} for the summary and the report."""

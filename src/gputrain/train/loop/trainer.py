@@ -85,8 +85,9 @@ class Trainer:
         st.step += 1
         st.steps_since_log += 1
 
-    def _first_step(self) -> None:
-        """The run's first step, timed to its end (the time to the first step), then the compile cache kept."""
+    def _first_step(self, loop: LoopPass, on_ready: Callable[[], None] | None) -> None:
+        """The run's first step, timed to its end (the time to the first step), then the compile cache
+        kept, and the run goes ahead (`_go_ahead`)."""
         p = self.parts
         self.step_once = self.train_one_step  # the loop's next stretch runs the step itself
         compiled = p.model.compile
@@ -95,23 +96,40 @@ class Trainer:
         if compiled is not None:
             compiled.after_first_step(p.is_main)
             p.speed.reasons["compile"] = compiled.describe()
+        self._go_ahead(loop, on_ready)
+        log.info("time to the first step: %s", p.startup.describe())
+
+    def _go_ahead(self, loop: LoopPass, on_ready: Callable[[], None] | None) -> None:
+        """Once per run, after its first step (or before its first checkpoint, or at its end, when no
+        step ran): the run announces itself, `on_ready` records it (the caller's RUN_DIR/config.toml
+        and workload.json) and its outputs open. A run refused before (a step of your own that misuses
+        the API says so at its first step) has printed nothing but its error and written nothing."""
+        if loop.opened:
+            return
+        p = self.parts
+        run_summary.announce(p)
+        if p.state.stopped_by:
+            log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
+                     p.state.step, p.state.stopped_by)
+        if on_ready is not None:
+            on_ready()
+        loop.open_outputs(p.run_dir, p.config, main=p.is_main)
 
     # ------------------------------------------------------------ the run
 
-    def run(self) -> History:
+    def run(self, on_ready: Callable[[], None] | None = None) -> History:
+        """Train and return the History. `on_ready`: called once the run goes ahead (its first step
+        done: `_go_ahead`), where a caller writes what belongs to a run that trains, so that a run
+        refused at its first step leaves nothing behind."""
         p = self.parts
         cfg, st = p.config, p.state
-        run_summary.announce(p)
         p.callbacks.run_start(p.control)
-        if st.stopped_by:
-            log.info("this run was stopped after step %d (%s): nothing more to train; train further in a new run",
-                     st.step, st.stopped_by)
-        loop = LoopPass.open(p.run_dir, cfg, main=p.is_main, total_steps=p.data.total_steps,
+        loop = LoopPass.open(cfg, main=p.is_main, total_steps=p.data.total_steps,
                              description=f"{p.device} {p.precision.name}", callbacks=p.callbacks,
                              world=p.dist.world_size, state=st)
         p.model.modes.train(p.model.model)  # train mode, eval mode kept where the user set it (train/modes.py)
-        p.startup.mark("announce, outputs and loggers")
-        self.step_once = self._first_step
+        p.startup.mark("callbacks' start, progress and stop signals")
+        self.step_once = functools.partial(self._first_step, loop, on_ready)
         stop = min(p.data.total_steps, cfg.stop_at_step) if cfg.stop_at_step else p.data.total_steps
         finished = False
         try:
@@ -124,6 +142,7 @@ class Trainer:
             p.warnings.append(str(exc))
         except KeyboardInterrupt:
             if p.run_dir:
+                self._go_ahead(loop, on_ready)  # a checkpoint belongs to a recorded run
                 log.warning("interrupted at step %d: saving a checkpoint to resume from", st.step)
                 self.save_checkpoint()
                 p.checkpoints.wait()
@@ -138,6 +157,7 @@ class Trainer:
             if error is not None:
                 p.callbacks.exception(p.control, error)
             loop.outputs.close(error=error)
+        self._go_ahead(loop, on_ready)  # a run with no step to take (a resume at its end) goes ahead here
         synchronizer(p.device)()
         elapsed = time.perf_counter() - loop.t_start
         if p.run_dir:

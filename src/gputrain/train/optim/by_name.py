@@ -15,7 +15,7 @@ optimizer by the step context.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -191,10 +191,7 @@ class NamedOptimizers:
             raise ConfigError(f"the workload's optimizers gave a {type(spec).__name__}: give {{name: optimizer or "
                               "callable model -> optimizer}, or a callable model -> {name: optimizer}")
         optimizers = OptimizerSet.build(spec, model)
-        unknown = sorted(set(self.settings) - set(optimizers.optimizers))
-        if unknown:
-            raise ConfigError(f"[optimizers] names {', '.join(unknown)}, which this workload has not: its optimizers "
-                              f"are {', '.join(optimizers.optimizers)}")
+        self._check_names(optimizers.optimizers)
         for name, opt in optimizers.optimizers.items():
             for key, value in self.settings.get(name, {}).items():
                 if any(key not in g for g in opt.param_groups):
@@ -207,6 +204,32 @@ class NamedOptimizers:
                         group[key] = value
             self.used[name] = _agreed(opt)
         return optimizers
+
+
+    def _check_names(self, names: Iterable[str]) -> None:
+        unknown = sorted(set(self.settings) - set(names))
+        if unknown:
+            raise ConfigError(f"[optimizers] names {', '.join(unknown)}, which this workload has not: its optimizers "
+                              f"are {', '.join(names)}")
+
+    def check(self, make_model: Callable[[], nn.Module]) -> None:
+        """Refuse what `build` would refuse of the settings (an optimizer name the workload has not, a
+        key its optimizer takes not), found before the run's processes start (a launcher's, a sweep's
+        trials): names from the workload's dict alone; keys on optimizers built over the model made on
+        the meta device (no memory, no data). A model or optimizer that cannot be made there (one that
+        reads a file, moves itself to a device) is left to the run's own start."""
+        if not self.settings:
+            return
+        if isinstance(self.make, Mapping):
+            self._check_names(list(self.make))
+        try:
+            with torch.device("meta"):
+                model = make_model()
+                NamedOptimizers(self.make, self.settings).build(model)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - not makeable here: the run's start builds and checks it
+            return
 
 
 def _agreed(opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -28,13 +28,37 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from gputrain.batch import map_tensors, move
+from gputrain.batch import iter_tensors, map_tensors, move
+from gputrain.checkpoint.format import check_plain
 from gputrain.errors import CheckpointError, ConfigError
 
 
 def is_stateful(value: Any) -> bool:
     """Whether `value` saves and loads its own state (torch.distributed.checkpoint's Stateful)."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def check_entry(name: Any, value: Any, said: str) -> None:
+    """Refuse, where it is given (fit's state= at the start, `step.state[name] = value` in the step),
+    an entry the checkpoints could not save or a resume give back: a name that is not a non-empty
+    string, a value neither Stateful nor plain data, a tensor without data (the meta device). said:
+    how the user wrote it ("state=", "step.state")."""
+    if not isinstance(name, str) or not name.strip():
+        example = "state={'hidden': None}" if said == "state=" else "step.state['hidden'] = h"
+        raise ConfigError(f"{said} names must be non-empty strings (they name checkpoint entries), got {name!r}: "
+                          f"e.g. {example}")
+    if is_stateful(value):
+        return
+    where = f"{said}[{name!r}]" if said != "state=" else f"state={{{name!r}: ...}}"
+    try:
+        check_plain(value, where)
+    except CheckpointError as exc:  # said where the value is given, not at the first checkpoint
+        raise ConfigError(f"{exc}, or objects with state_dict() and load_state_dict() (a module, a class of yours) "
+                          "whose state is saved") from None
+    for path, tensor in iter_tensors(value, where):
+        if tensor.is_meta:
+            raise ConfigError(f"{path} is a tensor on the meta device (a shape without data), which a checkpoint "
+                              "cannot save: make it on the run's device, e.g. torch.zeros(shape, device=...)")
 
 
 def _to_host(value: Any) -> Any:
@@ -56,10 +80,8 @@ class CarriedState(MutableMapping):
             raise ConfigError(f"state= is a {type(values).__name__}: give a dict of what your steps carry from one "
                               "step to the next, e.g. state={'hidden': None} or state={'bank': bank} (an object "
                               "with state_dict() and load_state_dict())")
-        for name in values or {}:
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"state= names must be non-empty strings (they name checkpoint entries), "
-                                  f"got {name!r}")
+        for name, value in (values or {}).items():  # the dict is known now: refused before the run starts
+            check_entry(name, value, "state=")
         self.held: MutableMapping[str, Any] = values if values is not None else {}
         self.device = device
         self._pending: dict[str, Any] = {}  # saved states of objects not registered yet (a resume came first)
@@ -84,6 +106,7 @@ class CarriedState(MutableMapping):
         return self.held[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
+        check_entry(name, value, "step.state")
         self.written = True
         if name in self._pending and is_stateful(value):
             value.load_state_dict(self._pending.pop(name))  # registered after the resume: its saved state now

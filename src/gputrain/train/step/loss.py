@@ -16,7 +16,6 @@ after its first call for the model's own loss, which depends on the batch's type
 from __future__ import annotations
 
 import collections.abc
-import logging
 from typing import Any, Callable
 
 import torch
@@ -26,7 +25,6 @@ from gputrain.batch import describe
 from gputrain.outputs import describe_outputs, loss_of, scalar_positions, where_loss
 from gputrain.errors import DataError
 
-log = logging.getLogger("gputrain")
 
 THE_THREE_WAYS = (
     "gputrain turns a batch into a loss in one of three ways: pass compute_loss=fn(model, batch) "
@@ -82,7 +80,6 @@ class LossRule:
         self.compute_loss = compute_loss
         self.step_fn = step_fn  # a step of your own (train/step/own_step.py): training does not use this rule
         self.made: str | None = None  # the model's own loss: the call made and where its loss was, once known
-        self.log_first_call = False  # the trainer's main process: log `how` at the first call
 
     @property
     def how(self) -> str:
@@ -101,8 +98,6 @@ class LossRule:
 
     def _first_call(self, batch: Any, outputs: Any) -> None:
         self.made = f"the model's own loss: {describe_call(batch)}, the loss: {where_loss(outputs)}"
-        if self.log_first_call:
-            log.info("loss: %s", self.made)
 
     def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
         if self.compute_loss is not None:

@@ -75,29 +75,55 @@ def _is_one(weight: Any) -> bool:
 
 
 class StepContext:
-    """What your step_fn gets (see the module docstring)."""
+    """What your step_fn gets (see the module docstring). Its attributes are gputrain's: assigning one
+    (`step.state = {...}`, `step.micro_index = 3`) is refused, since the run would not see the value
+    (a resume would lose a replaced state; the step's place and counts are the run's own). OwnStep
+    and the methods below set them (`_set`)."""
+
+    _owner: "OwnStep"
+    model: nn.Module
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    state: CarriedState
+    is_last: bool
+    micro_index: int
+    weight: Any
+    backwards: int
+    steps: int
+    index_read: bool
+    stepped: set[str]
 
     def __init__(self, owner: "OwnStep", model: nn.Module, state: CarriedState):
-        self._owner = owner
-        self.model = model  # the plain module (not DDP-wrapped): call its parts as you named them
-        self.optimizers: dict[str, torch.optim.Optimizer] = owner.optimizer.optimizers
-        self.schedulers: dict[str, Any] = owner.schedulers.schedulers if owner.schedulers is not None else {}
-        # What the step carries to the next one, by name (train/step/carried_state.py): in the checkpoints.
-        self.state = state
-        self.is_last = True  # the step's last micro-batch: step() acts only then
-        self.micro_index = 0  # this micro-batch's place in the step: 0 .. pieces - 1
-        self.weight: Any = 1.0  # this micro-batch's share of the step's samples (a device scalar with num_items)
-        self.backwards = 0
-        self.steps = 0
-        self.index_read = False  # step_fn read step.index: a CUDA graph would freeze its branch
-        self.stepped: set[str] = set()  # the optimizers step() was called for in this call of step_fn
+        self._set(
+            _owner=owner,
+            model=model,  # the plain module (not DDP-wrapped): call its parts as you named them
+            optimizers=owner.optimizer.optimizers,
+            schedulers=owner.schedulers.schedulers if owner.schedulers is not None else {},
+            state=state,  # what the step carries to the next one, by name (train/step/carried_state.py)
+            is_last=True,  # the step's last micro-batch: step() acts only then
+            micro_index=0,  # this micro-batch's place in the step: 0 .. pieces - 1
+            weight=1.0,  # this micro-batch's share of the step's samples (a device scalar with num_items)
+            backwards=0, steps=0,  # calls of backward and step in this step so far
+            index_read=False,  # step_fn read step.index: a CUDA graph would freeze its branch
+            stepped=set())  # the optimizers step() was called for in this call of step_fn
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        fix = ("assign its entries instead, step.state['hidden'] = h (a replaced mapping would not be saved in the "
+               "checkpoints)" if name == "state" else
+               "keep values of your own in step.state['name'] (saved in the checkpoints) or in your own variables")
+        raise ConfigError(f"step.{name} = ... in your step_fn: the step's attributes are gputrain's and read-only; "
+                          f"{fix}")
 
     @property
     def index(self) -> int:
         """The run's optimizer steps done before this one: 0 at the first step, and after a resume
         the step the run stopped after. A Python int (the run's own count): branching on it reads
         nothing on the host. A step that reads it is not captured by a CUDA graph."""
-        self.index_read = True
+        self._set(index_read=True)
         return self._owner.index()
 
     def _name(self, name: str | None) -> str:
@@ -112,9 +138,9 @@ class StepContext:
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
         """Backward of `loss` times this micro-batch's share, through the scaler in fp16, outside autocast."""
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"step.backward(loss) takes the loss tensor your step_fn computed (a scalar), got "
+            raise DataError(f"step.backward(loss) takes the loss tensor your step_fn computed (a scalar), got "
                             f"{type(loss).__name__}: e.g. loss = loss_fn(step.model(x), y); step.backward(loss)")
-        self.backwards += 1
+        self._set(backwards=self.backwards + 1)
         precision = self._owner.precision
         with precision.no_autocast():
             precision.backward(loss if _is_one(self.weight) else loss * self.weight, retain_graph=retain_graph,
@@ -129,7 +155,7 @@ class StepContext:
             raise ConfigError(f"step.step({name!r}) was called twice in one call of step_fn: each optimizer steps "
                               "once per step; call step.backward for each of its losses first, then step.step once")
         self.stepped.add(name)
-        self.steps += 1
+        self._set(steps=self.steps + 1)
         if self.is_last:
             return self._owner.step_optimizer(name, closure)
         return None
@@ -162,6 +188,7 @@ class OwnStep:
         self._stepper = {name: optimizer_stepper(opt) for name, opt in optimizers.optimizers.items()}
         self._closure = {name for name, opt in optimizers.optimizers.items() if needs_closure(opt)}
         self.closure_used = False  # a closure optimizer stepped (it reads the host: not captured)
+        self._named: set[tuple[Any, ...]] = set()  # the returned dicts' key tuples found good (_losses)
         # The run's step count (the run state: right after a resume too); by default the steps run here.
         self.steps_run = 0
         self.index: Callable[[], int] = index if index is not None else (lambda: self.steps_run)
@@ -219,13 +246,13 @@ class OwnStep:
 
     def run(self, micro_batches: Sequence[Any]) -> None:
         ctx = self.context
-        ctx.backwards = ctx.steps = 0
+        ctx._set(backwards=0, steps=0)
         step_losses: dict[str, torch.Tensor] = {}
         for i, (piece, weight, last) in enumerate(self.micro.plan(micro_batches)):
-            ctx.weight, ctx.is_last, ctx.micro_index, ctx.stepped = weight, last, i, set()
+            ctx._set(weight=weight, is_last=last, micro_index=i, stepped=set())
             with self.micro.held_back(not last):  # FSDP2 holds its reduce-scatter back; a plain module: no-op
                 out = self.precision.forward(self.step_fn, ctx, piece)
-            for key, value in _losses(out).items():
+            for key, value in _losses(out, self._named).items():
                 term = value.detach().float() if _is_one(weight) else value.detach().float() * weight
                 step_losses[key] = term if key not in step_losses else step_losses[key] + term
         if not ctx.backwards:
@@ -275,18 +302,80 @@ class OwnStep:
         return read_totals(self.totals, self.dist)
 
 
-def _losses(out: Any) -> dict[str, torch.Tensor]:
+# What a log point's record holds besides a step of your own's losses (train/loop/trainer.py's _log_point:
+# lr_NAME is each optimizer's rate, eval_* an evaluation's): a loss of one of these names would be hidden
+# by the run's own value, or hide it. "loss" alone is the run's loss itself.
+RECORD_KEYS = frozenset({"step", "epoch", "loss", "lr", "samples_per_s", "peak_memory_bytes", "step_page_faults",
+                         "wall_time_s", "recompilations", "graph_breaks"})
+RECORD_PREFIXES = ("lr_", "eval_")
+_EXAMPLE = "{'d_loss': d_loss, 'g_loss': g_loss}"
+
+
+def _described(value: Any) -> str:
+    """A returned value as the refusal names it: a tensor's shape, else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _losses(out: Any, named: set[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+    """What step_fn returned as {name: scalar loss}; DataError saying what to return instead.
+    named: the key tuples already found good (checked once each, not every step)."""
     if isinstance(out, torch.Tensor):
-        out = {"loss": out}
-    if not isinstance(out, Mapping) or not out or not all(
-            isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values()):
-        raise DataError(f"step_fn returned {type(out).__name__}: return the loss (a scalar tensor) or a dict "
-                        "of named scalar losses, e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
-    unnamed = [k for k in out if not isinstance(k, str)]
+        if out.dim() != 0:
+            raise DataError(f"step_fn returned {_described(out)}: return the loss as a scalar tensor (e.g. "
+                            f"loss.mean()), or a dict of named scalar losses, e.g. {_EXAMPLE}")
+        return {"loss": out}
+    if not isinstance(out, Mapping):
+        raise DataError(f"step_fn returned {_described(out)}: return the loss (a scalar tensor) or a dict of named "
+                        f"scalar losses, e.g. {_EXAMPLE}")
+    if not out:
+        raise DataError(f"step_fn returned an empty dict: return the loss (a scalar tensor) or a dict of at least "
+                        f"one named scalar loss, e.g. {_EXAMPLE}")
+    keys = tuple(out)
+    if keys not in named:
+        _check_names(keys)
+        named.add(keys)
+    for name, value in out.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise DataError(f"step_fn returned {{{name!r}: {_described(value)}}}: each loss must be a scalar tensor "
+                            f"(e.g. {name} = {name}.mean())")
+    return dict(out)
+
+
+def _check_names(keys: tuple[Any, ...]) -> None:
+    """Each returned loss named by a non-empty string that no value of the run's records holds."""
+    unnamed = [k for k in keys if not isinstance(k, str)]
     if unnamed:
         raise DataError(f"step_fn returned a dict with the key(s) {unnamed[:3]!r}: name each loss with a string, "
-                        "e.g. {'d_loss': d_loss, 'g_loss': g_loss}")
-    return dict(out)
+                        f"e.g. {_EXAMPLE}")
+    for name in keys:
+        if not name.strip():
+            raise DataError(f"step_fn returned a loss named {name!r}: name each loss (it is logged under its name), "
+                            f"e.g. {_EXAMPLE}")
+        if name == "loss" and len(keys) > 1:
+            raise DataError(f"step_fn returned 'loss' beside {', '.join(repr(k) for k in keys if k != 'loss')}: the "
+                            "run's loss is the sum of the losses returned, so name each loss for what it is "
+                            f"(e.g. {_EXAMPLE}) or return the one loss alone")
+        taken = ("a learning rate" if name == "lr" or name.startswith("lr_") else "an evaluation" if name.startswith("eval_")
+                 else "the loop's" if name in RECORD_KEYS and name != "loss" else
+                 f"the count of steps that returned {name[:-6]!r}" if name.endswith("_steps") and name[:-6] in keys
+                 else None)
+        if taken is not None:
+            raise DataError(f"step_fn returned a loss named {name!r}, a name the run's records give to a value of "
+                            f"their own ({taken}): name it otherwise, e.g. {{'d_loss': d_loss}}")
+
+
+def refuse_unsupported(config: Any) -> None:
+    """What a step of your own cannot do yet, refused in one line each: on_nan="skip", compile. Called
+    where the run is resolved (runs/resolve.py, so a sweep's sampled value too) and where it is built."""
+    if config.on_nan == "skip":
+        raise ConfigError("on_nan='skip' decides per optimizer step on the device, which a step of your own does "
+                          "not support yet: use on_nan='stop' (the default), which checks at log points")
+    if config.compile:
+        raise ConfigError(f"compile={config.compile!r} compiles the model gputrain calls, but your step_fn calls it: "
+                          "compile the parts inside your step instead (torch.compile(model.generator)) and leave "
+                          "compile off")
 
 
 def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: Any, device: torch.device,
@@ -300,12 +389,7 @@ def own_optimizers(spec: Any, scheduler_spec: Any, module: nn.Module, config: An
     own cannot do yet, in one line each."""
     from gputrain.train.optim.build import make_optimizer
 
-    if config.on_nan == "skip":
-        raise ConfigError("on_nan='skip' decides per optimizer step on the device, which a step of your own does "
-                          "not support yet: use on_nan='stop' (the default), which checks at log points")
-    if config.compile:
-        raise ConfigError("compile=True compiles the model gputrain calls, but your step_fn calls it: compile the "
-                          "parts inside your step instead (torch.compile(model.generator)) and leave compile off")
+    refuse_unsupported(config)
     if isinstance(spec, (Mapping, NamedOptimizers)):  # a workload's: made from the model, the run's settings set
         optimizers = spec.build(module) if isinstance(spec, NamedOptimizers) else OptimizerSet.build(spec, module)
         described = f"{optimizers.describe()} (yours, stepped by step_fn)"
