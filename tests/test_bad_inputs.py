@@ -486,6 +486,10 @@ CASES = [
            r"--storage postgresql\+psycopg://u:\*\*\*@127.0.0.1:1/sweeps: cannot connect \(.*\): check that the server "
            r"runs", "psycopg"),
           ("empty-study-name", ("--study", ""), r"argument --study: study must be a name of 1 to 512 printable characters", None),
+          # neither MySQL driver is among the test extras: what a user without one sees
+          ("mysql-without-its-driver", ("--storage", "mysql://u:secret@127.0.0.1:1/sweeps"),
+           r"--storage mysql://u:\*\*\*@127.0.0.1:1/sweeps needs its database driver \(MySQLdb\): install the driver "
+           r"the URL names \(mysql\+pymysql://: pip install pymysql; mysql://: pip install mysqlclient\)", None),
       )],
     Case("sweep-storage-password-in-the-config", ("sweep", "--config", "sweep-storage-password.toml", "--sweep-dir",
                                                   "s-refused"),

@@ -359,6 +359,47 @@ def test_a_first_step_that_cuda_autocast_refuses_is_retried_in_fp32_from_the_sam
 
 
 @pytest.mark.gpu
+def test_nhwc_forced_and_refused_at_the_first_step_keeps_the_automatic_bf16(monkeypatch):
+    """first_step.py's fall-back with both deciders (the layout's and autocast's, which only a GPU's automatic
+    bf16 builds): channels_last=True on the blitz tutorial's `.view` after a convolution fails in NHWC at the
+    first step; the layout falls back, autocast's decider is reopened (`AutocastDecider.reopen`), and the run
+    goes on in the user's layout, still under bf16."""
+    from gputrain.train.loop.trainer import Trainer
+    from gputrain.train.step import autocast_decider
+
+    reopened: list[bool] = []
+    real_reopen = autocast_decider.AutocastDecider.reopen
+
+    def reopen(self):
+        reopened.append(True)
+        real_reopen(self)
+
+    monkeypatch.setattr(autocast_decider.AutocastDecider, "reopen", reopen)
+
+    class ViewNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 2 * 2, 3)
+
+        def forward(self, x):
+            x = nn.functional.max_pool2d(nn.functional.relu(self.conv(x)), 3)
+            return self.fc(x.view(-1, 4 * 2 * 2))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    t = Trainer(ViewNet(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+                config=TrainConfig(device="cuda", steps=4, batch_size=8, log_every=2, channels_last=True, loggers=()))
+    try:
+        assert t.parts.precision.name == "bf16"
+        t.run_steps(4)
+        assert reopened == [True] and t.parts.precision.name == "bf16"
+        assert t.parts.speed.channels_last is False and "switched off during the run" in t.parts.speed.reasons[
+            "channels_last"]
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
 def test_the_layout_probe_leaves_the_cuda_generator_where_it_was(monkeypatch):
     """train/step/layout.py on CUDA: the probe's passes (dropout on NHWC activations) run inside
     fork_rng(devices=[cuda]) and start from the CUDA generator's state (first_step.py's `RngState.restore`), so the

@@ -247,7 +247,7 @@ _Optimizer = TypeVar("_Optimizer", bound=OptimizerLike)
 
 def torch_optimizers(optimizer: OptimizerLike) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     """What torch.distributed.checkpoint's state-dict functions take for `optimizer`: the optimizer
-    itself, or a named set's optimizers (as iterating the set gives them)."""
+    itself, or a named set's optimizers, in the order they were named."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     return list(getattr(optimizer, "optimizers").values())

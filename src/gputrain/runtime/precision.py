@@ -208,10 +208,6 @@ class RunPrecision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to run backward on: times the loss scale in fp16, else itself."""
-        return self.scaler.scale(loss) if self._scaled else loss
-
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None, create_graph: bool = False) -> None:
         """Backward of `loss` (times the loss scale in fp16)."""
         (self.scaler.scale(loss) if self._scaled else loss).backward(retain_graph=retain_graph,

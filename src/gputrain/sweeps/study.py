@@ -40,10 +40,6 @@ IDENTITY_ATTR = "gputrain_sweep"  # the study's user attr: what makes it one swe
 BUDGET_ATTR = "gputrain_trials"  # the study's user attr: the budget of finished trials
 
 
-def storage_url(sweep_dir: str | Path) -> str:
-    return f"sqlite:///{Path(sweep_dir).resolve() / DB_FILE}"
-
-
 def trial_dir(sweep_dir: str | Path, number: int) -> Path:
     return Path(sweep_dir) / TRIALS_DIR / f"trial-{number:04d}"
 

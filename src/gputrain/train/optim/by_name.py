@@ -15,7 +15,7 @@ optimizer by the step context.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -64,9 +64,6 @@ class OptimizerSet:
         made = cls(built)
         refuse_unregistered({f"optimizer {name!r}": opt for name, opt in made.optimizers.items()}, model.parameters())
         return made
-
-    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
-        return iter(self.optimizers.values())
 
     def __len__(self) -> int:
         return len(self.optimizers)

@@ -73,7 +73,8 @@ class AutocastDecider:
         pass
 
     def reopen(self) -> None:
-        pass
+        """The layout fell back on the first step (a GPU's automatic bf16 with NHWC forced): autocast has
+        nothing to probe ahead; its own decision is taken when a step fails, in the retry too."""
 
     def caused(self, exc: Exception, micro_batches: Sequence[Any], snapshot: Snapshot | None) -> str | None:
         """The reason to leave autocast (the error and the user's `file:line`), or None to keep the error."""
