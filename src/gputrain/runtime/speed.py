@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gputrain import torch_compat
+from gputrain.batch import needs_closure
 
 # Where a whole step can be captured. The CPU suite adds "cpu" with its stand-in for CUDA graphs
 # (tests/graph_capture.py), so that the graph path runs there with CUDA's capture semantics.
@@ -67,7 +68,7 @@ def graph_blockers(*, device: torch.device, accumulate: int, world_size: int, us
                     "AdamW(params, lr=torch.tensor(1e-3), fused=True, capturable=True))")
     if optimizer is not None and not isinstance(optimizer, dict):
         if isinstance(optimizer, torch.optim.Optimizer):
-            if "capturable" not in optimizer.defaults and _step_needs_closure(optimizer):  # LBFGS: its step(closure) reads the loss on the host
+            if "capturable" not in optimizer.defaults and needs_closure(optimizer):  # LBFGS: its step(closure) reads the loss on the host
                 return (f"the optimizer ({type(optimizer).__name__}) has no capturable form: its step(closure) reads "
                         "the loss on the host")
             if not all(g.get("capturable", False) for g in optimizer.param_groups):
@@ -229,17 +230,3 @@ def choices_made(speed: SpeedSwitches, precision_name: str, autocast_dtype: torc
     if speed.cuda_graphs and speed.reasons.get("cuda_graphs") != "requested":
         out.append("CUDA graphs (off: cuda_graphs=False, --cuda-graphs off)")
     return out
-
-
-def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's step takes a closure it must be given (LBFGS): such a step calls the
-    loss again and reads it on the host, so no graph can hold it. SGD also has no `capturable`
-    option but needs no closure: it is refused for the flag, as any instance made without it.
-    (train/optim/calls.needs_closure asks the same of the run; this floor may not import it.)"""
-    import inspect
-
-    try:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty

@@ -54,7 +54,7 @@ from gputrain.train.loop.state import RunState
 from gputrain.train.modes import UserModes
 from gputrain.train.optim.build import make_optimizer, make_scheduler, make_user_scheduler
 from gputrain.train.optim.by_name import OptimizerSet, SchedulerSet
-from gputrain.train.optim.calls import needs_closure
+from gputrain.batch import needs_closure
 from gputrain.train.optim.intervals import SchedulerSteps, is_plateau
 from gputrain.train.step.autocast_decider import AutocastDecider
 from gputrain.train.step.carried_state import CarriedState

@@ -93,17 +93,3 @@ def grad_clearer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
     return clear
 
-
-def needs_closure(optimizer: Any) -> bool:
-    """Whether `optimizer.step` requires a closure (LBFGS's `step(closure)`, and any optimizer whose
-    step takes one without a default): the step then calls it with one that evaluates the loss and
-    its gradients again (train/step/train_step.py)."""
-    import inspect
-
-    try:
-        params = inspect.signature(type(optimizer).step).parameters
-    except (TypeError, ValueError):  # a builtin or otherwise unreadable signature: called as it is
-        return False
-    closure = params.get("closure")
-    return closure is not None and closure.default is inspect.Parameter.empty \
-        and closure.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

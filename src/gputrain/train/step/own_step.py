@@ -57,12 +57,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from gputrain.batch import needs_closure
 from gputrain.errors import ConfigError, DataError
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
 from gputrain.train.optim.by_name import NamedOptimizers, OptimizerSet, SchedulerSet
-from gputrain.train.optim.calls import needs_closure, optimizer_stepper
+from gputrain.train.optim.calls import optimizer_stepper
 from gputrain.train.step.carried_state import CarriedState
 from gputrain.train.step.micro import MicroBatches
 from gputrain.train.step.totals import StepTotals, TotalsRead

@@ -31,10 +31,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from gputrain.batch import needs_closure
 from gputrain.runtime import distributed
 from gputrain.runtime.precision import RunPrecision
 from gputrain.runtime.timing import NO_CLOCK, PhaseClock
-from gputrain.train.optim.calls import grad_clearer, needs_closure, optimizer_stepper
+from gputrain.train.optim.calls import grad_clearer, optimizer_stepper
 from gputrain.train.step.loss import LossRule
 from gputrain.train.step.micro import MicroBatches
 from gputrain.train.step.nonfinite import NonFiniteFlag
