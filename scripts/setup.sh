@@ -7,7 +7,8 @@
 #
 # GPUTRAIN_TORCH=X.Y.Z (with GPUTRAIN_VENV, as `make test-torch TORCH=X.Y.Z` sets them): the venv
 # must have exactly that torch release (any local build of it, +cpu or +cu130); installs
-# torch==X.Y.Z when the one it sees is another.
+# torch==X.Y.Z when the one it sees is another, after checking that the disk has room for it
+# (GPUTRAIN_TORCH_INSTALL_GB, default 10: see need_disk below).
 #
 # GPUTRAIN_EXTRAS (default test): the extras installed with gputrain, comma-separated; `make gpu-day-cpu`
 # adds peers (Lightning and Accelerate, the speed table's peer rows).
@@ -35,6 +36,29 @@ if [ -n "$TORCH" ] && ! [[ "$TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
     exit 2
 fi
 
+# need_disk DIR GB: stop before a download that cannot fit. A CUDA build of torch takes about 6 GB
+# installed (torch 2.11.0: its nvidia libraries 2.7 GB, torch 1.2 GB, triton 0.6 GB) and its wheels,
+# about 3.5 GB more, lie in pip's temporary folder until the install ends: 10 GB in all when the two
+# share a disk. A full disk mid-install leaves a broken venv and an OSError deep in pip.
+need_disk() {
+    local dir=$1 gb=$2 tmp=${TMPDIR:-/tmp} avail_kb
+    avail_kb=$(df -Pk "$dir" | awk 'NR==2 {print $4}')
+    if [ "$(df -P "$dir" | awk 'NR==2 {print $1}')" != "$(df -P "$tmp" | awk 'NR==2 {print $1}')" ]; then
+        # pip's temporary folder on another disk holds the wheels: each disk needs its own part.
+        local tmp_kb
+        tmp_kb=$(df -Pk "$tmp" | awk 'NR==2 {print $4}')
+        if [ "$tmp_kb" -lt $((gb * 1024 * 1024 * 35 / 100)) ]; then
+            echo "setup: torch==$TORCH's wheels need about $((gb * 35 / 100)) GB free in $tmp (pip's temporary folder), which has $((tmp_kb / 1024 / 1024)) GB: free some space, or point TMPDIR at a disk with room, and run this again" >&2
+            exit 2
+        fi
+        gb=$((gb * 65 / 100))
+    fi
+    if [ "$avail_kb" -lt $((gb * 1024 * 1024)) ]; then
+        echo "setup: installing torch==$TORCH in $dir needs about $gb GB free on its disk, which has $((avail_kb / 1024 / 1024)) GB: free some space (old venvs, temporary clones) and run this again; torch was not installed" >&2
+        exit 2
+    fi
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
@@ -42,8 +66,10 @@ VPY="$VENV/bin/python"
 
 if [ -n "$TORCH" ]; then
     if ! "$VPY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" >/dev/null 2>&1; then
+        need_disk "$VENV" "${GPUTRAIN_TORCH_INSTALL_GB:-10}"
         echo "setup: installing torch==$TORCH in $VENV (several GB with its CUDA libraries)"
-        "$VPY" -m pip install -q "torch==$TORCH"
+        # No pip cache: it would keep a second copy of every wheel (GBs) that nothing here reads again.
+        "$VPY" -m pip install -q --no-cache-dir "torch==$TORCH"
     fi
 elif ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: no importable torch, installing torch==2.13.0"
