@@ -82,6 +82,96 @@ def test_gputrain_slurm_prints_an_sbatch_script(capsys):
     assert main(["slurm", "gpt-mini", "--run-dir", "/x", "--time", "four hours"]) == 2
 
 
+def _sweep_file(tmp_path: Path) -> Path:
+    from test_sweep import SWEEP  # iris-mlp, 20 steps a trial
+
+    (tmp_path / "sweep.toml").write_text(SWEEP.replace("trials = 8", "trials = 3"))
+    return tmp_path / "sweep.toml"
+
+
+def test_gputrain_slurm_sweep_prints_a_job_array_of_workers_of_one_study(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _sweep_file(tmp_path)
+    assert main(["slurm", "--sweep", "sweep.toml", "--tasks", "8", "--sweep-dir", "/shared/sweeps/lr", "--study", "lr",
+                 "--storage", "postgresql://sweeper@db-host/sweeps", "--gpus-per-node", "2", "--partition", "gpu",
+                 "--setup", "source ~/venv/bin/activate"]) == 0
+    script = capsys.readouterr().out
+    directives = [line.split()[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    for expected in ("--array=0-7", "--nodes=1", "--ntasks=1", "--gpus=2", "--requeue", "--partition=gpu",
+                     "--job-name=gputrain-sweep-lr"):
+        assert expected in directives, (expected, directives)
+    command = script.splitlines()[-1]
+    assert command == ('python -m gputrain sweep --config "$CONFIG" --study lr --sweep-dir '
+                       '"$SWEEP_DIR/task-$SLURM_ARRAY_TASK_ID" --workers 2 --storage postgresql://sweeper@db-host/sweeps')
+    assert f"CONFIG={tmp_path / 'sweep.toml'}" in script and "SWEEP_DIR=/shared/sweeps/lr" in script
+    assert script.index("source ~/venv/bin/activate") < script.index(command)
+    # No storage anywhere: the tasks must find the URL in their environment, or stop at once.
+    assert main(["slurm", "--sweep", "sweep.toml", "--sweep-dir", "/shared/sweeps/lr"]) == 0
+    out, err = capsys.readouterr()
+    assert ': "${GPUTRAIN_SWEEP_STORAGE:?' in out and "--storage" not in out.splitlines()[-1]
+    assert "the tasks take the study's URL from GPUTRAIN_SWEEP_STORAGE" in err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--storage", "postgresql://sweeper:hunter2@db/sweeps"], "a password in the URL would be written into the script"),
+    (["--storage", "lr.journal"], "give the journal file's absolute path on storage every node sees"),
+    (["--run-dir", "/shared/run"], "--run-dir: belongs to a sweep's array (--sweep)"),
+    (["--fit-args=--steps 5", "--nodes", "2"], "--nodes, --fit-args: belong to a sweep's array"),
+    (["--study", ""], "must be a name of 1 to 512 printable characters"),
+    (["--trials", "0"], "--trials"),
+])
+def test_gputrain_slurm_sweep_refuses_before_it_writes(tmp_path, capsys, monkeypatch, argv, says):
+    monkeypatch.chdir(tmp_path)
+    _sweep_file(tmp_path)
+    try:
+        code = main(["slurm", "--sweep", "sweep.toml", "--sweep-dir", "/shared/lr", "--output", "array.sbatch", *argv])
+    except SystemExit as exc:  # argparse's refusal of a flag's type (--trials 0)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and "hunter2" not in err
+    assert not (tmp_path / "array.sbatch").exists()
+
+
+@pytest.mark.processes
+def test_a_sweep_job_array_runs_its_tasks_as_workers_of_one_study(tmp_path):
+    """The written script run as Slurm would run two tasks of the array, at once, on a journal file:
+    the study ends with its budget of finished trials, each trial in the folder of the task that ran it;
+    a task without the study's URL in its environment stops at once, saying so."""
+    import subprocess
+
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    _sweep_file(tmp_path)
+    journal = tmp_path / "lr.journal"
+    env = subprocess_env()
+    env.pop("GPUTRAIN_SWEEP_STORAGE", None)
+    for storage, script in (([], "no-url.sbatch"), (["--storage", str(journal)], "array.sbatch")):
+        proc = subprocess.run([sys.executable, "-m", "gputrain", "slurm", "--sweep", "sweep.toml", "--tasks", "2",
+                               "--sweep-dir", str(tmp_path / "out"), "--python", sys.executable, *storage,
+                               "--output", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(["bash", "no-url.sbatch"], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": "0"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "set GPUTRAIN_SWEEP_STORAGE to the URL of the study" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    tasks = [subprocess.Popen(["bash", "array.sbatch"], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": str(k)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    for task in tasks:
+        out, err = task.communicate(timeout=300)
+        assert task.returncode == 0, err[-3000:]
+    study = optuna.load_study(study_name="gputrain",
+                              storage=optuna.storages.JournalStorage(JournalFileBackend(str(journal))))
+    states = [t.state for t in study.get_trials()]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3 and optuna.trial.TrialState.RUNNING not in states
+    folders = {t.user_attrs["sweep_dir"] for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE}
+    assert folders <= {str(tmp_path / "out" / "task-0"), str(tmp_path / "out" / "task-1")}, folders
+    for t in study.get_trials():
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            assert (Path(t.user_attrs["sweep_dir"]) / t.user_attrs["run_dir"] / "metrics.csv").is_file()
+
+
 def _stub_scontrol(folder: Path, requeue: int) -> tuple[dict[str, str], Path]:
     """A directory with an `scontrol` that appends its arguments to a log; PATH for it."""
     folder.mkdir(parents=True, exist_ok=True)

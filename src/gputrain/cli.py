@@ -21,7 +21,8 @@ COMMANDS = {
     "memory": "estimate and measure a workload's memory; find the largest batch",
     "profile": "profile a few training steps and say what bounds them",
     "report": "write RUN_DIR/report.html: a run's curves, speed decisions, memory and warnings on one page",
-    "slurm": "print an sbatch script that trains a workload on N nodes x G GPUs (requeues itself, resumes)",
+    "slurm": "print an sbatch script that trains a workload on N nodes x G GPUs (requeues itself, resumes), or a "
+             "sweep's job array (--sweep: each task one more worker of its study)",
     "eval": "evaluate a run's trained weights (best or last, EMA when kept) on its data",
     "predict": "apply a run's trained model to data and write the outputs to a file",
     "export": "write a run's trained weights as safetensors, a Hugging Face folder or ONNX",

@@ -95,22 +95,14 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
         rc = check_tree(TomlFile("the config", dict(config)))
     else:
         rc = load_run_config(config)
-    if workload:
-        rc.workload = workload
-    if not rc.workload:
-        raise ConfigError(f"{rc.where()}: a sweep needs a workload: workload = NAME in the file, or "
-                          "gputrain sweep WORKLOAD")
-    settings = check_sweep(rc, overrides)
+    rc, settings, w = checked_sweep(rc, workload=workload, overrides=overrides)
     from gputrain.metric_direction import metric_direction
-    from gputrain.workloads import resolve_workload
 
-    w = resolve_workload(rc.workload, **{k: option_text(v) for k, v in rc.options.items()})
-    _check_trials_can_run(rc, settings, w)
     way = metric_direction(settings.metric, rc.train.get("metric_modes"), w.metrics)
     direction = settings.direction or way.mode
     why = "stated" if settings.direction else way.why()
     # The default folder is named for the config file (sweeps/lr for lr.toml): the same command again resumes.
-    default = Path("sweeps") / safe_name(Path(config).stem if isinstance(config, (str, Path)) else rc.workload)
+    default = Path("sweeps") / safe_name(Path(config).stem if isinstance(config, (str, Path)) else rc.workload or w.name)
     folder = Path(sweep_dir or settings.sweep_dir or default)
     place = stores.resolve(settings.storage, settings.study, settings.heartbeat, folder)
     settings.storage = place.written if place.shared else None  # what sweep.toml keeps: no password
@@ -122,6 +114,25 @@ def plan_sweep(config: str | Path | dict | None = None, *, workload: str | None 
         stores.check_reachable(place)
         studies.check_joinable(place, identity(rc, settings, direction, where=False))
     return SweepPlan(rc, settings, direction, why, folder, slots, resumed, place)
+
+
+def checked_sweep(rc: RunConfig, *, workload: str | None = None, overrides: dict[str, Any] | None = None
+                  ) -> tuple[RunConfig, SweepSettings, Any]:
+    """The sweep's config checked as far as it can be without its folder, its GPUs or its database:
+    the workload (`workload` over the file's), the [sweep] table with `overrides` over it, and what only
+    the workload can say of every sampled value. Returns (rc, settings, the resolved workload); raises
+    ConfigError. `gputrain slurm --sweep` checks a sweep with it before the job waits in the queue."""
+    from gputrain.workloads import resolve_workload
+
+    if workload:
+        rc.workload = workload
+    if not rc.workload:
+        raise ConfigError(f"{rc.where()}: a sweep needs a workload: workload = NAME in the file, or "
+                          "gputrain sweep WORKLOAD")
+    settings = check_sweep(rc, overrides)
+    w = resolve_workload(rc.workload, **{k: option_text(v) for k, v in rc.options.items()})
+    _check_trials_can_run(rc, settings, w)
+    return rc, settings, w
 
 
 def _check_trials_can_run(rc: RunConfig, settings: SweepSettings, workload: Any) -> None:
