@@ -12,6 +12,7 @@ live worker to look: the tests hold it to 12 s (8 s and slack for a loaded machi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -109,6 +110,52 @@ def _written(folder: Path) -> str:
     return "\n".join(p.read_bytes().decode("utf-8", "replace") for p in sorted(folder.rglob("*")) if p.is_file())
 
 
+def _kill_a_mid_trial(a: subprocess.Popen, b: subprocess.Popen, trials, here: dict[str, str]):
+    """Kill sweep A (process group, -9) once A and B each have a trial running; wait for B to end.
+    Returns (A's trials that were running, the kill's time.time(), A's output, B's stdout, B's stderr)."""
+    from optuna.trial import TrialState
+
+    try:
+        def both() -> bool:
+            return {t.user_attrs.get("sweep_dir") for t in trials() if t.state == TrialState.RUNNING} \
+                >= set(here.values())
+
+        _wait_for("trials running on both", both, 240, [a, b])
+        os.killpg(a.pid, signal.SIGKILL)
+        killed_at = time.time()
+        a_out, a_err = a.communicate()
+        running = [t for t in trials() if t.state == TrialState.RUNNING and t.user_attrs.get("sweep_dir") == here["a"]]
+        b_out, b_err = b.communicate(timeout=400)
+    finally:
+        _kill(a)
+        _kill(b)
+    assert running, "A was killed between two trials"
+    assert b.returncode == 0, b_err[-3000:]
+    return running, killed_at, a_out + a_err, b_out, b_err
+
+
+def _check_retried(trials: list, running: list, killed_at: float, here: dict[str, str], budget: int) -> list:
+    """The study after the kill: `budget` trials finished, none running or waiting; each of A's
+    running trials failed by the heartbeat within STALE_WITHIN_S of the kill (no error of its own) and
+    run again once, with its parameters, by B. Returns the finished trials."""
+    from optuna.trial import TrialState
+
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == budget, [(t.number, t.state) for t in trials]
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    for dead in running:
+        failed = next(t for t in trials if t.number == dead.number)
+        assert failed.state == TrialState.FAIL and "error" not in failed.user_attrs
+        # failed by the heartbeat (the test runs on the machine whose clock the heartbeats read)
+        took = failed.datetime_complete.timestamp() - killed_at
+        assert took <= STALE_WITHIN_S, f"trial {dead.number} was failed {took:.1f} s after the kill"
+        print(f"trial {dead.number} of the killed sweep failed by the heartbeat {took:.1f} s after the kill")
+        again = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+        assert len(again) == 1 and again[0].params == dead.params and again[0].state == TrialState.COMPLETE
+        assert again[0].user_attrs["sweep_dir"] == here["b"]  # a live worker: B's
+    return finished
+
+
 # ---------------------------------------------------------------- two machines, one killed with -9
 
 
@@ -120,46 +167,15 @@ def test_two_sweeps_on_one_study_one_killed_with_minus_9_its_trial_retried_by_th
     running or waiting; no trial ran twice; B's report lists every trial with its machine, and its
     best trial is the one optuna.load_study names. The password, given to A in the URL and to B in
     GPUTRAIN_SWEEP_STORAGE, is in no file either wrote and nothing either printed."""
-    from optuna.trial import TrialState
-
     url = postgres.url(postgres.new_database())
     (tmp_path / "sweep.toml").write_text(SWEEP.replace("steps = 20", "steps = 150"))  # trials of a few seconds
     here = {d: str((tmp_path / d).resolve()) for d in "ab"}
     a = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "a", "--storage", url)
     b = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "b", "--json", env={"GPUTRAIN_SWEEP_STORAGE": url})
-    try:  # A is killed in the middle of a trial once B has a trial of its own going too
-        def both() -> bool:
-            return {t.user_attrs.get("sweep_dir") for t in _states(url) if t.state == TrialState.RUNNING} \
-                >= set(here.values())
-
-        _wait_for("trials running on both", both, 240, [a, b])
-        os.killpg(a.pid, signal.SIGKILL)
-        killed_at = time.time()
-        a_out, a_err = a.communicate()
-        running = [t for t in _states(url)
-                   if t.state == TrialState.RUNNING and t.user_attrs.get("sweep_dir") == here["a"]]
-        b_out, b_err = b.communicate(timeout=400)
-    finally:
-        _kill(a)
-        _kill(b)
-    assert running, "A was killed between two trials"
-    assert b.returncode == 0, b_err[-3000:]
-
+    running, killed_at, a_printed, b_out, b_err = _kill_a_mid_trial(a, b, lambda: _states(url), here)
     study = _study(url)
     trials = study.get_trials()
-    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(finished) == 6, [(t.number, t.state) for t in trials]
-    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    for dead in running:
-        failed = next(t for t in trials if t.number == dead.number)
-        assert failed.state == TrialState.FAIL and "error" not in failed.user_attrs
-        # failed by the heartbeat (its clock is the server's; the test's runs on the same machine)
-        took = failed.datetime_complete.timestamp() - killed_at
-        assert took <= STALE_WITHIN_S, f"trial {dead.number} was failed {took:.1f} s after the kill"
-        print(f"trial {dead.number} of the killed sweep failed by the heartbeat {took:.1f} s after the kill")
-        again = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
-        assert len(again) == 1 and again[0].params == dead.params and again[0].state == TrialState.COMPLETE
-        assert again[0].user_attrs["sweep_dir"] == here["b"]  # a live worker: B's
+    finished = _check_retried(trials, running, killed_at, here, budget=6)
 
     # no trial ran twice: each run directory is in the folder its trial names, and in no other
     ran = {}
@@ -178,10 +194,10 @@ def test_two_sweeps_on_one_study_one_killed_with_minus_9_its_trial_retried_by_th
     page = (tmp_path / "b" / "report.html").read_text()
     assert "<th>machine</th>" in page and page.count(f"<td class='n'>{finished[0].user_attrs['machine']}</td>") \
         == len([t for t in trials if t.user_attrs.get("machine")])
-    for folder, printed in (("a", a_out + a_err), ("b", b_out + b_err)):
+    for folder, printed in (("a", a_printed), ("b", b_out + b_err)):
         assert postgres.password not in printed
         assert postgres.password not in _written(tmp_path / folder), f"the password is in a file under {folder}"
-    assert "***@127.0.0.1" in a_err  # shown masked
+    assert "***@127.0.0.1" in a_printed  # shown masked
     recorded = json.dumps([study.user_attrs, [(t.user_attrs, t.system_attrs) for t in trials]], default=str)
     assert postgres.password not in recorded and "gputrain_sweep" in recorded  # nor in what the study records
 
@@ -350,6 +366,64 @@ def test_a_journal_file_is_a_study_that_two_folders_share(tmp_path):
     page = (tmp_path / "a" / "report.html").read_text()
     assert "<th>machine</th>" in page and "3 of 3" in page and "b/trials/trial-0002" in page
     assert "<a href='trials/trial-0000/report.html'>" in page and "href='trials/trial-0002" not in page
+
+
+@pytest.mark.processes
+def test_a_journal_sweep_killed_with_minus_9_has_its_trial_retried_by_the_other_by_heartbeat(tmp_path):
+    """The same fault on a journal file (Optuna's JournalStorage keeps no heartbeats; gputrain's are
+    trial system attrs through Optuna's BaseHeartbeat, sweeps/storage.py): A killed with -9 mid-trial,
+    its trial failed within 3 beats + 1 and run again with its parameters by B, the budget reached
+    with none running or waiting."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = tmp_path / "lr.journal"
+    (tmp_path / "sweep.toml").write_text(SWEEP.replace("steps = 20", "steps = 150").replace("trials = 6", "trials = 4"))
+    here = {d: str((tmp_path / d).resolve()) for d in "ab"}
+
+    def trials() -> list:
+        if not journal.exists():
+            return []
+        try:
+            storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+            return optuna.load_study(study_name="gputrain", storage=storage).get_trials()
+        except KeyError:  # not made yet
+            return []
+
+    a = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "a", "--storage", str(journal))
+    b = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "b", "--storage", str(journal))
+    running, killed_at, _, _, _ = _kill_a_mid_trial(a, b, trials, here)
+    _check_retried(trials(), running, killed_at, here, budget=4)
+
+
+def test_a_journal_trial_is_stale_after_the_grace_period_of_its_last_heartbeat_and_not_before(tmp_path, monkeypatch):
+    """The journal's heartbeat rule, as RDBStorage's: a running trial whose last beat is older than the
+    grace period is stale; a fresh beat, a finished trial and a trial that never beat are not."""
+    import optuna
+
+    from gputrain.sweeps import storage as stores
+
+    place = stores.resolve(str(tmp_path / "lr.journal"), "gputrain", 2, tmp_path)
+    storage = stores.open_storage(place)
+    study = optuna.create_study(study_name="gputrain", storage=storage)
+    beating, silent, done = study.ask(), study.ask(), study.ask()
+    study.tell(done, 1.0)
+    now = [1000.0]
+    monkeypatch.setattr(stores.time, "time", lambda: now[0])
+    for t in (beating, done):
+        with contextlib.suppress(Exception):  # a finished trial takes no beat
+            storage.record_heartbeat(t._trial_id)
+    now[0] += 3 * 2  # the grace period (3 beats of 2 s): not yet
+    assert storage._get_stale_trial_ids(study._study_id) == []
+    now[0] += 0.5
+    assert storage._get_stale_trial_ids(study._study_id) == [beating._trial_id]
+    with stores.quiet_experimental():
+        optuna.storages.fail_stale_trials(study)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[beating.number] == optuna.trial.TrialState.FAIL
+    assert states[silent.number] == optuna.trial.TrialState.RUNNING  # left to the worker's own rule
+    retried = [t for t in study.get_trials() if t.system_attrs.get("failed_trial") == beating.number]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.WAITING
 
 
 # ---------------------------------------------------------------- the budget when two machines ask at once

@@ -193,9 +193,6 @@ def _sweep_script(args) -> str:
             raise ConfigError(f"--storage {storage!r}: give the journal file's absolute path on storage every node "
                               "sees (the tasks run in other folders, on other machines)")
         _warn_if_node_local(storage, "every task must open the same journal file")
-        print("gputrain slurm: note: a journal file keeps no heartbeats: a task killed mid-trial (preempted, timed "
-              "out) leaves its trial RUNNING, not retried; a database server (postgresql://) retries it",
-              file=sys.stderr)
     elif storage is None and not os.environ.get(ENV):
         print(f"gputrain slurm: note: no --storage and no [sweep] storage: the tasks take the study's URL from {ENV}; "
               "set it before sbatch (sbatch passes your environment on) or in a --setup line, or the tasks stop at "
@@ -232,10 +229,8 @@ def render_sweep_array(config: str, *, sweep_dir: str, tasks: int, gpus_per_task
          "sweep (a task that finds it reached exits at once)", f"--array=0-{tasks - 1}"),
         ("", "--nodes=1"), ("", "--ntasks=1"), ("one trial at a time per GPU", f"--gpus={gpus_per_task}"),
         ("", f"--time={time}"),
-        ("a preempted task goes back to the queue and its worker joins again; " + (
-            "the trial it was running is failed by the heartbeat of the other workers and run again"
-            if storage is None or "://" in storage else
-            "the trial it was running stays RUNNING (a journal file keeps no heartbeats)"), "--requeue"),
+        ("a preempted task goes back to the queue and its worker joins again; the trial it was running is "
+         "failed by the heartbeat of the other workers and run again", "--requeue"),
         ("", "--open-mode=append"), ("", "--output=%x-%A_%a.out")]
     directives = _directives(sbatch, cpus_per_task=cpus_per_task, partition=partition, account=account)
     command = [python, "-m", "gputrain", "sweep", *([shlex.quote(workload)] if workload else []), "--config",

@@ -11,11 +11,13 @@ printed with *** in its place). It comes from the URL on the command line, PGPAS
 (libpq reads them), or GPUTRAIN_SWEEP_STORAGE (the whole URL); the workers a sweep starts get the
 URL in that variable, never on their command line.
 
-Dead workers: on a database server each running trial records a heartbeat every `heartbeat` seconds
-(a thread beside the training); a trial with none for 3 heartbeats is failed by the next live worker
-that looks (each looks once a heartbeat) and queued again with its parameters (Optuna's
-RetryHeartbeatStaleTrialCallback). Optuna's JournalStorage keeps no heartbeats: there, a killed
-worker's trial stays RUNNING.
+Dead workers: each running trial records a heartbeat every `heartbeat` seconds (a thread beside the
+training); a trial with none for 3 heartbeats is failed by the next live worker that looks (each
+looks once a heartbeat) and queued again with its parameters (Optuna's
+RetryHeartbeatStaleTrialCallback). A database server keeps them in Optuna's own table; a journal
+file, whose JournalStorage has none, through Optuna's BaseHeartbeat (the seam it documents for a
+backend): each beat a trial system attr holding the machine's wall clock, so the machines' clocks
+must agree to well within 3 heartbeats (NTP does).
 
 A lost connection (a database restarting) is waited for, up to 10 heartbeats, then one line.
 """
@@ -23,6 +25,7 @@ A lost connection (a database restarting) is waited for, up to 10 heartbeats, th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -66,6 +69,12 @@ class Place:
     def written(self) -> str:
         """The URL as sweep.toml keeps it: without its password."""
         return without_password(self.url) if self.kind == "rdb" else self.url
+
+    @property
+    def heartbeats(self) -> bool:
+        """Whether running trials send heartbeats, and dead workers' trials are failed and queued again
+        (the shared stores; on SQLite one machine's coordinator sees its own workers die)."""
+        return self.kind in ("rdb", "journal")
 
     @property
     def wait_s(self) -> float:
@@ -255,8 +264,9 @@ def _advice(exc: BaseException) -> str:
 
 
 def open_storage(place: Place):
-    """The Optuna storage of `place` (its tables made on first use). On a server: heartbeats every
-    `place.heartbeat` s, a trial dead for GRACE_BEATS heartbeats failed and queued again."""
+    """The Optuna storage of `place` (its tables made on first use). On a server and in a journal
+    file: heartbeats every `place.heartbeat` s, a trial dead for GRACE_BEATS heartbeats failed and
+    queued again."""
     import warnings
 
     import optuna
@@ -264,7 +274,11 @@ def open_storage(place: Place):
     if place.kind == "journal":
         from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(place.url))
+        with warnings.catch_warnings():  # RetryHeartbeatStaleTrialCallback is experimental
+            warnings.simplefilter("ignore")
+            retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+        return journal_with_heartbeats()(JournalFileBackend(place.url), heartbeat=place.heartbeat,
+                                         grace=GRACE_BEATS * place.heartbeat, on_stale=retry)
     if place.kind == "sqlite":
         return optuna.storages.RDBStorage(place.url, engine_kwargs={"connect_args": {"timeout": 120}})
     with warnings.catch_warnings():  # "heartbeat_interval is experimental": what finds a dead worker
@@ -342,7 +356,7 @@ class Heartbeat:
     """A thread that records a running trial's heartbeat every `place.heartbeat` s (and fails the
     trials of dead workers, so that one is found within GRACE_BEATS + 1 heartbeats even while every
     live worker trains). A lost connection is tried again every second: a restarted server sees
-    the heartbeat within a second of its return. Nothing on SQLite or a journal file."""
+    the heartbeat within a second of its return. Nothing on SQLite."""
 
     def __init__(self, place: Place, storage, trial_id: int, fail_stale: Callable[[], None]):
         self.place, self.storage, self.trial_id, self.fail_stale = place, storage, trial_id, fail_stale
@@ -350,7 +364,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, daemon=True, name="gputrain-heartbeat")
 
     def __enter__(self) -> Heartbeat:
-        if self.place.kind == "rdb":
+        if self.place.heartbeats:
             self._thread.start()
         return self
 
@@ -369,6 +383,44 @@ class Heartbeat:
                 wait = 1.0
             if self._stop.wait(wait):
                 return
+
+
+BEAT_ATTR = "gputrain:heartbeat"  # a journal trial's system attr: its last heartbeat, time.time() in seconds
+
+
+@functools.cache
+def journal_with_heartbeats() -> type:
+    """Optuna's JournalStorage with heartbeats (a class made on first use: Optuna is imported only
+    by a sweep). Optuna's fail_stale_trials, RetryHeartbeatStaleTrialCallback and its heartbeat
+    thread work on it as on RDBStorage."""
+    from optuna.storages import JournalStorage
+    # Private in name, but the seam Optuna's docstring names for a backend with heartbeats, and what its
+    # fail_stale_trials tests with isinstance (Optuna is pinned: constraints.txt).
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.trial import TrialState
+
+    class JournalWithHeartbeats(JournalStorage, BaseHeartbeat):
+        def __init__(self, backend, *, heartbeat: int, grace: int, on_stale):
+            super().__init__(backend)
+            self._heartbeat, self._grace, self._on_stale = heartbeat, grace, on_stale
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            self.set_trial_system_attr(trial_id, BEAT_ATTR, time.time())
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            # As RDBStorage's: a running trial whose last heartbeat is older than the grace period (one
+            # that never beat is left to the worker's own rule: sweeps/trial.py `_fail_unheard`).
+            now = time.time()
+            return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+                    if BEAT_ATTR in t.system_attrs and now - float(t.system_attrs[BEAT_ATTR]) > self._grace]
+
+        def get_heartbeat_interval(self) -> int | None:
+            return self._heartbeat
+
+        def get_heartbeat_stale_trial_callback(self):
+            return self._on_stale
+
+    return JournalWithHeartbeats
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ locks around the SQLite one.
   `access(sweep_dir)` (a lock on SWEEP_DIR/study.lock), so SQLite never sees two writers (its
   "database is locked" under parallel Optuna workers).
 - A trial that was running when its sweep was killed is failed and queued again with the same
-  parameters (`retry_interrupted`, on SQLite; on a server, the heartbeat finds it), so a resumed
+  parameters (`retry_interrupted`, on SQLite; on a shared study, the heartbeat finds it), so a resumed
   sweep goes on where it stopped. A trial that failed on its own (`user_attrs["error"]`) counts
   toward the budget and is not retried.
 - The study holds what makes it one sweep (study user attrs: the sweep's identity, its budget): a

@@ -13,7 +13,7 @@ A worker asks for a trial only while the study's finished trials and those runni
 its budget; on a shared study it then checks its trial's place in line (the trials numbered before
 it), so that two machines asking at once never run past the budget: the one over it gives its
 trial back unrun (failed, user attr over_budget, left out of the report). With finished + running
-at the budget, a worker on a database server waits (a running trial may be a dead worker's, failed
+at the budget, a worker on a shared study waits (a running trial may be a dead worker's, failed
 by the heartbeat and queued again, sweeps/storage.py) and stops once the finished trials reach it;
 a running trial that never said where it runs (its worker died before its first heartbeat) is
 failed and queued again by a waiting worker after 3 heartbeats.
@@ -152,8 +152,8 @@ def run_worker(sweep_dir: Path, index: int) -> int:
     study_id = call("opening the study", lambda: storage.get_study_id_from_name(place.name))
     where = {"machine": socket.gethostname(), "sweep_dir": str(sweep_dir.resolve())}
 
-    def fail_stale() -> None:  # a dead worker's trial: failed, queued again (storage.py); nothing off a server
-        if place.kind == "rdb":
+    def fail_stale() -> None:  # a dead worker's trial: failed, queued again (storage.py); nothing on SQLite
+        if place.heartbeats:
             with stores.quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
 
@@ -190,7 +190,7 @@ def _claim(study, place, trials: int, distributions, lock, fail_stale, state, un
         if done >= goal:
             return None
         if done + sum(t.state == state.RUNNING for t in have) >= goal:
-            if place.kind != "rdb":
+            if not place.heartbeats:
                 return None
             _fail_unheard(study, place, have, {} if unheard is None else unheard, state)
             return "wait"
@@ -201,7 +201,7 @@ def _claim(study, place, trials: int, distributions, lock, fail_stale, state, un
     if sum(studies.counted(t) or t.state == state.WAITING for t in ahead) >= goal:  # another machine asked first
         trial.set_user_attr("over_budget", True)
         study.tell(trial, state=state.FAIL)
-        return "wait" if place.kind == "rdb" else None
+        return "wait" if place.heartbeats else None
     return trial
 
 
