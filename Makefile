@@ -12,11 +12,11 @@ fit: setup
 
 # Every CPU test, on pytest-xdist workers, one per core (-n auto: tests/conftest.py); each run ends
 # with its 25 slowest tests. Also installs Debian's chromium (as root, when missing) for the browser
-# test of report.html, and postgresql for the tests of a sweep's study on a database server.
+# test of report.html, and postgresql and mariadb-server for the tests of a sweep's study on a database server.
 # WORKERS=N sets the count (WORKERS=0: one process, no workers).
 WORKERS ?= auto
 test:
-	@bash scripts/setup.sh --with-browser --with-postgres
+	@bash scripts/setup.sh --with-browser --with-postgres --with-mysql
 	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 # The inner loop while changing the step, configs, data or checkpoints: the tests that are not slow

@@ -24,11 +24,13 @@ if ! [[ "$EXTRAS" =~ ^[a-z]+(,[a-z]+)*$ ]]; then
 fi
 WITH_BROWSER=0
 WITH_POSTGRES=0
+WITH_MYSQL=0
 for arg in "$@"; do
     case "$arg" in
         --with-browser) WITH_BROWSER=1 ;;
         --with-postgres) WITH_POSTGRES=1 ;;
-        *) echo "setup: unknown option '$arg' (known: --with-browser, --with-postgres)" >&2; exit 2 ;;
+        --with-mysql) WITH_MYSQL=1 ;;
+        *) echo "setup: unknown option '$arg' (known: --with-browser, --with-postgres, --with-mysql)" >&2; exit 2 ;;
     esac
 done
 if [ -n "$TORCH" ] && ! [[ "$TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
@@ -147,5 +149,11 @@ fi
 if [ "$WITH_POSTGRES" = 1 ] && ! { command -v pg_ctl >/dev/null 2>&1 \
         || compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null; }; then
     apt_install postgresql "the tests of sweeps on a database server"
+fi
+# --with-mysql (make test): Debian's MariaDB server (MySQL's protocol and SQL), when its binaries are
+# missing, for the tests of a sweep's study on MySQL (tests/mysql_server.py starts a throwaway one).
+if [ "$WITH_MYSQL" = 1 ] && ! { command -v mariadbd >/dev/null 2>&1 || command -v mysqld >/dev/null 2>&1 \
+        || [ -x /usr/sbin/mariadbd ] || [ -x /usr/sbin/mysqld ]; }; then
+    apt_install mariadb-server "the tests of sweeps on a MySQL server"
 fi
 "$VPY" -c "import torch, gputrain; print(f'setup: gputrain ready (torch {torch.__version__}) in $VENV')"

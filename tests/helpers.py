@@ -10,7 +10,8 @@
 - the command line in this process: `cli`;
 - subprocesses of the gputrain under test: `subprocess_env` (`launcher_variable`: what it leaves out;
   `unmeasured_env`: without `make coverage`'s measurement, for a child under a file-size limit),
-  `free_port`, `start_process`, `process_descendants`, `finish_process`, `torchrun`, `run_python`,
+  `free_port`, `unprivileged_user` (whom a database server runs as under root) and
+  `server_folder` (a temporary folder it owns), `start_process`, `process_descendants`, `finish_process`, `torchrun`, `run_python`,
   `TORCHRUN`, `DIST_SCRIPTS`;
 - the documentation: `docs_page` (a page of docs/ with its included example files, as the site shows
   it), `DOCS`;
@@ -311,6 +312,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def unprivileged_user(*names: str) -> str | None:
+    """The first of `names` that is a user of this machine, for a server that refuses to run as root
+    (PostgreSQL, MariaDB); None when we are not root (the server runs as ourselves)."""
+    import pwd
+
+    if os.geteuid() != 0:
+        return None
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise RuntimeError(f"no unprivileged user ({', '.join(names)}) to run the server as")
+
+
+def server_folder(prefix: str, owner: str | None) -> Path:
+    """A fresh temporary folder for a throwaway server's files, owned by `owner` (None: ourselves)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    if owner is not None:
+        shutil.chown(folder, owner)
+    return folder
 
 
 def start_process(cmd, **kwargs) -> subprocess.Popen:

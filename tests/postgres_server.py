@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import glob
 import os
-import pwd
 import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import free_port
+from helpers import free_port, server_folder, unprivileged_user
 
 USER = "gputrain"  # the cluster's superuser, with PASSWORD (scram-sha-256 on TCP)
 
@@ -44,19 +42,6 @@ def find_binaries() -> tuple[Path | None, str]:
                   "(make test does: scripts/setup.sh --with-postgres)")
 
 
-def _owner() -> str | None:
-    """The unprivileged user the cluster runs as when we are root (None: ourselves)."""
-    if os.geteuid() != 0:
-        return None
-    for name in ("postgres", "nobody"):
-        try:
-            pwd.getpwnam(name)
-            return name
-        except KeyError:
-            continue
-    raise RuntimeError("no unprivileged user (postgres, nobody) to run PostgreSQL as")
-
-
 @dataclass
 class PostgresServer:
     bin: Path
@@ -70,10 +55,9 @@ class PostgresServer:
         binaries, why = find_binaries()
         if binaries is None:
             raise RuntimeError(why)
-        folder = Path(tempfile.mkdtemp(prefix="gputrain-pg-"))
-        server = cls(binaries, folder, owner=_owner())
-        if server.owner is not None:
-            shutil.chown(folder, server.owner)
+        owner = unprivileged_user("postgres", "nobody")
+        server = cls(binaries, server_folder("gputrain-pg-", owner), owner=owner)
+        folder = server.folder
         pwfile = folder / "pw"
         pwfile.write_text(server.password + "\n")
         if server.owner is not None:

@@ -505,9 +505,9 @@ CASES = [
            r"runs", "psycopg"),
           ("empty-study-name", ("--study", ""), r"argument --study: study must be a name of 1 to 512 printable characters", None),
           # neither MySQL driver is among the test extras: what a user without one sees
-          ("mysql-without-its-driver", ("--storage", "mysql://u:secret@127.0.0.1:1/sweeps"),
-           r"--storage mysql://u:\*\*\*@127.0.0.1:1/sweeps needs its database driver \(MySQLdb\): install the driver "
-           r"the URL names \(mysql\+pymysql://: pip install pymysql; mysql://: pip install mysqlclient\)", None),
+          ("mysql-without-its-driver", ("--storage", "mysql+mysqldb://u:secret@127.0.0.1:1/sweeps"),
+           r"--storage mysql\+mysqldb://u:\*\*\*@127.0.0.1:1/sweeps needs its database driver \(MySQLdb\): install the "
+           r"driver the URL names \(mysql\+mysqldb://: pip install mysqlclient\), or write mysql:// for PyMySQL", None),
       )],
     Case("sweep-storage-password-in-the-config", ("sweep", "--config", "sweep-storage-password.toml", "--sweep-dir",
                                                   "s-refused"),

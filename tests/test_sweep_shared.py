@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 
 from helpers import subprocess_env
+from mysql_server import MysqlServer, find_binaries as find_mysql
 from postgres_server import PostgresServer, find_binaries
 
 HAS_OPTUNA = __import__("importlib.util").util.find_spec("optuna") is not None
 HAS_PSYCOPG = __import__("importlib.util").util.find_spec("psycopg") is not None
+HAS_PYMYSQL = __import__("importlib.util").util.find_spec("pymysql") is not None
 pytestmark = pytest.mark.skipif(not HAS_OPTUNA, reason="needs Optuna (pip install 'gputrain[sweep]')")
 
 HEARTBEAT = 2
@@ -53,18 +55,31 @@ weight_decay = {{uniform = [0.0, 0.1], step = 0.01}}
 '''
 
 
-@pytest.fixture(scope="session")
-def postgres():
-    binaries, why = find_binaries()
+def _throwaway_server(find, has_driver: bool, no_driver: str, start):
+    """A fixture's body: a server of its own for the session's tests (skipped with the reason where its
+    binaries or its driver are missing), removed afterwards."""
+    binaries, why = find()
     if binaries is None:
         pytest.skip(why)
-    if not HAS_PSYCOPG:
-        pytest.skip("needs psycopg, PostgreSQL's driver (pip install 'gputrain[postgres]')")
-    server = PostgresServer.start_new()
+    if not has_driver:
+        pytest.skip(no_driver)
+    server = start()
     try:
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    yield from _throwaway_server(find_binaries, HAS_PSYCOPG, "needs psycopg, PostgreSQL's driver (pip install "
+                                 "'gputrain[postgres]')", PostgresServer.start_new)
+
+
+@pytest.fixture(scope="session")
+def mysql():
+    yield from _throwaway_server(find_mysql, HAS_PYMYSQL, "needs PyMySQL, the MySQL driver gputrain names (pip "
+                                 "install 'gputrain[mysql]')", MysqlServer.start_new)
 
 
 def _sweep(cwd: Path, *argv: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
@@ -315,6 +330,57 @@ def test_a_wrong_password_or_a_missing_database_is_one_line_and_writes_nothing(p
                      + says, lines[0]), lines[0]
     assert "not-the-password" not in proc.stderr and postgres.password not in proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------- MySQL (MariaDB): the same study on its server
+
+
+@pytest.mark.processes
+def test_two_sweeps_on_a_mysql_study_one_killed_with_minus_9_its_trial_retried_by_the_other(mysql, tmp_path):
+    """The kill of the PostgreSQL test on MariaDB (mysql://, PyMySQL): A killed with -9 mid-trial, its
+    trial failed by Optuna's heartbeat within 3 beats + 1 and run again by B with its parameters, the
+    budget reached with none running or waiting; the password (A's URL, B's GPUTRAIN_SWEEP_STORAGE) in
+    nothing either printed or wrote."""
+    import optuna
+
+    url = mysql.url(mysql.new_database())
+    (tmp_path / "sweep.toml").write_text(SWEEP.replace("steps = 20", "steps = 150").replace("trials = 6", "trials = 4"))
+    here = {d: str((tmp_path / d).resolve()) for d in "ab"}
+
+    def trials() -> list:
+        try:
+            storage = url.replace("mysql://", "mysql+pymysql://")
+            return optuna.load_study(study_name="gputrain", storage=storage).get_trials()
+        except KeyError:  # not made yet
+            return []
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    a = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "a", "--storage", url)
+    b = _sweep(tmp_path, "--config", "sweep.toml", "--sweep-dir", "b", env={"GPUTRAIN_SWEEP_STORAGE": url})
+    running, killed_at, a_printed, b_out, b_err = _kill_a_mid_trial(a, b, trials, here)
+    _check_retried(trials(), running, killed_at, here, budget=4)
+    for folder, printed in (("a", a_printed), ("b", b_out + b_err)):
+        assert mysql.password not in printed
+        assert mysql.password not in _written(tmp_path / folder), f"the password is in a file under {folder}"
+    assert "gputrain:***@127.0.0.1" in a_printed  # shown masked
+
+
+@pytest.mark.processes
+def test_a_wrong_password_or_a_missing_database_on_mysql_is_one_line_and_writes_nothing(mysql, tmp_path):
+    (tmp_path / "sweep.toml").write_text(SWEEP)
+    for url, says in ((mysql.url(mysql.new_database()).replace(mysql.password, "not-the-password"),
+                       r"Access denied for user 'gputrain'.*\): check the user and its password"),
+                      (mysql.url("no_such_database"),
+                       r"Unknown database 'no_such_database'.*\): create the database first")):
+        proc = subprocess.run([sys.executable, "-m", "gputrain", "sweep", "--config", "sweep.toml", "--sweep-dir", "s",
+                               "--storage", url], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                              timeout=300)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and proc.stdout == "", proc.stderr[-3000:]
+        assert re.search(r"--storage mysql\+pymysql://gputrain:\*\*\*@127\.0\.0\.1:\d+/\w+: cannot connect \(.*"
+                         + says, lines[0]), lines[0]
+        assert "not-the-password" not in proc.stderr and mysql.password not in proc.stderr
+        assert not (tmp_path / "s").exists()
 
 
 # ---------------------------------------------------------------- the password from a .pgpass; a journal file

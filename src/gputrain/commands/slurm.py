@@ -241,7 +241,8 @@ def render_sweep_array(config: str, *, sweep_dir: str, tasks: int, gpus_per_task
               "# it on from the environment you submit from.",
               ': "${%s:?set %s to the URL of the study (postgresql://USER:PASSWORD@HOST/DB) before sbatch}"' % (ENV, ENV)]
              if storage is None else
-             ["# The password, if the database asks one, from PGPASSWORD or ~/.pgpass on the nodes (never in this file)."])
+             ["# The password, if the database asks one, from GPUTRAIN_SWEEP_STORAGE (the URL with it) or, for",
+              "# PostgreSQL, PGPASSWORD or ~/.pgpass on the nodes: never in this file."])
     lines = ["#!/bin/bash",
              f"# Written by `gputrain slurm --sweep ... --tasks {tasks}`; submit with: sbatch THIS_FILE",
              *directives,

@@ -3,7 +3,7 @@ any machine share (`--storage`): a database server (PostgreSQL, MySQL) or a jour
 filesystem. Optuna's storage is the seam; everything else of a sweep is the same on either.
 
     --storage postgresql://USER@HOST:PORT/DB    the driver is psycopg (pip install 'gputrain[postgres]')
-    --storage mysql://USER@HOST/DB              SQLAlchemy's MySQL drivers (mysql+pymysql://...)
+    --storage mysql://USER@HOST:PORT/DB         MySQL or MariaDB; the driver is PyMySQL (pip install 'gputrain[mysql]')
     --storage /shared/sweeps/lr.journal         Optuna's JournalStorage (a path, no scheme)
 
 Secrets: a password is never written (sweep.toml keeps the URL without it) nor shown (the URL is
@@ -36,7 +36,9 @@ from typing import Any, Callable, TypeVar
 from gputrain.errors import ConfigError
 
 ENV = "GPUTRAIN_SWEEP_STORAGE"  # the whole URL (password included): read by the sweep and its workers
-SCHEMES = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg", "mysql": "mysql"}
+# The drivers gputrain installs (its postgres and mysql extras), named for SQLAlchemy; a URL that names
+# its own driver (mysql+mysqldb://) keeps it.
+SCHEMES = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg", "mysql": "mysql+pymysql"}
 GRACE_BEATS = 3  # heartbeats missed before a running trial counts as dead
 WAIT_BEATS = 10  # heartbeats a worker waits for a lost database before it gives up
 MAX_RETRY = 2  # times a dead worker's trial runs again (a trial that kills its worker each time stops there)
@@ -142,7 +144,8 @@ def _no_password(url):
 
 
 def _with_driver(value: str):
-    """The URL with its driver named: postgresql:// is psycopg (3), the driver gputrain installs."""
+    """The URL with its driver named: postgresql:// is psycopg (3), mysql:// PyMySQL, the drivers gputrain
+    installs."""
     from sqlalchemy.engine import make_url
 
     url = make_url(value)
@@ -236,12 +239,15 @@ def engine_kwargs(place: Place) -> dict[str, Any]:
 def _driver_hint(place: Place) -> str:
     if place.url.startswith("postgresql"):
         return "pip install 'gputrain[postgres]' (psycopg)"
-    return "install the driver the URL names (mysql+pymysql://: pip install pymysql; mysql://: pip install mysqlclient)"
+    if place.url.startswith("mysql+pymysql"):
+        return "pip install 'gputrain[mysql]' (PyMySQL)"
+    return "install the driver the URL names (mysql+mysqldb://: pip install mysqlclient), or write mysql:// for PyMySQL"
 
 
 def _why(exc: BaseException) -> str:
     """The driver's own first line (psycopg: 'connection failed: ... password authentication failed
-    for user "x"'), without SQLAlchemy's wrapping; never the URL."""
+    for user "x"'; PyMySQL: '(1045, "Access denied for user ...")'), without SQLAlchemy's wrapping;
+    never the URL."""
     e: BaseException = exc
     for _ in range(3):  # optuna's StorageInternalError -> SQLAlchemy's error -> the driver's (.orig)
         if getattr(e, "orig", None) is not None:
@@ -255,11 +261,12 @@ def _why(exc: BaseException) -> str:
 
 
 def _advice(exc: BaseException) -> str:
-    why = _why(exc).lower()
-    if "password" in why or "authentication" in why:
-        return "check the user and its password (PGPASSWORD, ~/.pgpass, or GPUTRAIN_SWEEP_STORAGE holding the URL)"
-    if "does not exist" in why and "database" in why:
-        return "create the database first (createdb NAME), or name one that exists"
+    why = _why(exc).lower()  # PostgreSQL's words, then MySQL's (errors 1045 and 1049)
+    if "password" in why or "authentication" in why or "access denied" in why:
+        return ("check the user and its password (in the URL, GPUTRAIN_SWEEP_STORAGE holding the URL, or for "
+                "PostgreSQL PGPASSWORD or ~/.pgpass)")
+    if ("does not exist" in why and "database" in why) or "unknown database" in why:
+        return "create the database first (createdb NAME; on MySQL, CREATE DATABASE NAME), or name one that exists"
     return "check that the server runs and that the host and port are right"
 
 
