@@ -10,8 +10,8 @@
 - the command line in this process: `cli`;
 - subprocesses of the gputrain under test: `subprocess_env` (`launcher_variable`: what it leaves out;
   `unmeasured_env`: without `make coverage`'s measurement, for a child under a file-size limit),
-  `free_port`, `unprivileged_user` (whom a database server runs as under root) and
-  `server_folder` (a temporary folder it owns), `start_process`, `process_descendants`, `finish_process`, `torchrun`, `run_python`,
+  `free_port`, `server_home` (a throwaway database server's folder and user) and
+  `fresh_password`, `start_process`, `process_descendants`, `finish_process`, `torchrun`, `run_python`,
   `TORCHRUN`, `DIST_SCRIPTS`;
 - the documentation: `docs_page` (a page of docs/ with its included example files, as the site shows
   it), `DOCS`;
@@ -314,30 +314,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def unprivileged_user(*names: str) -> str | None:
-    """The first of `names` that is a user of this machine, for a server that refuses to run as root
-    (PostgreSQL, MariaDB); None when we are not root (the server runs as ourselves)."""
+def server_home(prefix: str, *users: str) -> tuple[Path, str | None]:
+    """(a fresh temporary folder for a throwaway database server's files, the user it runs as). Under
+    root the user is the first of `users` this machine has (PostgreSQL and MariaDB refuse to run as
+    root), and owns the folder; otherwise None (the server runs as ourselves)."""
     import pwd
-
-    if os.geteuid() != 0:
-        return None
-    for name in names:
-        try:
-            pwd.getpwnam(name)
-            return name
-        except KeyError:
-            continue
-    raise RuntimeError(f"no unprivileged user ({', '.join(names)}) to run the server as")
-
-
-def server_folder(prefix: str, owner: str | None) -> Path:
-    """A fresh temporary folder for a throwaway server's files, owned by `owner` (None: ourselves)."""
     import tempfile
 
+    owner = None
+    if os.geteuid() == 0:
+        owner = next((name for name in users if _is_user(name, pwd)), None)
+        if owner is None:
+            raise RuntimeError(f"no unprivileged user ({', '.join(users)}) to run the server as")
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     if owner is not None:
         shutil.chown(folder, owner)
-    return folder
+    return folder, owner
+
+
+def _is_user(name: str, pwd) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def fresh_password() -> str:
+    """A password no other string shares: a grep for it finds only leaks."""
+    import uuid
+
+    return "pw-" + uuid.uuid4().hex
 
 
 def start_process(cmd, **kwargs) -> subprocess.Popen:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import free_port, server_folder, unprivileged_user
+from helpers import free_port, fresh_password, server_home
 
 USER = "gputrain"  # the sweeps' user, with PASSWORD (over TCP)
 _SEARCH = [None, "/usr/sbin", "/usr/bin", "/usr/local/mysql/bin"]  # None: PATH
@@ -53,7 +53,7 @@ class MysqlServer:
     client: Path
     folder: Path
     port: int = 0
-    password: str = field(default_factory=lambda: "pw-" + uuid.uuid4().hex)  # unique: a grep finds only leaks
+    password: str = field(default_factory=fresh_password)
     owner: str | None = None
     process: subprocess.Popen | None = None
 
@@ -62,9 +62,8 @@ class MysqlServer:
         binaries, why = find_binaries()
         if binaries is None:
             raise RuntimeError(why)
-        owner = unprivileged_user("mysql", "nobody")
-        server = cls(*binaries, server_folder("gputrain-mysql-", owner), owner=owner)
-        folder = server.folder
+        folder, owner = server_home("gputrain-mysql-", "mysql", "nobody")
+        server = cls(*binaries, folder, owner=owner)
         user = [f"--user={server.owner}"] if server.owner else []
         subprocess.run([str(server.install), "--no-defaults", f"--datadir={folder / 'data'}", *user,
                         "--auth-root-authentication-method=normal", "--skip-test-db"],

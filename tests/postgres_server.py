@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers import free_port, server_folder, unprivileged_user
+from helpers import free_port, fresh_password, server_home
 
 USER = "gputrain"  # the cluster's superuser, with PASSWORD (scram-sha-256 on TCP)
 
@@ -47,7 +47,7 @@ class PostgresServer:
     bin: Path
     folder: Path
     port: int = 0
-    password: str = field(default_factory=lambda: "pw-" + uuid.uuid4().hex)  # unique: a grep finds only leaks
+    password: str = field(default_factory=fresh_password)
     owner: str | None = None
 
     @classmethod
@@ -55,9 +55,8 @@ class PostgresServer:
         binaries, why = find_binaries()
         if binaries is None:
             raise RuntimeError(why)
-        owner = unprivileged_user("postgres", "nobody")
-        server = cls(binaries, server_folder("gputrain-pg-", owner), owner=owner)
-        folder = server.folder
+        folder, owner = server_home("gputrain-pg-", "postgres", "nobody")
+        server = cls(binaries, folder, owner=owner)
         pwfile = folder / "pw"
         pwfile.write_text(server.password + "\n")
         if server.owner is not None:

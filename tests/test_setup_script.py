@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,3 +32,14 @@ def test_a_torch_release_that_is_not_exact_is_refused_before_a_venv_is_made(tmp_
     assert proc.returncode == 2
     assert "GPUTRAIN_TORCH must be an exact release such as 2.11.0, not '2.11'" in proc.stderr
     assert not (tmp_path / "venv").exists()
+
+
+def test_pip_s_temporary_folder_on_another_disk_needs_room_for_the_wheels_there(tmp_path):
+    # /dev/shm is a tmpfs of its own on Linux: pip's wheels would lie there, not beside the venv.
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a TMPDIR on another filesystem than the venv's (/dev/shm, a tmpfs)")
+    proc = _setup(tmp_path, GPUTRAIN_TORCH="9.9.9", GPUTRAIN_TORCH_INSTALL_GB=str(10 ** 7), TMPDIR=str(shm))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "torch==9.9.9's wheels need about 3500000 GB free in /dev/shm (pip's temporary folder)" in proc.stderr
+    assert "point TMPDIR at a disk with room" in proc.stderr

@@ -121,7 +121,7 @@ def render_sbatch(workload: str, *, nodes: int, gpus_per_node: int, run_dir: str
 
 
 def run(args) -> int:
-    kind, other = (_SWEEP_ONLY, _FIT_ONLY) if args.sweep is not None else (_FIT_ONLY, _SWEEP_ONLY)
+    other = _FIT_ONLY if args.sweep is not None else _SWEEP_ONLY  # the other kind of job's flags
     stray = [flag for dest, flag in other if getattr(args, dest) is not None]
     if stray:
         job = ("a sweep's array (--sweep): its trials go under --sweep-dir, each task is one node" if args.sweep
